@@ -1,0 +1,135 @@
+"""FLOPs, MFU, memory and throughput; the JSONL / TensorBoard / plot writers; the progress bar.
+
+FLOPs per token (training: forward + backward = 3 x forward), the rule of the PaLM paper's
+appendix B and of nanoGPT:
+
+    flops_per_token = 6 * N_matmul + 12 * L * d_model * T
+
+N_matmul counts every weight that takes part in a matmul (the output head included, tied or not;
+the embedding lookup and the norms not); the second term is attention's QK^T and AV for a
+sequence of T tokens, counted without the causal saving, like the references it is compared to.
+MFU = flops_per_token * tokens/s / (peak bf16 FLOP/s of one device * devices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import jax
+
+from jaxpar.config import ModelConfig
+from jaxpar.models import matmul_params
+
+# Dense bf16 peak of one device (FLOP/s), matched against `device.device_kind`.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def peak_flops(device: jax.Device) -> float | None:
+    """Peak bf16 FLOP/s of `device`, or None where the table has no entry (CPUs)."""
+    kind = getattr(device, "device_kind", "")
+    for name, peak in PEAK_BF16_FLOPS.items():
+        if name.lower() in kind.lower():
+            return peak
+    return None
+
+
+def mfu(tokens_per_sec: float, flops_per_tok: float, devices: list[jax.Device]) -> float | None:
+    peak = peak_flops(devices[0])
+    return None if peak is None else tokens_per_sec * flops_per_tok / (peak * len(devices))
+
+
+def device_memory_bytes(device: jax.Device) -> int | None:
+    """Peak bytes in use on `device`, where the backend reports it (GPUs do, CPUs do not)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats:
+        return None
+    return stats.get("peak_bytes_in_use", stats.get("bytes_in_use"))
+
+
+class MetricsWriter:
+    """One JSON object per logged step in metrics.jsonl, TensorBoard scalars, and a loss plot."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self._tb = None
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            warnings.warn("tensorboardX is not installed: no TensorBoard event files", stacklevel=2)
+        else:
+            self._tb = SummaryWriter(run_dir)
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+
+    def write(self, record: dict) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        self.steps.append(record["step"])
+        self.losses.append(record["loss"])
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self.steps:
+            self.plot()
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(self.steps, self.losses)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (nats/token)")
+        ax.set_title(os.path.basename(os.path.abspath(self.run_dir)))
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)
+        plt.close(fig)
+
+
+def format_rate(tokens_per_sec: float | None, mfu_value: float | None) -> str:
+    """"12,345 tok/s | MFU 41.2%", with n/a where a number is unknown."""
+    tps = "n/a" if tokens_per_sec is None else f"{tokens_per_sec:,.0f}"
+    mfu_text = "n/a" if mfu_value is None else f"{100 * mfu_value:.1f}%"
+    return f"{tps} tok/s | MFU {mfu_text}"
+
+
+class Progress:
+    """A live bar (step, loss, tokens/s, MFU, ETA) on a terminal, plain lines otherwise."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+        from tqdm import tqdm
+
+        self.enabled = enabled
+        self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                         disable=not enabled, file=sys.stderr)
+
+    def update(self, step: int, record: dict | None) -> None:
+        self._bar.update(step - self._bar.n)
+        if record is not None:
+            rate = format_rate(record["tokens_per_sec"], record["mfu"])
+            self._bar.set_postfix_str(f"loss {record['loss']:.3f} | {rate}")
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,197 @@
+"""A Llama-style decoder in Flax NNX, written once for every layout.
+
+    tokens -> embedding -> [RMSNorm -> GQA attention (RoPE) -> + -> RMSNorm -> SwiGLU -> +] x L
+           -> RMSNorm -> output head (optionally the embedding, transposed) -> logits
+
+Every parameter carries logical axis names (`sharding_names`), and the activations that matter
+are pinned with `constrain(x, names)`; `jaxpar.sharding` turns names into mesh axes. The model
+never sees the mesh. Blocks are stacked along a leading `layers` axis and run with `lax.scan`, so
+compile time does not grow with depth.
+
+Parameter names and their Hugging Face Llama (`LlamaForCausalLM`) counterparts, with shapes
+(E = d_model, N = n_heads, K = n_kv_heads, H = head_dim, F = d_ff, V = vocab_size, l = layer):
+
+| jaxpar                        | shape       | Hugging Face                                   |
+| ----------------------------- | ----------- | ---------------------------------------------- |
+| embedding                     | [V, E]      | model.embed_tokens.weight                      |
+| blocks.attn_norm.scale[l]     | [E]         | model.layers.l.input_layernorm.weight          |
+| blocks.attn.wq[l]             | [E, N, H]   | model.layers.l.self_attn.q_proj.weight  (N*H, E) = reshape + transpose |
+| blocks.attn.wk[l]             | [E, K, H]   | model.layers.l.self_attn.k_proj.weight  (K*H, E) |
+| blocks.attn.wv[l]             | [E, K, H]   | model.layers.l.self_attn.v_proj.weight  (K*H, E) |
+| blocks.attn.wo[l]             | [N, H, E]   | model.layers.l.self_attn.o_proj.weight  (E, N*H) |
+| blocks.mlp_norm.scale[l]      | [E]         | model.layers.l.post_attention_layernorm.weight |
+| blocks.mlp.w_gate[l]          | [E, F]      | model.layers.l.mlp.gate_proj.weight (F, E), transposed |
+| blocks.mlp.w_up[l]            | [E, F]      | model.layers.l.mlp.up_proj.weight   (F, E), transposed |
+| blocks.mlp.w_down[l]          | [F, E]      | model.layers.l.mlp.down_proj.weight (E, F), transposed |
+| final_norm.scale              | [E]         | model.norm.weight                              |
+| lm_head                       | [E, V]      | lm_head.weight (V, E), transposed (absent when tied) |
+
+Rotary embeddings use the "rotate half" pairing (dimension i with i + H/2), which is the layout of
+Hugging Face's Llama checkpoints, so q/k weights map over without a permutation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.sharding import constrain
+
+REMAT_POLICIES = {
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = None) -> nnx.Param:
+    """A parameter drawn from N(0, std^2), tagged with its logical axis names."""
+    std = cfg.init_std if std is None else std
+    value = std * jax.random.normal(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig):
+        self.eps = cfg.norm_eps
+        scale = jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype))
+        self.scale = nnx.Param(scale, sharding_names=("embed",), eager_sharding=False)
+
+    def __call__(self, x):  # [batch, seq, embed]
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x, positions, theta: float):
+    """Rotates pairs (i, i + H/2) of x [batch, seq, heads, H] by angle position * theta^(-2i/H)."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [batch, seq, 1, H/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_mask(segment_ids):
+    """Causal and same-document mask [batch, 1, q, k] from segment ids [batch, seq]."""
+    seq = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same_doc)[:, None]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, n, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+        h = e // n
+        self.wq = _param(rngs, (e, n, h), ("embed", "heads", "head_dim"), cfg)
+        self.wk = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+        self.wv = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+        # Output projection scaled down with depth (GPT-2), so the residual stream stays O(1).
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.wo = _param(rngs, (n, h, e), ("heads", "head_dim", "embed"), cfg, out_std)
+
+    def __call__(self, x, positions, segment_ids):  # x [batch, seq, embed]
+        dtype = jnp.dtype(self.cfg.dtype)
+        q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dtype))
+        k = jnp.einsum("bse,ekh->bskh", x, self.wk[...].astype(dtype))
+        v = jnp.einsum("bse,ekh->bskh", x, self.wv[...].astype(dtype))
+        q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "seq", "heads", None))
+        k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "seq", "kv_heads", None))
+        v = constrain(v, ("batch", "seq", "kv_heads", None))
+        impl = None if self.cfg.attention == "auto" else self.cfg.attention
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=attention_mask(segment_ids), implementation=impl
+        )  # [batch, seq, heads, head_dim]
+        out = constrain(out, ("batch", "seq", "heads", None))
+        return jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, f = cfg.d_model, cfg.d_ff
+        self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), cfg)
+        self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg)
+        self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+
+    def __call__(self, x):  # [batch, seq, embed]
+        dtype = jnp.dtype(self.cfg.dtype)
+        gate = x @ self.w_gate[...].astype(dtype)
+        up = x @ self.w_up[...].astype(dtype)
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return hidden @ self.w_down[...].astype(dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, segment_ids):  # x [batch, seq, embed]
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        x = constrain(x, ("batch", "act_seq", "embed"))
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", "act_seq", "embed"))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
+        self.cfg = cfg
+        self.remat = remat
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = stacked_blocks(rngs)  # every parameter has a leading [layers] axis
+        self.final_norm = RMSNorm(cfg)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
+
+    def embed(self, tokens):  # [batch, seq] -> [batch, seq, embed]
+        # The lookup reads whole rows: gather the table's embed dim first (a no-op below ZeRO-3).
+        table = constrain(self.embedding[...].astype(jnp.dtype(self.cfg.dtype)), ("vocab", None))
+        x = table[tokens]
+        return constrain(x, ("batch", "act_seq", "embed"))
+
+    def apply_blocks(self, x, positions, segment_ids):
+        """Runs the stacked blocks with a scan over the layers axis (rematerialised per policy)."""
+        graphdef, layer_params = nnx.split(self.blocks)
+
+        def one_layer(h, params):
+            return nnx.merge(graphdef, params)(h, positions, segment_ids), None
+
+        if self.remat != "none":
+            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat])
+        x, _ = jax.lax.scan(one_layer, x, layer_params)
+        return x
+
+    def head(self, x):  # [batch, seq, embed] -> float32 logits [batch, seq, vocab]
+        x = self.final_norm(x)
+        dtype = jnp.dtype(self.cfg.dtype)
+        w = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        logits = x @ w.astype(dtype)
+        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens, positions, segment_ids):
+        """tokens, positions, segment_ids: int [batch, seq] -> float32 logits [batch, seq, vocab]."""
+        return self.head(self.apply_blocks(self.embed(tokens), positions, segment_ids))
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul (every weight but the norms and the embedding lookup;
+    the output head counts, tied or not) -- the N of the 6N FLOPs-per-token rule."""
+    e, n, k, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size
+    h = e // n
+    per_layer = e * n * h + 2 * e * k * h + n * h * e + 3 * e * f
+    return cfg.n_layers * per_layer + e * v

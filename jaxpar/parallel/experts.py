@@ -1,0 +1,226 @@
+"""Mixture-of-experts MLP with expert parallelism: route, all-to-all dispatch, experts, combine.
+
+One `jax.shard_map` over the whole mesh. Tokens stay where the batch put them (split over
+`data`, `fsdp`, `expert` and, along the sequence, `context`); each device routes its own tokens,
+packs one copy per (token, choice) into a fixed-size buffer per destination expert, and swaps
+buffers with the other devices of its `expert` group:
+
+    x [tokens, embed] --route--> buffer [experts, capacity, embed]
+        --all_to_all(expert)--> [local_experts, sources * capacity, embed]
+        --SwiGLU experts (batched einsum, psum over `tensor`)-->
+        --all_to_all(expert)--> [experts, capacity, embed] --gather, weight, sum--> y [tokens, embed]
+
+Expert weights are sharded with the experts dim over `expert` and the hidden (`mlp`) dim over
+`tensor`; each `tensor` rank computes its slice of the hidden units and a `psum` over `tensor`
+sums the down projection (Megatron MLP). Any `fsdp` split of the embed dim is gathered by GSPMD
+at the shard_map boundary (ZeRO-3: gather per layer, reduce-scatter the gradients).
+
+Dropping rule (capacity mode). Each source device gives each expert `capacity` slots. Slots are
+handed out first come first served in choice-major order: all first choices of the device's
+tokens in token order, then all second choices in token order, and so on, so that a first choice
+is never dropped to make room for another token's second choice (GShard, Lepikhin et al. 2020).
+A dropped (token, choice) contributes zero; its router weight is not renormalised (the residual
+connection around the block carries the token). Token order is row-major over the device's
+local `[batch, seq]` block. Dropless mode (`capacity_factor=None`) uses capacity = local tokens,
+the worst case since a token picks `top_k` distinct experts, so nothing is ever dropped.
+
+`jax.lax.ragged_all_to_all` would avoid the padding in dropless mode, but XLA:CPU does not
+implement it (jax 0.10), so only the padded path is provided.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp")  # mesh axes splitting the batch besides the expert axis
+SEQ_AXIS = "context"
+TENSOR_AXIS = "tensor"
+
+
+class Routing(NamedTuple):
+    """Router output for `tokens` tokens and `num_experts` experts."""
+
+    expert_index: jax.Array  # [tokens, top_k] int32, best first
+    expert_weight: jax.Array  # [tokens, top_k] float32, sums to 1 over top_k
+    aux_loss: jax.Array  # [] load-balancing loss, 1.0 when perfectly balanced
+    z_loss: jax.Array  # [] mean of logsumexp(logits)^2
+    expert_load: jax.Array  # [num_experts] int32, (token, choice) pairs routed to each expert
+
+
+def route(x, router_w, *, top_k, token_axes=()):
+    """Top-k softmax router, in float32.
+
+    x: [tokens, embed]; router_w: [embed, num_experts]. logits = x @ router_w, probs = softmax,
+    the top_k probs renormalised to sum 1. Statistics are global over `token_axes` (mesh axes
+    the tokens are split over; `psum` when called inside a shard_map, none outside):
+
+      aux_loss = E * sum_e f_e * p_e, f_e = fraction of (token, choice) pairs routed to e,
+                 p_e = mean router prob of e (Switch Transformer, Fedus et al. 2021, eq. 4;
+                 f_e carries no gradient);
+      z_loss   = mean over tokens of logsumexp(logits)^2 (ST-MoE, Zoph et al. 2022, eq. 5).
+    """
+    num_experts = router_w.shape[-1]
+    logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))  # [tokens, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_probs, expert_index = jax.lax.top_k(probs, top_k)  # [tokens, top_k]
+    expert_weight = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+
+    def total(value):
+        return jax.lax.psum(value, token_axes) if token_axes else value
+
+    tokens = total(jnp.float32(x.shape[0]))
+    expert_load = total(jnp.zeros(num_experts, jnp.int32).at[expert_index.reshape(-1)].add(1))
+    routed_fraction = jax.lax.stop_gradient(expert_load.astype(jnp.float32) / (tokens * top_k))
+    mean_prob = total(jnp.sum(probs, axis=0)) / tokens
+    aux_loss = num_experts * jnp.sum(routed_fraction * mean_prob)
+    z_loss = total(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
+    return Routing(expert_index.astype(jnp.int32), expert_weight, aux_loss, z_loss, expert_load)
+
+
+def slot_positions(expert_index, num_experts):
+    """Position of each (token, choice) in its expert's queue, choice-major first come first served.
+
+    expert_index: [tokens, top_k]. Returns [tokens, top_k] int32: among all pairs sent to the same
+    expert, first choices of tokens 0..T-1 come first, then second choices, and so on. A pair is
+    kept iff its position < capacity.
+    """
+    tokens, top_k = expert_index.shape
+    queue = expert_index.T.reshape(-1)  # [top_k * tokens], choice-major
+    order = jnp.argsort(queue, stable=True)  # grouped by expert, queue order kept inside a group
+    counts = jnp.zeros(num_experts, jnp.int32).at[queue].add(1)
+    group_start = jnp.cumsum(counts) - counts
+    rank_in_group = jnp.arange(queue.size, dtype=jnp.int32) - group_start[queue[order]]
+    position = jnp.zeros_like(queue).at[order].set(rank_in_group)
+    return position.reshape(top_k, tokens).T
+
+
+def expert_capacity(tokens, num_experts, top_k, capacity_factor):
+    """Slots per expert per source device: ceil(capacity_factor * tokens * top_k / E), at most
+    `tokens` (a token picks distinct experts); `tokens` when capacity_factor is None (dropless)."""
+    if capacity_factor is None:
+        return tokens
+    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
+
+
+def swiglu_experts(h, gate, up, down, compute_dtype):
+    """Batched SwiGLU over a group of experts: down(silu(h @ gate) * (h @ up)).
+
+    h: [experts, slots, embed]; gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
+    Returns [experts, slots, embed] float32 (a partial sum if `mlp` is a slice of the hidden dim).
+    """
+    h, gate, up, down = (a.astype(compute_dtype) for a in (h, gate, up, down))
+    hidden = jax.nn.silu(jnp.einsum("esd,edm->esm", h, gate)) * jnp.einsum("esd,edm->esm", h, up)
+    return jnp.einsum("esm,emd->esd", hidden, down, preferred_element_type=jnp.float32)
+
+
+def _mesh_axes(mesh, names):
+    return tuple(name for name in names if name in mesh.axis_names)
+
+
+def _check_shapes(x, params, mesh, axis_name, token_axes, seq_axes, tensor_axes):
+    sizes = dict(mesh.shape)
+    num_experts = params["router"].shape[-1]
+    if axis_name not in sizes:
+        raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}")
+    if num_experts % sizes[axis_name]:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by mesh axis {axis_name!r} of size "
+            f"{sizes[axis_name]}; use an expert axis size that divides {num_experts}"
+        )
+    checks = [
+        ("batch", x.shape[0], token_axes),
+        ("seq", x.shape[1], seq_axes),
+        ("mlp", params["gate"].shape[-1], tensor_axes),
+    ]
+    for what, size, axes in checks:
+        split = math.prod(sizes[a] for a in axes)
+        if size % split:
+            raise ValueError(f"{what}={size} is not divisible by mesh axes {axes} of total size {split}")
+
+
+def moe_mlp(x, params, *, mesh, axis_name="expert", top_k, capacity_factor=None,
+            compute_dtype=jnp.float32):
+    """Mixture-of-experts SwiGLU MLP with the experts split over mesh axis `axis_name`.
+
+    x: GLOBAL [batch, seq, embed]; batch split over ('data', 'fsdp', axis_name), seq over
+      'context', embed replicated (GSPMD reshards x if it arrives laid out otherwise).
+    params: {"router": [embed, E], "gate": [E, embed, mlp], "up": [E, embed, mlp],
+      "down": [E, mlp, embed]}, any dtype (float32 master weights); experts dim split over
+      `axis_name`, mlp over 'tensor'.
+    capacity_factor: None for dropless, else slots per expert per source device =
+      ceil(capacity_factor * local_tokens * top_k / E) (see the module docstring for who drops).
+    compute_dtype: dtype of the expert matmuls; routing, combine and statistics are float32.
+
+    Collectives: all_to_all over `axis_name` twice forward (dispatch, return) and twice backward;
+    psum over 'tensor' of the down projection; psum of router statistics over the token axes.
+    Returns (y [batch, seq, embed] in x.dtype, stats) with stats = {aux_loss [], z_loss [],
+    dropped_fraction [] (dropped (token, choice) pairs / all pairs), expert_load [E] int32
+    ((token, choice) pairs routed to each expert, before dropping)}, all global.
+    """
+    token_axes = _mesh_axes(mesh, BATCH_AXES + (axis_name,))
+    seq_axes = _mesh_axes(mesh, (SEQ_AXIS,))
+    tensor_axes = _mesh_axes(mesh, (TENSOR_AXIS,))
+    _check_shapes(x, params, mesh, axis_name, token_axes, seq_axes, tensor_axes)
+    num_experts = params["router"].shape[-1]
+    expert_devices = dict(mesh.shape)[axis_name]
+    local_experts = num_experts // expert_devices
+    all_token_axes = token_axes + seq_axes
+    tensor = tensor_axes or None
+
+    def local(x_block, router_w, gate, up, down):
+        batch, seq, embed = x_block.shape
+        tokens = x_block.reshape(batch * seq, embed)  # [T, embed]
+        routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes)
+        capacity = expert_capacity(batch * seq, num_experts, top_k, capacity_factor)
+
+        # Buffer row of each (token, choice): expert * capacity + position; E * capacity if dropped.
+        position = slot_positions(routing.expert_index, num_experts)  # [T, top_k]
+        kept = position < capacity
+        row = jnp.where(kept, routing.expert_index * capacity + position, num_experts * capacity)
+        source_token = jnp.full(num_experts * capacity, batch * seq, jnp.int32)
+        source_token = source_token.at[row.reshape(-1)].set(
+            jnp.repeat(jnp.arange(batch * seq, dtype=jnp.int32), top_k), mode="drop")
+        padded = jnp.concatenate([tokens, jnp.zeros((1, embed), tokens.dtype)])  # empty slot -> 0
+        send = padded[source_token].astype(compute_dtype)  # [E * capacity, embed]
+
+        # Dispatch: block j of the experts dim goes to expert device j; rows come back grouped by
+        # source device: [sources * local_experts * capacity, embed].
+        received = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+        received = received.reshape(expert_devices, local_experts, capacity, embed)
+        received = received.transpose(1, 0, 2, 3).reshape(local_experts, -1, embed)
+
+        out = swiglu_experts(received, gate, up, down, compute_dtype)  # [local_E, src * C, embed]
+        if tensor:
+            out = jax.lax.psum(out, tensor)  # sum the partial products of the mlp slices
+        out = out.astype(compute_dtype).reshape(local_experts, expert_devices, capacity, embed)
+        out = out.transpose(1, 0, 2, 3).reshape(num_experts * capacity, embed)
+
+        # Return: inverse of the dispatch; rows are in this device's own [E * capacity] layout.
+        returned = jax.lax.all_to_all(out, axis_name, 0, 0, tiled=True)
+        per_choice = returned.at[row].get(mode="fill", fill_value=0)  # [T, top_k, embed]
+        y = jnp.einsum("tk,tkd->td", routing.expert_weight, per_choice.astype(jnp.float32))
+
+        dropped = jax.lax.psum(jnp.sum(~kept).astype(jnp.float32), all_token_axes)
+        stats = {
+            "aux_loss": routing.aux_loss,
+            "z_loss": routing.z_loss,
+            "dropped_fraction": dropped / jnp.sum(routing.expert_load).astype(jnp.float32),
+            "expert_load": routing.expert_load,
+        }
+        return y.astype(x_block.dtype).reshape(batch, seq, embed), stats
+
+    x_spec = P(token_axes, seq_axes[0] if seq_axes else None, None)
+    stats_spec = {"aux_loss": P(), "z_loss": P(), "dropped_fraction": P(), "expert_load": P()}
+    moe = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(x_spec, P(), P(axis_name, None, tensor), P(axis_name, None, tensor),
+                  P(axis_name, tensor, None)),
+        out_specs=(x_spec, stats_spec),
+    )
+    return moe(x, params["router"], params["gate"], params["up"], params["down"])

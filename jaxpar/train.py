@@ -1,0 +1,297 @@
+"""`python -m jaxpar.train [CONFIG.yaml] [dotted.key=value ...]`: the training loop and its step.
+
+The data path is one way: config -> mesh -> sharded state (born sharded, inside a jitted init)
+-> jitted train step (state, batch) -> (state, metrics) -> writers. `build_trainer` does
+everything up to the compiled step and is shared with `python -m jaxpar.inspect`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar import config as config_lib
+from jaxpar import data as data_lib
+from jaxpar import metrics as metrics_lib
+from jaxpar import sharding as sharding_lib
+from jaxpar.config import Config, ConfigError
+from jaxpar.mesh import emulate_cpu_devices, make_mesh
+from jaxpar.models import Transformer
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+# --- Optimizer ------------------------------------------------------------------------------
+
+
+def lr_schedule(cfg: Config) -> optax.Schedule:
+    """Linear warmup to optimizer.lr, then cosine decay to lr * min_lr_ratio at train.steps."""
+    o = cfg.optimizer
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
+        decay_steps=max(cfg.train.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """AdamW (no weight decay on norm scales) after global-norm clipping."""
+    o = cfg.optimizer
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not any("norm" in str(k) for k in path), params)
+
+    adamw = optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
+                        weight_decay=o.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw
+
+
+# --- Building the sharded state and the step ----------------------------------------------
+
+
+@dataclass
+class Trainer:
+    """Everything needed to run (or only compile) training on one mesh."""
+
+    cfg: Config
+    mesh: Mesh
+    graphdef: Any  # the model's structure; params are plain nested dicts of arrays
+    param_logical: Any  # tree of logical-name tuples, one per parameter
+    state_shape: Any  # tree of ShapeDtypeStructs of the train state
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    init: Callable[[], Any]  # () -> state, born sharded
+    step: Callable[[Any, dict], tuple[Any, dict]]  # jitted (state, batch) -> (state, metrics)
+
+    def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows -> global arrays split over (data, fsdp, expert)."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, local_batch[k])
+                for k in BATCH_KEYS}
+
+    def batch_shape(self) -> dict[str, jax.ShapeDtypeStruct]:
+        t = self.cfg.train
+        dtypes = {"loss_mask": jnp.float32}
+        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtypes.get(k, jnp.int32),
+                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+
+
+def _new_model(cfg: Config) -> Transformer:
+    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat)
+
+
+def _logical_names(abstract_state) -> Any:
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+    return jax.tree.map(lambda spec: tuple(spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def cross_entropy(logits, targets, mask):
+    """Summed next-token negative log-likelihood over unmasked tokens, and their count."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
+    """Mesh, shardings, born-sharded init and the jitted train step for `cfg` (not compiled yet)."""
+    mesh = make_mesh(sizes, devices)
+    rules = sharding_lib.state_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
+    optimizer = make_optimizer(cfg)
+    schedule = lr_schedule(cfg)
+
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: _new_model(cfg)))
+    logical = _logical_names(abstract_state)
+    param_shape = nnx.to_pure_dict(abstract_state)
+    shardings = {
+        kind: sharding_lib.tree_shardings(logical, mesh, rules[kind])
+        for kind in ("params", "grads")
+    }
+    opt_shape = jax.eval_shape(optimizer.init, param_shape)
+    opt_shardings = sharding_lib.opt_state_shardings(opt_shape, logical, mesh, rules["opt_state"])
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state_shardings = {"params": shardings["params"], "opt_state": opt_shardings, "step": replicated}
+    state_shape = {"params": param_shape, "opt_state": opt_shape,
+                   "step": jax.ShapeDtypeStruct((), jnp.int32)}
+
+    def init():
+        params = nnx.to_pure_dict(nnx.state(_new_model(cfg)))
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def loss_sum(params, batch):
+        model = nnx.merge(graphdef, params)
+        logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+        return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+
+    def grads_of_sum(params, batch):
+        (nll, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
+        return grads, nll, count
+
+    def summed_grads(params, batch):
+        """Gradient of the summed NLL, accumulated over parallel.grad_accum microsteps."""
+        accum = cfg.parallel.grad_accum
+        if accum == 1:
+            return grads_of_sum(params, batch)
+        # Microstep k takes rows k, k + accum, ...: every device keeps its own rows.
+        micro = jax.tree.map(
+            lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1), batch)
+
+        def microstep(carry, mb):
+            return jax.tree.map(jnp.add, carry, grads_of_sum(params, mb)), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
+        (grads, nll, count), _ = jax.lax.scan(microstep, zeros, micro)
+        return grads, nll, count
+
+    def train_step(state, batch):
+        with sharding_lib.use_mesh(mesh, rules["activations"]):
+            grads, nll, count = summed_grads(state["params"], batch)
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        # ZeRO-2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
+        grads = jax.lax.with_sharding_constraint(grads, shardings["grads"])
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": nll / count, "grad_norm": optax.global_norm(grads),
+                   "lr": schedule(state["step"]), "tokens": count}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    batch_sharding = sharding_lib.batch_sharding(mesh)
+    return Trainer(
+        cfg=cfg, mesh=mesh, graphdef=graphdef, param_logical=logical,
+        state_shape=state_shape, state_shardings=state_shardings, batch_sharding=batch_sharding,
+        init=jax.jit(init, out_shardings=state_shardings),
+        step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, replicated), donate_argnums=0),
+    )
+
+
+# --- The loop -------------------------------------------------------------------------------
+
+
+def make_data(cfg: Config):
+    tokenizer = data_lib.make_tokenizer(cfg.data)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}); raise model.vocab_size"
+        )
+    packed = data_lib.pack(data_lib.read_documents(cfg.data), tokenizer, cfg.train.seq_len)
+    return data_lib.batch_dataset(
+        packed, global_batch=cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
+        process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def train(cfg: Config, sizes: dict[str, int]) -> dict:
+    """Runs training; returns a summary. Writes config.yaml, metrics.jsonl, TensorBoard, loss.png."""
+    t = cfg.train
+    dataset = make_data(cfg)  # before compiling: data errors are config errors
+    trainer = build_trainer(cfg, sizes)
+    os.makedirs(t.run_dir, exist_ok=True)
+    config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
+    devices = list(trainer.mesh.devices.flat)
+    flops_tok = metrics_lib.flops_per_token(cfg.model, t.seq_len)
+    tokens_per_step = t.batch_size * t.seq_len
+    is_main = jax.process_index() == 0
+
+    writer = metrics_lib.MetricsWriter(t.run_dir) if is_main else None
+    progress = metrics_lib.Progress(t.steps, enabled=is_main and t.progress)
+    iterator = data_lib.make_iterator(dataset)
+    start = time.perf_counter()
+    state = trainer.init()
+    first_loss = last_loss = None
+    compile_s = None
+    window_start, window_steps = None, 0
+    try:
+        for step in range(1, t.steps + 1):
+            batch = trainer.shard_batch(next(iterator))
+            state, metrics = trainer.step(state, batch)
+            window_steps += 1
+            if compile_s is None:  # step 1 holds the compilation: time the rest without it
+                jax.block_until_ready(metrics)
+                compile_s = time.perf_counter() - start
+                window_start, window_steps = time.perf_counter(), 0
+            if step % t.log_every and step != t.steps:
+                progress.update(step, None)
+                continue
+            loss = float(metrics["loss"])
+            now = time.perf_counter()
+            step_time = (now - window_start) / window_steps if window_steps else None
+            tokens_per_sec = tokens_per_step / step_time if step_time else None
+            record = {
+                "step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                "lr": float(metrics["lr"]), "tokens_per_sec": tokens_per_sec,
+                "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
+                "step_time_s": step_time,
+                "memory_bytes": metrics_lib.device_memory_bytes(devices[0]),
+            }
+            if not np.isfinite(loss):
+                raise FloatingPointError(f"the loss became {loss} at step {step}")
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            if writer is not None:
+                writer.write(record)
+            progress.update(step, record)
+            window_start, window_steps = now, 0
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
+    total_s = time.perf_counter() - start
+    run_s = total_s - (compile_s or 0.0)
+    tokens_per_sec = tokens_per_step * (t.steps - 1) / run_s if t.steps > 1 else None
+    return {
+        "steps": t.steps, "first_loss": first_loss, "final_loss": last_loss,
+        "seconds": total_s, "compile_seconds": compile_s, "tokens_per_sec": tokens_per_sec,
+        "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
+        "devices": len(devices), "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
+        "run_dir": t.run_dir,
+    }
+
+
+def format_summary(s: dict) -> str:
+    mesh = " ".join(f"{a}={n}" for a, n in s["mesh"].items())
+    rate = metrics_lib.format_rate(s["tokens_per_sec"], s["mfu"])
+    return (f"done: {s['steps']} steps in {s['seconds']:.1f} s (compile {s['compile_seconds']:.1f} s)"
+            f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} | {rate}"
+            f" | {s['devices']} devices ({mesh}) | {s['run_dir']}")
+
+
+def load_and_validate(argv: list[str]) -> tuple[Config, dict[str, int]]:
+    """Parses the command line, starts the backend with the emulated devices, validates."""
+    path, overrides = config_lib.parse_cli(argv)
+    cfg = config_lib.load_config(path, overrides)
+    emulate_cpu_devices(cfg.runtime)
+    num_devices = jax.device_count()
+    mesh_given = config_lib.sets_any(path, overrides, "mesh")
+    default_mesh = dataclasses.asdict(config_lib.MeshConfig())
+    if not mesh_given and dataclasses.asdict(cfg.mesh) == default_mesh:
+        cfg.mesh = config_lib.fit_default_mesh(num_devices)
+    return cfg, config_lib.validate(cfg, num_devices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg, sizes = load_and_validate(argv)
+        summary = train(cfg, sizes)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if jax.process_index() == 0:
+        print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
