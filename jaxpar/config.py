@@ -163,8 +163,19 @@ def _unknown_key(key: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
+@dataclass(frozen=True)
+class _Override:
+    """A command-line value: its text, and that text read as a YAML scalar."""
+
+    text: str
+    value: Any
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
     """Checks `value` against the annotation `hint` (int, float, str, bool, X | None)."""
+    if isinstance(value, _Override):  # a str setting keeps the text as typed ("on", "2024")
+        wants_str = hint is str or str in typing.get_args(hint)
+        value = value.text if wants_str and value.value is not None else value.value
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
@@ -194,6 +205,8 @@ def _build(cls, values: dict, prefix: str = ""):
             raise _unknown_key(key)
         sub = _dataclass_type(cls, names[name])
         if sub is not None:
+            if isinstance(value, _Override):
+                value = value.value
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: expected a mapping of settings, got {value!r}")
             kwargs[name] = _build(sub, value, key + ".")
@@ -245,7 +258,7 @@ def parse_overrides(overrides: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override '{item}': value does not parse: {e}") from None
-        _set_dotted(tree, key.strip(), value)
+        _set_dotted(tree, key.strip(), _Override(raw, value))
     return tree
 
 
@@ -372,6 +385,8 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         "train.seq_len": t.seq_len, "train.log_every": t.log_every,
         "parallel.grad_accum": p.grad_accum, "runtime.cpu_devices": cfg.runtime.cpu_devices,
     }
+    if cfg.data.max_documents is not None:
+        positive["data.max_documents"] = cfg.data.max_documents
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")

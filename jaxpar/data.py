@@ -122,6 +122,8 @@ def _jsonl_texts(path: str, field: str) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}:{n} is not valid JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}:{n} is not a JSON object (one document per line, in '{field}')")
         if field not in record:
             raise ConfigError(f"{path}:{n} has no field '{field}' (data.text_field); it has {sorted(record)}")
         texts.append(str(record[field]))
@@ -160,6 +162,8 @@ class PackedSequences:
 
 
 def pack(documents: list[str], tokenizer, seq_len: int) -> PackedSequences:
+    if not documents:
+        raise ConfigError("data: the source has no documents")
     pieces, ids = [], []
     for n, doc in enumerate(documents):
         toks = np.append(tokenizer.encode(doc), np.int32(tokenizer.eod_id))

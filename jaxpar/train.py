@@ -70,6 +70,7 @@ class Trainer:
     param_logical: Any  # tree of logical-name tuples, one per parameter
     state_shape: Any  # tree of ShapeDtypeStructs of the train state
     state_shardings: Any
+    grad_shardings: Any  # where the reduced gradients live (sharded over fsdp from ZeRO-2)
     batch_sharding: NamedSharding
     init: Callable[[], Any]  # () -> state, born sharded
     step: Callable[[Any, dict], tuple[Any, dict]]  # jitted (state, batch) -> (state, metrics)
@@ -162,14 +163,15 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         grads = jax.lax.with_sharding_constraint(grads, shardings["grads"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": nll / count, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state["step"]), "tokens": count}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     batch_sharding = sharding_lib.batch_sharding(mesh)
     return Trainer(
         cfg=cfg, mesh=mesh, graphdef=graphdef, param_logical=logical,
-        state_shape=state_shape, state_shardings=state_shardings, batch_sharding=batch_sharding,
+        state_shape=state_shape, state_shardings=state_shardings,
+        grad_shardings=shardings["grads"], batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=(state_shardings, replicated), donate_argnums=0),
@@ -280,8 +282,17 @@ def load_and_validate(argv: list[str]) -> tuple[Config, dict[str, int]]:
     return cfg, config_lib.validate(cfg, num_devices)
 
 
+USAGE = """usage: python -m jaxpar.train [CONFIG.yaml] [dotted.key=value ...]
+
+Trains with the defaults (jaxpar/config.py), then CONFIG.yaml, then the overrides, e.g.
+  python -m jaxpar.train configs/gpt2-124m.yaml train.steps=100 mesh.data=-1"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     try:
         cfg, sizes = load_and_validate(argv)
         summary = train(cfg, sizes)

@@ -49,14 +49,14 @@ def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = N
     """A parameter drawn from N(0, std^2), tagged with its logical axis names."""
     std = cfg.init_std if std is None else std
     value = std * jax.random.normal(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
-    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig):
         self.eps = cfg.norm_eps
         scale = jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype))
-        self.scale = nnx.Param(scale, sharding_names=("embed",), eager_sharding=False)
+        self.scale = nnx.Param(scale, out_sharding=("embed",), eager_sharding=False)
 
     def __call__(self, x):  # [batch, seq, embed]
         x32 = x.astype(jnp.float32)

@@ -1,0 +1,193 @@
+"""Reading collectives out of compiled HLO text: what kind, how many times, how many bytes.
+
+Counts are dynamic: a collective inside a `while` body (the scan over layers) counts once per
+iteration, using the trip count XLA records in the loop's backend config.
+
+Bytes are the size of the whole buffer the collective works on, per device: the operand of an
+all-reduce, all-to-all or collective-permute, the gathered result of an all-gather, the
+unscattered input of a reduce-scatter.
+
+XLA:CPU note. The SPMD partitioner writes a gradient reduce-scatter as an all-reduce whose result
+is immediately cut to the local shard by a dynamic-slice; GPU and TPU compilers rewrite that pair
+into one reduce-scatter, XLA:CPU runs it as it stands. An all-reduce whose every result feeds only
+dynamic-slices is therefore reported as a reduce-scatter, with `as_all_reduce` counting those
+pairs, so that one report describes the program on every backend.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1,
+}
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<op>[a-z][\w\-]*)\((?P<args>.*)$")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+) \(.*\{\s*$")
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_CALLED = re.compile(r"(?:body|calls|to_apply|condition|true_computation|false_computation)=%([\w.\-]+)")
+
+
+@dataclass
+class Instr:
+    name: str
+    shape: str
+    op: str
+    operands: list[str]
+    text: str
+
+
+@dataclass
+class Computation:
+    name: str
+    instrs: list[Instr] = field(default_factory=list)
+    is_entry: bool = False
+
+
+def shape_bytes(shape: str) -> list[int]:
+    """Bytes of each array in an HLO shape ("f32[4,8]{1,0}" or a tuple of them)."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype in DTYPE_BYTES:
+            size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            out.append(size * DTYPE_BYTES[dtype])
+    return out
+
+
+def parse(text: str) -> dict[str, Computation]:
+    comps: dict[str, Computation] = {}
+    current = None
+    for line in text.splitlines():
+        head = _COMP.match(line)
+        if head:
+            current = Computation(head.group("name"), is_entry=line.startswith("ENTRY"))
+            comps[current.name] = current
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            args = m.group("args").split("),", 1)[0]
+            current.instrs.append(Instr(m.group("name"), m.group("shape"), m.group("op"),
+                                        re.findall(r"%([\w.\-]+)", args), line))
+    return comps
+
+
+def multiplicities(comps: dict[str, Computation]) -> dict[str, int]:
+    """How many times each computation runs per call of the entry (while bodies x trip count)."""
+    times: dict[str, int] = defaultdict(int)
+    entry = next(c for c in comps.values() if c.is_entry)
+
+    def visit(name: str, n: int) -> None:
+        times[name] += n
+        for ins in comps[name].instrs:
+            trips = 1
+            if ins.op == "while":
+                found = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.text)
+                trips = int(found.group(1)) if found else 1
+            for callee in _CALLED.findall(ins.text):
+                if callee in comps and ins.op not in ("all-reduce", "reduce-scatter", "reduce", "fusion"):
+                    visit(callee, n * (trips if callee in _body_of(ins) else 1))
+
+    visit(entry.name, 1)
+    return times
+
+
+def _body_of(ins: Instr) -> set[str]:
+    return set(re.findall(r"body=%([\w.\-]+)", ins.text))
+
+
+def _group_size(text: str) -> int:
+    found = re.search(r"replica_groups=\[(\d+),(\d+)\]", text)  # iota: [groups, size]<=[...]
+    if found:
+        return int(found.group(2))
+    found = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)  # mesh[...] {axes}
+    if found:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", found.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", found.group(2)))
+    found = re.search(r"replica_groups=\{\{([\d,]*)\}", text)  # explicit {{0,1},{2,3}}
+    return len(found.group(1).split(",")) if found else 1
+
+
+def _feeds_only_slices(comp: Computation, fused: dict[str, Computation], name: str) -> bool:
+    """Whether every use of `name` (through tuple elements, bitcasts, copies) is a dynamic-slice,
+    directly or as the first thing a fusion does with that operand."""
+    users = [i for i in comp.instrs if name in i.operands]
+    if not users:
+        return False
+    for user in users:
+        if user.op in ("get-tuple-element", "bitcast", "copy"):
+            if not _feeds_only_slices(comp, fused, user.name):
+                return False
+        elif user.op == "dynamic-slice":
+            continue
+        elif user.op == "fusion":
+            callee = re.search(r"calls=%([\w.\-]+)", user.text)
+            body = fused.get(callee.group(1)) if callee else None
+            if body is None:
+                return False
+            index = user.operands.index(name)
+            param = next((i.name for i in body.instrs if i.op == "parameter"
+                          and re.search(rf"parameter\({index}\)", i.text)), None)
+            if param is None or not _feeds_only_slices(body, fused, param):
+                return False
+        else:
+            return False
+    return True
+
+
+def _split_all_reduce(comp: Computation, comps: dict[str, Computation], ins: Instr,
+                      sizes: list[int]) -> dict[str, int]:
+    """Bytes of an (optionally tuple-shaped) all-reduce that are really all-reduced, and those
+    whose result is only sliced (a reduce-scatter in the partitioner's spelling)."""
+    parts: dict[str, int] = defaultdict(int)
+    if len(sizes) == 1:
+        sliced = _feeds_only_slices(comp, comps, ins.name)
+        parts["reduce-scatter" if sliced else "all-reduce"] += sizes[0]
+        return dict(parts)
+    elements = {int(re.search(r"index=(\d+)", i.text).group(1)): i.name for i in comp.instrs
+                if i.op == "get-tuple-element" and i.operands[:1] == [ins.name]}
+    for index, size in enumerate(sizes):
+        sliced = index in elements and _feeds_only_slices(comp, comps, elements[index])
+        parts["reduce-scatter" if sliced else "all-reduce"] += size
+    return dict(parts)
+
+
+def collectives(text: str) -> dict[str, dict[str, int]]:
+    """{kind: {"count", "bytes"}} for each collective kind found in compiled HLO `text`.
+
+    A reduce-scatter entry may carry `as_all_reduce`: how many of its count are all-reduce +
+    dynamic-slice pairs (see the module docstring).
+    """
+    comps = parse(text)
+    times = multiplicities(comps)
+    stats: dict[str, dict[str, int]] = {}
+    for comp in comps.values():
+        n = times.get(comp.name, 0)
+        if n == 0:
+            continue
+        for ins in comp.instrs:
+            kind = ins.op.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            sizes = shape_bytes(ins.shape)
+            if ins.op.endswith("-start") and len(sizes) > 1:
+                sizes = [max(sizes)]  # async start ops return (operand, result) pairs
+            nbytes = sum(sizes)
+            if kind == "reduce-scatter":
+                nbytes *= _group_size(ins.text)
+            parts = {kind: nbytes}
+            if kind == "all-reduce":
+                parts = _split_all_reduce(comp, comps, ins, sizes)
+            for part, part_bytes in parts.items():
+                entry = stats.setdefault(part, {"count": 0, "bytes": 0})
+                entry["count"] += n
+                entry["bytes"] += n * part_bytes
+                if part != kind:
+                    entry["as_all_reduce"] = entry.get("as_all_reduce", 0) + n
+    return stats

@@ -1,0 +1,137 @@
+"""`python -m jaxpar.inspect [CONFIG] [overrides] [--compare] [--human]`: compile, never run.
+
+Compiles the train step for the configured mesh and prints one JSON object: the mesh, the
+parameter count, the bytes each device holds (parameters, optimizer state and gradients from
+their shardings; temporaries and the total from XLA's memory analysis of the compiled program),
+the FLOPs XLA counts, and the collectives in the compiled HLO (see `jaxpar.hlo`).
+
+`--compare` puts the ZeRO formula's prediction for jaxpar's own dtypes next to the measured bytes:
+float32 parameters (4 bytes), float32 gradients (4) and Adam's two float32 moments (8), over N =
+mesh.fsdp devices and divided by mesh.tensor (../shared/REFERENCE.md):
+
+    stage 0: 4Ψ + 4Ψ + 8Ψ        stage 2: 4Ψ + 4Ψ/N + 8Ψ/N
+    stage 1: 4Ψ + 4Ψ + 8Ψ/N      stage 3: 4Ψ/N + 4Ψ/N + 8Ψ/N
+
+It also shows the paper's mixed-precision formula (2 + 2 + K with K = 12) for reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from jaxpar import hlo
+from jaxpar import metrics as metrics_lib
+from jaxpar.config import ConfigError
+from jaxpar.sharding import shard_bytes
+from jaxpar.train import Trainer, build_trainer, load_and_validate
+
+
+def compile_step(trainer: Trainer):
+    """The train step lowered on abstract state and batch, and compiled (nothing runs)."""
+    return trainer.step.lower(trainer.state_shape, trainer.batch_shape()).compile()
+
+
+def _cost(compiled) -> float | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    return None if not cost or "flops" not in cost else float(cost["flops"])
+
+
+def zero_formula(params: int, stage: int, fsdp: int, tensor: int) -> dict[str, float]:
+    """Bytes per device that the ZeRO paper's accounting predicts for jaxpar's dtypes."""
+    n = fsdp
+    p = 4 * params / (n if stage >= 3 else 1)
+    g = 4 * params / (n if stage >= 2 else 1)
+    o = 8 * params / (n if stage >= 1 else 1)
+    mixed = {0: 16 * params, 1: 4 * params + 12 * params / n, 2: 2 * params + 14 * params / n,
+             3: 16 * params / n}[stage]
+    return {"params": p / tensor, "gradients": g / tensor, "optimizer": o / tensor,
+            "total": (p + g + o) / tensor, "paper_mixed_precision_total": mixed / tensor}
+
+
+def report(trainer: Trainer, compiled, compare: bool = False) -> dict:
+    """The inspect JSON for a trainer and its compiled step."""
+    cfg = trainer.cfg
+    shapes, shardings = trainer.state_shape, trainer.state_shardings
+    sizes = dict(trainer.mesh.shape)
+    params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes["params"])))
+    mem = compiled.memory_analysis()
+    memory = {
+        "params": shard_bytes(shapes["params"], shardings["params"]),
+        "optimizer": shard_bytes(shapes["opt_state"], shardings["opt_state"]),
+        "gradients": shard_bytes(shapes["params"], trainer.grad_shardings),
+        "temp": int(mem.temp_size_in_bytes),
+        "total": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                     - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
+        "arguments": int(mem.argument_size_in_bytes),
+    }
+    flops_device = _cost(compiled)
+    devices = trainer.mesh.devices.size
+    out = {
+        "devices": int(devices),
+        "mesh": sizes,
+        "zero_stage": cfg.parallel.zero_stage,
+        "params": params,
+        "memory_per_device": memory,
+        "flops_per_step": None if flops_device is None else flops_device * devices,
+        "model_flops_per_step": metrics_lib.flops_per_token(cfg.model, cfg.train.seq_len)
+        * cfg.train.batch_size * cfg.train.seq_len,
+        "collectives": hlo.collectives(compiled.as_text()),
+    }
+    if compare:
+        predicted = zero_formula(params, cfg.parallel.zero_stage, sizes["fsdp"], sizes["tensor"])
+        measured = memory["params"] + memory["gradients"] + memory["optimizer"]
+        out["compare"] = {"predicted": predicted, "measured_total": measured,
+                          "ratio": measured / predicted["total"]}
+    return out
+
+
+def format_human(r: dict) -> str:
+    mb = 1 / 2**20
+    mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
+    lines = [f"devices {r['devices']}  mesh {mesh}  zero_stage {r['zero_stage']}  "
+             f"params {r['params']:,}", "", "memory per device (MiB)"]
+    for key, value in r["memory_per_device"].items():
+        lines.append(f"  {key:<10} {value * mb:>12.3f}")
+    if "compare" in r:
+        lines.append("")
+        lines.append("ZeRO formula for jaxpar's dtypes (MiB)   predicted")
+        for key, value in r["compare"]["predicted"].items():
+            lines.append(f"  {key:<28} {value * mb:>12.3f}")
+        lines.append(f"  measured params+grads+optimizer {r['compare']['measured_total'] * mb:>8.3f}"
+                     f"  (ratio {r['compare']['ratio']:.3f})")
+    lines += ["", f"{'collective':<20} {'count':>8} {'MiB':>12}"]
+    for kind, c in sorted(r["collectives"].items()):
+        note = f"  ({c['as_all_reduce']} as all-reduce + dynamic-slice)" if "as_all_reduce" in c else ""
+        lines.append(f"{kind:<20} {c['count']:>8} {c['bytes'] * mb:>12.3f}{note}")
+    flops = r["flops_per_step"]
+    lines += ["", f"FLOPs per step: XLA {flops:.3e}" if flops else "FLOPs per step: XLA n/a",
+              f"                model (6N + 12LdT) {r['model_flops_per_step']:.3e}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    flags = {a for a in argv if a.startswith("--")}
+    unknown = flags - {"--compare", "--human"}
+    if unknown:
+        print(f"error: unknown flag(s) {sorted(unknown)}; known: --compare, --human", file=sys.stderr)
+        return 2
+    try:
+        cfg, sizes = load_and_validate([a for a in argv if not a.startswith("--")])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    trainer = build_trainer(cfg, sizes)
+    result = report(trainer, compile_step(trainer), compare="--compare" in flags)
+    print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Configuration: defaults, YAML files and dotted overrides, typed loading and up-front validation.
+
+Every bad input stops with a `ConfigError` whose message names the key and the numbers; the CLI
+prints that message as one line and exits with code 2. Nothing here compiles a model.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxpar import config
+from jaxpar.config import Config, ConfigError, MeshConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEVICES = 8  # conftest.py emulates 8 CPU devices; validate() takes the count as an argument
+
+
+def load(*overrides: str) -> Config:
+    return config.load_config(None, list(overrides))
+
+
+def error_of(fn, *args) -> str:
+    """The message of the ConfigError that `fn(*args)` raises."""
+    with pytest.raises(ConfigError) as info:
+        fn(*args)
+    return str(info.value)
+
+
+def validation_error(*overrides: str, devices: int = DEVICES) -> str:
+    return error_of(lambda: config.validate(load(*overrides), devices))
+
+
+def assert_names_all(message: str, fragments: tuple[str, ...]) -> None:
+    missing = [f for f in fragments if f not in message]
+    assert not missing, f"message {message!r} lacks {missing}"
+
+
+# --- Loading: defaults, YAML file, overrides -----------------------------------------------
+
+
+def test_no_file_and_no_overrides_gives_the_dataclass_defaults():
+    assert load() == Config()
+
+
+def test_defaults_validate_to_a_2x2x2_mesh_on_8_devices():
+    sizes = config.validate(Config(), DEVICES)
+    assert sizes == {"pipe": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
+
+
+@pytest.mark.parametrize(
+    "override, section, key, expected",
+    [
+        ("train.steps=20", "train", "steps", 20),
+        ("mesh.data=-1", "mesh", "data", -1),
+        ("optimizer.lr=3e-4", "optimizer", "lr", 3e-4),  # YAML 1.1 reads 3e-4 as a string
+        ("optimizer.clip_norm=2", "optimizer", "clip_norm", 2.0),  # an int where a float goes
+        ("data.max_documents=null", "data", "max_documents", None),
+        ("data.max_documents=7", "data", "max_documents", 7),
+        ("model.tie_embeddings=true", "model", "tie_embeddings", True),
+        ("train.progress=false", "train", "progress", False),
+        ("data.source=/tmp/corpus/*.txt", "data", "source", "/tmp/corpus/*.txt"),
+    ],
+)
+def test_overrides_are_parsed_as_yaml_scalars(override, section, key, expected):
+    value = getattr(getattr(load(override), section), key)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_nested_override_reaches_the_moe_section():
+    cfg = load("model.moe.num_experts=8", "model.moe.capacity_factor=1.25")
+    assert (cfg.model.moe.num_experts, cfg.model.moe.capacity_factor) == (8, 1.25)
+    assert cfg.model.moe.top_k == 2  # untouched keys keep their defaults
+
+
+def test_overrides_win_over_the_file_and_the_file_over_the_defaults(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 50\n  seq_len: 64\nmodel:\n  d_model: 256\n")
+    cfg = config.load_config(str(path), ["train.steps=7"])
+    assert cfg.train.steps == 7  # override
+    assert cfg.train.seq_len == 64  # file
+    assert cfg.model.d_model == 256  # file
+    assert cfg.train.batch_size == 16 and cfg.model.n_layers == 4  # defaults, merged per key
+
+
+def test_an_empty_yaml_file_gives_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert config.load_config(str(path)) == Config()
+
+
+def test_dumped_config_loads_back_unchanged(tmp_path):
+    cfg = load("train.steps=9", "optimizer.lr=1e-3", "mesh.data=-1", "data.max_documents=3")
+    path = tmp_path / "config.yaml"
+    config.dump_yaml(cfg, str(path))
+    assert config.load_config(str(path)) == cfg
+
+
+# --- Loading errors: unknown keys, wrong types, bad files ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ("train.stepz=5", ("'train.stepz'", "did you mean 'train.steps'")),
+        ("model.d_modle=64", ("'model.d_modle'", "did you mean 'model.d_model'")),
+        ("model.moe.num_expertz=4", ("'model.moe.num_expertz'", "'model.moe.num_experts'")),
+        ("trian.steps=5", ("'trian'", "did you mean 'train'")),  # unknown section
+    ],
+    ids=["key", "model-key", "nested-key", "section"],
+)
+def test_unknown_key_is_named_with_the_nearest_known_key(override, fragments):
+    assert_names_all(error_of(load, override), ("unknown config key",) + fragments)
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ("train.steps=abc", ("train.steps", "expected int", "'abc'")),
+        ("train.steps=2.5", ("train.steps", "expected int", "2.5")),
+        ("train.steps=true", ("train.steps", "expected int", "True")),  # a bool is not an int
+        ("model.tie_embeddings=3", ("model.tie_embeddings", "expected bool", "3")),
+        ("optimizer.lr=fast", ("optimizer.lr", "expected float", "'fast'")),
+        ("model.moe.capacity_factor=abc", ("model.moe.capacity_factor", "expected float")),
+        ("train=5", ("train", "expected a mapping")),
+    ],
+)
+def test_wrong_type_names_the_key_the_expected_type_and_the_value(override, fragments):
+    assert_names_all(error_of(load, override), fragments)
+
+
+def test_override_without_equals_sign_is_rejected():
+    assert_names_all(error_of(load, "train.steps"), ("'train.steps'", "dotted.key=value"))
+
+
+def test_missing_config_file_is_named(tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    assert_names_all(error_of(config.load_config, path), (path, "does not exist"))
+
+
+def test_unparsable_yaml_file_is_named(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("train:\n  steps: [1, 2\n  seq_len: 64\n")
+    assert_names_all(error_of(config.load_config, str(path)), (str(path), "not valid YAML"))
+
+
+def test_yaml_file_that_is_not_a_mapping_is_rejected(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    assert_names_all(error_of(config.load_config, str(path)), (str(path), "mapping", "list"))
+
+
+def test_unknown_key_in_a_yaml_file_is_named_with_its_section(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("optimizer:\n  learning_rate: 0.1\n")
+    assert "'optimizer.learning_rate'" in error_of(config.load_config, str(path))
+
+
+# --- Mesh --------------------------------------------------------------------------------
+
+
+def test_minus_one_takes_the_remaining_devices():
+    sizes = config.validate(load("mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=2"), DEVICES)
+    assert sizes["data"] == 2
+    assert (sizes["fsdp"], sizes["tensor"]) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, axis, expected",
+    [
+        (("mesh.fsdp=-1", "mesh.data=1", "mesh.tensor=1"), "fsdp", 8),
+        (("mesh.tensor=-1", "mesh.data=4", "mesh.fsdp=1"), "tensor", 2),
+    ],
+)
+def test_minus_one_fills_any_axis(overrides, axis, expected):
+    assert config.validate(load(*overrides), DEVICES)[axis] == expected
+
+
+def test_mesh_product_must_equal_device_count():
+    message = validation_error("mesh.tensor=3")
+    assert_names_all(message, ("mesh", "tensor=3", "multiplies to 12", "8 devices"))
+
+
+def test_only_one_mesh_axis_may_be_minus_one():
+    message = validation_error("mesh.data=-1", "mesh.fsdp=-1")
+    assert_names_all(message, ("only one axis may be -1", "data, fsdp"))
+
+
+def test_minus_one_that_cannot_fill_the_devices_is_rejected():
+    message = validation_error("mesh.data=-1", "mesh.fsdp=3", "mesh.tensor=2")
+    assert_names_all(message, ("multiply to 6", "does not divide 8"))
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_mesh_axis_sizes_are_positive_or_minus_one(size):
+    assert f"mesh.data={size}" in validation_error(f"mesh.data={size}")
+
+
+@pytest.mark.parametrize("devices, expected", [(8, MeshConfig()),
+                                               (1, MeshConfig(data=1, fsdp=1, tensor=1)),
+                                               (4, MeshConfig(data=4, fsdp=1, tensor=1))])
+def test_default_mesh_fits_any_device_count(devices, expected):
+    mesh = config.fit_default_mesh(devices)
+    assert mesh == expected
+    assert config.validate(Config(mesh=mesh), devices)["data"] == expected.data
+
+
+# --- Model, batch and layout checks ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (("model.n_kv_heads=3",),
+         ("model.n_heads=4", "not divisible by model.n_kv_heads=3", "[1, 2, 4]")),
+        (("train.batch_size=6",),
+         ("train.batch_size=6", "data-parallel size", "data*fsdp*expert=4", "multiple of 4")),
+        (("train.batch_size=8", "parallel.grad_accum=4"),
+         ("train.batch_size=8", "parallel.grad_accum=4", "multiple of 16")),
+        (("train.seq_len=4096",),
+         ("train.seq_len=4096", "model.max_seq_len=2048")),
+        (("model.d_model=130",),
+         ("model.n_heads=4 does not divide model.d_model=130",)),
+        (("model.n_heads=2", "model.n_kv_heads=2", "model.d_model=6", "mesh.tensor=1",
+          "mesh.data=4"),
+         ("model.d_model/model.n_heads = 3", "even")),
+        (("parallel.remat=sometimes",),
+         ("parallel.remat='sometimes'", "none, dots, full")),
+        (("parallel.zero_stage=4",), ("parallel.zero_stage=4",)),
+        (("train.steps=0",), ("train.steps=0", "at least 1")),
+    ],
+    ids=["heads-kv", "batch-dp", "batch-accum", "seq-len", "heads-d_model",
+         "odd-head-dim", "remat", "zero-stage", "steps"],
+)
+def test_model_and_batch_checks_name_the_keys_and_numbers(overrides, fragments):
+    assert_names_all(validation_error(*overrides), fragments)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (("mesh.tensor=4", "mesh.fsdp=1", "model.n_heads=2", "model.n_kv_heads=2"),
+         ("mesh.tensor=4 does not divide model.n_heads=2", "try tensor in [1, 2]")),
+        (("mesh.tensor=4", "mesh.fsdp=1"),
+         ("mesh.tensor=4 does not divide model.n_kv_heads=2", "try tensor in [1, 2]")),
+        (("model.d_ff=385",),
+         ("mesh.tensor=2 does not divide model.d_ff=385", "[1, 5, 7, 11, 35, 55, 77, 385]")),
+        (("model.vocab_size=257",),
+         ("mesh.tensor=2 does not divide model.vocab_size=257", "[1, 257]")),
+    ],
+    ids=["n_heads", "n_kv_heads", "d_ff", "vocab_size"],
+)
+def test_tensor_must_divide_the_dimensions_it_splits(overrides, fragments):
+    assert_names_all(validation_error(*overrides), fragments)
+
+
+# d_model=20 with 2 heads (head_dim 10), all 8 devices on fsdp: 8 does not divide 20.
+FSDP_8_D_MODEL_20 = ("mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1",
+                     "model.n_heads=2", "model.n_kv_heads=2", "model.d_model=20")
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_fsdp_must_divide_d_model_when_zero_shards_state(zero_stage):
+    message = validation_error(*FSDP_8_D_MODEL_20, f"parallel.zero_stage={zero_stage}")
+    assert_names_all(message, ("mesh.fsdp=8 does not divide model.d_model=20",
+                               "try fsdp in [1, 2, 4, 5, 10, 20]"))
+
+
+def test_fsdp_need_not_divide_d_model_without_zero():
+    sizes = config.validate(load(*FSDP_8_D_MODEL_20, "parallel.zero_stage=0"), DEVICES)
+    assert sizes["fsdp"] == 8
+
+
+# --- Data and tokenizer paths ------------------------------------------------------------
+
+
+def test_missing_data_source_is_named():
+    message = validation_error("data.source=/nonexistent/*.txt")
+    assert_names_all(message, ("data.source='/nonexistent/*.txt'", "no such file"))
+
+
+def test_existing_data_glob_passes(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    config.validate(load(f"data.source={tmp_path}/*.txt"), DEVICES)
+
+
+def test_missing_tokenizer_file_is_named():
+    message = validation_error("data.tokenizer=/nonexistent/tokenizer.json")
+    assert_names_all(message, ("data.tokenizer='/nonexistent/tokenizer.json'", "does not exist"))
+
+
+# --- The command line --------------------------------------------------------------------
+
+
+def run_train_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "jaxpar.train", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_config_error_exits_2_with_one_line_and_no_traceback():
+    result = run_train_cli("mesh.tensor=3")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "mesh" in lines[0] and "tensor=3" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_cli_missing_config_file_exits_2_with_no_traceback(tmp_path):
+    path = str(tmp_path / "missing.yaml")
+    result = run_train_cli(path, "train.steps=1")
+    assert result.returncode == 2
+    assert path in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_parse_cli_takes_only_the_first_argument_as_a_file():
+    assert config.parse_cli(["run.yaml", "train.steps=3"]) == ("run.yaml", ["train.steps=3"])
+    assert config.parse_cli(["train.steps=3"]) == (None, ["train.steps=3"])
+    assert "other.yaml" in error_of(config.parse_cli, ["run.yaml", "other.yaml"])
