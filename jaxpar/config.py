@@ -52,7 +52,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     tie_embeddings: bool = False  # output head shares the embedding table
-    dtype: str = "float32"  # matmul / activation dtype (bfloat16 on GPU presets)
+    dtype: str = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
     param_dtype: str = "float32"  # parameters and optimizer state
     attention: str = "auto"  # auto | xla | cudnn: jax.nn.dot_product_attention implementation
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -75,7 +75,8 @@ def validate_pipeline(kind: str, stages: int, microbatches: int, virtual_stages:
         raise ValueError(f"interleaved needs microbatches={m} divisible by stages={p}; "
                          f"try microbatches={max(p, m - m % p)} or {m + p - m % p}")
     if layers is not None and layers % (p * v):
-        raise ValueError(f"layers={layers} is not divisible by stages*virtual_stages={p}*{v}={p * v}")
+        raise ValueError(f"layers={layers} is not divisible by "
+                         f"stages*virtual_stages={p}*{v}={p * v}")
     if batch is not None and batch % m:
         raise ValueError(f"batch={batch} does not split into microbatches={m} equal microbatches")
 
@@ -133,7 +134,7 @@ def build_schedule(kind: str, stages: int, microbatches: int, virtual_stages: in
             a = programs[s][cursor[s]] if cursor[s] < len(programs[s]) else None
             row.append(a if a is not None and ready(a, a.chunk * p + s, tick) else None)
         if not any(row):
-            raise RuntimeError(f"{kind} schedule deadlocked at tick {tick}")  # a bug, not a user error
+            raise RuntimeError(f"{kind} schedule deadlocked at tick {tick}")  # a bug here
         for s, a in enumerate(row):
             if a is not None:
                 finished[(a.phase, a.microbatch, a.chunk * p + s)] = tick
@@ -157,10 +158,11 @@ def format_schedule(schedule: Schedule) -> str:
 
     cells = [[cell(row[s]) for row in schedule.actions] for s in range(schedule.stages)]
     width = max(len(c) for line in cells for c in line)
-    lines = [f"stage {s} | " + " ".join(c.ljust(width) for c in line) for s, line in enumerate(cells)]
+    lines = [f"stage {s} | " + " ".join(c.ljust(width) for c in line)
+             for s, line in enumerate(cells)]
     lines.append(f"bubble {bubble_fraction(schedule):.4f} (idle slots / all slots, "
-                 f"{schedule.kind}, stages={schedule.stages}, microbatches={schedule.microbatches}, "
-                 f"virtual_stages={schedule.virtual_stages})")
+                 f"{schedule.kind}, stages={schedule.stages}, "
+                 f"microbatches={schedule.microbatches}, virtual_stages={schedule.virtual_stages})")
     return "\n".join(lines)
 
 
@@ -168,14 +170,10 @@ def format_schedule(schedule: Schedule) -> str:
 
 
 class Lowered(NamedTuple):
-    """A schedule as the runtime reads it: `table[tick, stage, field]` (int32) and buffer sizes.
-
-    Fields, in order (FIELDS): action code (0 idle, 1 forward, 2 forward + head, 3 backward),
-    microbatch, chunk, slot of the received activation to read, stash slot (written by a forward,
-    read by its backward), gradient slot to read (backward) or write (forward + head), slot where
-    this tick's received activation / gradient goes, 1 if the chunk is model chunk 0. Slot n of a
-    buffer of n slots is a scratch slot for writes that mean nothing.
-    """
+    """A schedule as the runtime reads it: int32 `table[tick, stage, field]` (fields: FIELDS) and
+    how many slots each buffer needs. Activation and gradient slot n (one past the last) is a
+    scratch slot for writes that mean nothing; a stash slot is written by a forward and read by
+    the matching backward."""
 
     table: np.ndarray
     activation_slots: int
@@ -184,8 +182,8 @@ class Lowered(NamedTuple):
 
 
 FIELDS = ("code", "microbatch", "chunk", "act_slot", "stash_slot", "grad_slot",
-          "recv_act_slot", "recv_grad_slot", "first")
-IDLE, FORWARD, FORWARD_HEAD, BACKWARD = 0, 1, 2, 3
+          "recv_act_slot", "recv_grad_slot", "first")  # first: 1 if this is model chunk 0
+IDLE, FORWARD, FORWARD_HEAD, BACKWARD = 0, 1, 2, 3  # "code"; the head runs after the last chunk
 
 
 def _allocate(lifetimes: dict[Any, tuple[int, int]]) -> tuple[dict[Any, int], int]:
@@ -243,10 +241,11 @@ def lower_schedule(schedule: Schedule) -> Lowered:
 
 
 def stack_stages(layer_params, stages: int, virtual_stages: int = 1):
-    """[layers, ...] leaves -> [stages*v, layers/(stages*v), ...], row s*v + j = model chunk j*stages + s.
+    """[layers, ...] leaves -> [stages*v, layers/(stages*v), ...]; row s*v + j is model chunk j*p+s.
 
     Sharding dim 0 over the pipe axis then puts chunk c on device c % stages, as the interleaved
-    schedule expects (for v=1 this is a plain reshape). `unstack_stages` is the inverse.
+    schedule expects (for v=1 this is a plain reshape). Lay params out this way once, at init;
+    `unstack_stages` is the inverse.
     """
     p, v = stages, virtual_stages
 
@@ -294,6 +293,9 @@ def _residual_layout(stage_fn, chunk_params, x):
     def trace(params, h):
         _, pullback = jax.vjp(stage_fn, params, h)
         leaves, found["treedef"] = jax.tree.flatten(pullback)
+        if not all(isinstance(leaf, jax.Array) for leaf in leaves):
+            raise NotImplementedError("jax.vjp's pullback is not a pytree of arrays in this jax "
+                                      f"{jax.__version__}; the pipeline stashes those arrays")
         found["source"] = _param_sources(leaves, params)
         return [leaf for leaf, src in zip(leaves, found["source"]) if src < 0]
     shapes = jax.eval_shape(trace, chunk_params, x)
@@ -328,7 +330,8 @@ def pipeline_value_and_grad(
     stage_params: leaves [stages*v, layers_per_chunk, ...] in `stack_stages` order, dim 0 sharded
         over `axis_name`.
     head_params: any pytree, replicated over `axis_name`.
-    inputs: [microbatches, microbatch, ...] activations (the caller embeds; embedding stays outside).
+    inputs: [microbatches, microbatch, ...] activations: the caller embeds (split_microbatches)
+        and backprops input_grads through its embedding.
     targets: pytree with leaves [microbatches, microbatch, ...].
 
     Returns (loss, (stage_grads, head_grads, input_grads)), shaped like stage_params, head_params,
@@ -340,10 +343,12 @@ def pipeline_value_and_grad(
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     if mesh.shape[axis_name] != p:
-        raise ValueError(f"mesh axis {axis_name}={mesh.shape[axis_name]} but schedule has stages={p}")
+        raise ValueError(
+            f"mesh axis {axis_name}={mesh.shape[axis_name]} but schedule has stages={p}")
     for leaf in jax.tree.leaves(stage_params):
         if leaf.shape[0] != p * v:
-            raise ValueError(f"stage_params leading dim {leaf.shape[0]} != stages*virtual_stages={p * v}")
+            raise ValueError(f"stage_params leading dim {leaf.shape[0]} != "
+                             f"stages*virtual_stages={p}*{v}; lay them out with stack_stages")
     if inputs.shape[0] != m:
         raise ValueError(f"inputs leading dim {inputs.shape[0]} != microbatches={m}; "
                          "reshape to [microbatches, microbatch, ...]")
@@ -358,8 +363,9 @@ def pipeline_value_and_grad(
     return mapped(stage_params, head_params, inputs, targets)
 
 
-def _pipeline_body(stage_fn, head_fn, schedule, axis_name, stage_params, head_params, inputs, targets):
-    """Per device: stage_params leaves [v, layers_per_chunk, ...]; scan over the schedule's ticks."""
+def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
+                   stage_params, head_params, inputs, targets):
+    """One device: stage_params leaves [v, layers_per_chunk, ...]; scans the schedule's ticks."""
     p, lowered = schedule.stages, lower_schedule(schedule)
     stage = jax.lax.axis_index(axis_name)
     index = functools.partial(jax.lax.dynamic_index_in_dim, axis=0, keepdims=False)
@@ -367,7 +373,7 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, stage_params, head_pa
     chunk_params = lambda j: jax.tree.map(lambda a: index(a, j), stage_params)  # noqa: E731
     h_zeros = jnp.zeros_like(inputs[0])  # [microbatch, ...]; zeros_like keeps explicit shardings
     treedef, sources, stash_shapes = _residual_layout(stage_fn, chunk_params(0), h_zeros)
-    ring = schedule.virtual_stages > 1  # chunk j*p + p-1 on the last device feeds chunk (j+1)*p on device 0
+    ring = schedule.virtual_stages > 1  # chunk j*p + p-1 (last device) feeds (j+1)*p (device 0)
     to_next = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     to_prev = [(b, a) for a, b in to_next]
 
@@ -386,7 +392,8 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, stage_params, head_pa
         loss=jnp.zeros((), jnp.float32))
 
     def tick(carry, rows):
-        code, mb, j, act_slot, stash_slot, grad_slot, recv_act, recv_grad, first = index(rows, stage)
+        row = index(rows, stage)  # this device's action, FIELDS
+        code, mb, j, act_slot, stash_slot, grad_slot, recv_act, recv_grad, first = row
         params = chunk_params(j)
         h = jnp.where(first, index(inputs, mb), index(carry["acts"], act_slot))
         # Branches return small values, written to the buffers below. Their stash output is

@@ -67,7 +67,7 @@ def permute_to_layout(x, *, context: int, layout: str, axis: int = 1):
     cheaply on sharded arrays.
     """
     _check_layout(x.shape[axis], context, layout)
-    if layout == "contiguous":
+    if layout == "contiguous" or context == 1:  # the identity order
         return x
     x = jnp.moveaxis(x, axis, 0)
     halves = x.reshape(2, context, -1, *x.shape[1:])
@@ -78,7 +78,7 @@ def permute_to_layout(x, *, context: int, layout: str, axis: int = 1):
 def permute_from_layout(x, *, context: int, layout: str, axis: int = 1):
     """Inverse of :func:`permute_to_layout`: from ``layout`` order back to ordinary order."""
     _check_layout(x.shape[axis], context, layout)
-    if layout == "contiguous":
+    if layout == "contiguous" or context == 1:  # the identity order
         return x
     x = jnp.moveaxis(x, axis, 0)
     pairs = x.reshape(context, 2, -1, *x.shape[1:])

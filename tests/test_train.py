@@ -1,0 +1,79 @@
+"""Training end to end: the loss falls, the run directory is complete, the CLIs work."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar import config as config_lib
+from jaxpar.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [
+    "model.vocab_size=264", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.d_ff=128", "train.batch_size=8", "train.seq_len=64",
+    "data.max_documents=40", "optimizer.warmup_steps=5", "optimizer.lr=1e-2", "train.progress=false",
+]
+
+
+def test_twenty_steps_lower_the_loss_and_write_the_run_dir(tmp_path):
+    cfg = config_lib.load_config(None, TINY + ["train.steps=20", "train.log_every=5", f"train.run_dir={tmp_path}"])
+    summary = train(cfg, config_lib.validate(cfg, 8))
+    assert summary["final_loss"] < summary["first_loss"] - 1.0
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s"):
+        assert key in records[-1]
+    assert records[-1]["tokens_per_sec"] > 0 and records[-1]["mfu"] is None  # no peak for CPUs
+    assert config_lib.load_config(str(tmp_path / "config.yaml")) == cfg
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert glob.glob(str(tmp_path / "events.out.tfevents.*"))
+
+
+def _run(module, *args, devices=2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the CLI sets its own device count (runtime.cpu_devices)
+    return subprocess.run([sys.executable, "-m", module, *args, f"runtime.cpu_devices={devices}"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_train_cli_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run("jaxpar.train", *TINY, "train.steps=3", "train.log_every=1", f"train.run_dir={run_dir}",
+                "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("done: 3 steps") and "2 devices (data=2)" in summary
+    assert len(open(run_dir / "metrics.jsonl").readlines()) == 3
+    assert (run_dir / "config.yaml").exists() and (run_dir / "loss.png").exists()
+
+
+@pytest.mark.parametrize("flag", ["", "--human"])
+def test_inspect_cli_prints_the_report(flag):
+    args = [*TINY, "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "parallel.zero_stage=3", "--compare"]
+    proc = _run("jaxpar.inspect", *args, *([flag] if flag else []))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    if flag:
+        assert "memory per device" in proc.stdout and "all-gather" in proc.stdout
+        return
+    report = json.loads(proc.stdout)
+    assert report["devices"] == 2 and report["mesh"]["fsdp"] == 2
+    assert set(report["memory_per_device"]) >= {"params", "optimizer", "gradients", "temp", "total"}
+    assert report["flops_per_step"] > 0
+    assert report["collectives"]["all-gather"]["count"] > 0
+    assert report["compare"]["ratio"] == pytest.approx(1.0, rel=0.1)
+
+
+def test_default_yaml_is_the_embedded_default():
+    assert config_lib.load_config(os.path.join(ROOT, "configs", "default.yaml")) == config_lib.Config()
+
+
+@pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_presets_load_and_validate(preset):
+    cfg = config_lib.load_config(preset)
+    devices = cfg.runtime.cpu_devices
+    sizes = config_lib.validate(cfg, devices)
+    assert sizes["pipe"] * sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["expert"] * sizes["context"] == devices
