@@ -363,6 +363,26 @@ def data_files(data: DataConfig) -> list[str]:
     return files
 
 
+def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
+    moe, m = cfg.model.moe, cfg.model
+    if moe.num_experts == 0:
+        return
+    if moe.num_experts < 0 or not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(
+            f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}")
+    if moe.every < 1 or m.n_layers % moe.every:
+        raise ConfigError(
+            f"model.moe.every={moe.every} must divide model.n_layers={m.n_layers} (an MoE MLP in "
+            f"every {moe.every}-th block); try every in {_divisors(m.n_layers)}")
+    _require_divides("mesh.expert", sizes["expert"], "model.moe.num_experts", moe.num_experts)
+    _require_divides("mesh.tensor", sizes["tensor"], "model.moe.d_ff", moe.d_ff or m.d_ff)
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor}: use a positive "
+                          "number, or null for dropless routing")
+    if moe.shared_experts < 0:
+        raise ConfigError(f"model.moe.shared_experts={moe.shared_experts} must be 0 or more")
+
+
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks the whole config against itself and the device count; returns the mesh sizes."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -424,7 +444,8 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         _require_divides("mesh.fsdp", sizes["fsdp"], "model.d_model", m.d_model)
     if p.sequence_parallel:
         _require_divides("mesh.tensor", tensor * sizes["context"], "train.seq_len", t.seq_len)
-    for axis in ("pipe", "expert", "context"):
+    _validate_moe(cfg, sizes)
+    for axis in ("pipe", "context"):
         if sizes[axis] > 1:
             raise ConfigError(
                 f"mesh.{axis}={sizes[axis]}: this technique is not available in this build; "

@@ -6,7 +6,8 @@ appendix B and of nanoGPT:
     flops_per_token = 6 * N_matmul + 12 * L * d_model * T
 
 N_matmul counts every weight that takes part in a matmul (the output head included, tied or not;
-the embedding lookup and the norms not); the second term is attention's QK^T and AV for a
+the embedding lookup and the norms not; in an MoE layer, only the router, the top_k experts a
+token visits and the shared experts); the second term is attention's QK^T and AV for a
 sequence of T tokens, counted without the causal saving, like the references it is compared to.
 MFU = flops_per_token * tokens/s / (peak bf16 FLOP/s of one device * devices).
 """
@@ -21,7 +22,7 @@ import warnings
 import jax
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import matmul_params
+from jaxpar.models.llama import active_matmul_params
 
 # Dense bf16 peak of one device (FLOP/s), matched against `device.device_kind`.
 PEAK_BF16_FLOPS = {
@@ -32,7 +33,7 @@ PEAK_BF16_FLOPS = {
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return 6 * matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
+    return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
 
 
 def peak_flops(device: jax.Device) -> float | None:

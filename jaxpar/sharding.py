@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.config import MESH_AXES
+
 Rules = dict[str, tuple[str, ...]]
 
 # Logical name -> mesh axes. `embed` is the one name whose placement depends on the ZeRO stage.
@@ -142,6 +144,11 @@ def use_mesh(mesh: Mesh, rules: Rules):
 def current_mesh() -> Mesh | None:
     active = _ACTIVE.get()
     return None if active is None else active[0]
+
+
+def single_device_mesh() -> Mesh:
+    """All six axes of size 1 on the first device: for shard_map code called without a mesh."""
+    return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

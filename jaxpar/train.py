@@ -129,17 +129,29 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         params = nnx.to_pure_dict(nnx.state(_new_model(cfg)))
         return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    def loss_sum(params, batch):
-        model = nnx.merge(graphdef, params)
-        logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-        return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    moe = cfg.model.moe
 
-    def grads_of_sum(params, batch):
-        (nll, count), grads = jax.value_and_grad(loss_sum, has_aux=True)(params, batch)
-        return grads, nll, count
+    def loss_sum(params, batch):
+        """The objective, scaled by the token count so that accumulated microsteps add up:
+        summed NLL + count * (aux_loss_weight * aux + z_loss_weight * z) for MoE models."""
+        model = nnx.merge(graphdef, params)
+        logits, moe_stats = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+        nll, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        aux = {"nll": nll, "count": count}
+        objective = nll
+        if moe_stats:
+            aux.update(aux_loss=jnp.mean(moe_stats["aux_loss"]), z_loss=jnp.mean(moe_stats["z_loss"]),
+                       dropped_fraction=jnp.mean(moe_stats["dropped_fraction"]),
+                       expert_load=moe_stats["expert_load"])
+            penalty = moe.aux_loss_weight * aux["aux_loss"] + moe.z_loss_weight * aux["z_loss"]
+            objective = objective + jax.lax.stop_gradient(count) * penalty
+        return objective, aux
+
+    grads_of_sum = jax.grad(loss_sum, has_aux=True)  # -> (grads, statistics)
 
     def summed_grads(params, batch):
-        """Gradient of the summed NLL, accumulated over parallel.grad_accum microsteps."""
+        """Gradient of the summed objective, accumulated over parallel.grad_accum microsteps,
+        with the statistics summed likewise."""
         accum = cfg.parallel.grad_accum
         if accum == 1:
             return grads_of_sum(params, batch)
@@ -150,21 +162,27 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         def microstep(carry, mb):
             return jax.tree.map(jnp.add, carry, grads_of_sum(params, mb)), None
 
-        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
-        (grads, nll, count), _ = jax.lax.scan(microstep, zeros, micro)
-        return grads, nll, count
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(grads_of_sum, params, batch))
+        total, _ = jax.lax.scan(microstep, zeros, micro)
+        return total
 
     def train_step(state, batch):
         with sharding_lib.use_mesh(mesh, rules["activations"]):
-            grads, nll, count = summed_grads(state["params"], batch)
-        count = jnp.maximum(count, 1.0)
+            grads, aux = summed_grads(state["params"], batch)
+        count = jnp.maximum(aux["count"], 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
         # ZeRO-2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
         grads = jax.lax.with_sharding_constraint(grads, shardings["grads"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": nll / count, "grad_norm": optax.tree.norm(grads),
+        metrics = {"loss": aux["nll"] / count, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state["step"]), "tokens": count}
+        if "expert_load" in aux:
+            accum = cfg.parallel.grad_accum
+            metrics.update({k: aux[k] / accum for k in ("aux_loss", "z_loss", "dropped_fraction")})
+            metrics["expert_load_min"] = jnp.min(aux["expert_load"])
+            metrics["expert_load_max"] = jnp.max(aux["expert_load"])
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     batch_sharding = sharding_lib.batch_sharding(mesh)
@@ -231,11 +249,11 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
             step_time = (now - window_start) / window_steps if window_steps else None
             tokens_per_sec = tokens_per_step / step_time if step_time else None
             record = {
-                "step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                "lr": float(metrics["lr"]), "tokens_per_sec": tokens_per_sec,
+                "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
                 "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
                 "step_time_s": step_time,
                 "memory_bytes": metrics_lib.device_memory_bytes(devices[0]),
+                **{k: float(v) for k, v in metrics.items() if k not in ("loss", "tokens")},
             }
             if not np.isfinite(loss):
                 raise FloatingPointError(f"the loss became {loss} at step {step}")

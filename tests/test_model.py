@@ -60,7 +60,8 @@ def test_model_matches_plain_numpy_forward(tie):
     # Two packed documents in row 0 (positions restart), one in row 1.
     segment_ids = np.array([[1] * 5 + [2] * 7, [1] * 12])
     positions = np.array([list(range(5)) + list(range(7)), list(range(12))])
-    logits = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids))
+    logits, stats = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids))
+    assert stats == {}
     expected = reference_forward(params, tokens, positions, segment_ids, cfg)
     assert logits.shape == (2, 12, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(logits), expected, rtol=2e-4, atol=2e-5)
@@ -74,8 +75,8 @@ def test_documents_do_not_see_each_other():
     other[0, :4] = 7  # change only the first document
     segments = np.array([[1] * 4 + [2] * 6])
     positions = np.array([list(range(4)) + list(range(6))])
-    a = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments))
-    b = model(jnp.asarray(other), jnp.asarray(positions), jnp.asarray(segments))
+    a, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments))
+    b, _ = model(jnp.asarray(other), jnp.asarray(positions), jnp.asarray(segments))
     np.testing.assert_array_equal(np.asarray(a[0, 4:]), np.asarray(b[0, 4:]))
     assert not np.allclose(np.asarray(a[0, :4]), np.asarray(b[0, :4]))
 

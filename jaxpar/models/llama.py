@@ -37,19 +37,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_matmul_params
+from jaxpar.models.params import param as _param
 from jaxpar.sharding import constrain
 
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
 }
-
-
-def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float | None = None) -> nnx.Param:
-    """A parameter drawn from N(0, std^2), tagged with its logical axis names."""
-    std = cfg.init_std if std is None else std
-    value = std * jax.random.normal(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -113,9 +108,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
         self.cfg = cfg
-        e, f = cfg.d_model, cfg.d_ff
+        e, f = cfg.d_model, d_ff or cfg.d_ff
         self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), cfg)
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg)
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
@@ -129,17 +124,48 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """Pre-norm transformer block; `moe=True` swaps the dense MLP for a mixture of experts."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoEMLP(cfg, rngs) if moe else MLP(cfg, rngs)
 
-    def __call__(self, x, positions, segment_ids):  # x [batch, seq, embed]
+    def __call__(self, x, positions, segment_ids):
+        """x [batch, seq, embed] -> (x, stats); stats holds the router statistics of an MoE MLP."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         x = constrain(x, ("batch", "act_seq", "embed"))
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "act_seq", "embed"))
+        out = self.mlp(self.mlp_norm(x))
+        out, stats = out if isinstance(out, tuple) else (out, {})
+        return constrain(x + out, ("batch", "act_seq", "embed")), stats
+
+
+class BlockGroup(nnx.Module):
+    """`model.moe.every` blocks, the last with an MoE MLP: the unit the layer scan repeats when
+    MoE layers are interleaved with dense ones."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        every = cfg.moe.every
+        self.blocks = nnx.List([Block(cfg, rngs, moe=i == every - 1) for i in range(every)])
+
+    def __call__(self, x, positions, segment_ids):
+        stats = {}
+        for block in self.blocks:
+            x, block_stats = block(x, positions, segment_ids)
+            stats = block_stats or stats
+        return x, stats
+
+
+def scan_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """What one step of the layer scan applies: a block, or a group with one MoE block."""
+    if cfg.moe.num_experts == 0:
+        return Block(cfg, rngs)
+    return Block(cfg, rngs, moe=True) if cfg.moe.every == 1 else BlockGroup(cfg, rngs)
+
+
+def scan_length(cfg: ModelConfig) -> int:
+    return cfg.n_layers if cfg.moe.num_experts == 0 else cfg.n_layers // cfg.moe.every
 
 
 class Transformer(nnx.Module):
@@ -148,10 +174,10 @@ class Transformer(nnx.Module):
         self.remat = remat
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.split_rngs(splits=scan_length(cfg))
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs):
-            return Block(cfg, rngs)
+            return scan_unit(cfg, rngs)
 
         self.blocks = stacked_blocks(rngs)  # every parameter has a leading [layers] axis
         self.final_norm = RMSNorm(cfg)
@@ -165,16 +191,18 @@ class Transformer(nnx.Module):
         return constrain(x, ("batch", "act_seq", "embed"))
 
     def apply_blocks(self, x, positions, segment_ids):
-        """Runs the stacked blocks with a scan over the layers axis (rematerialised per policy)."""
+        """Runs the stacked blocks with a scan over the layers axis (rematerialised per policy).
+
+        Returns (x, stats): stats are the MoE layers' router statistics stacked over the scan
+        ({} for a dense model)."""
         graphdef, layer_params = nnx.split(self.blocks)
 
         def one_layer(h, params):
-            return nnx.merge(graphdef, params)(h, positions, segment_ids), None
+            return nnx.merge(graphdef, params)(h, positions, segment_ids)
 
         if self.remat != "none":
             one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat])
-        x, _ = jax.lax.scan(one_layer, x, layer_params)
-        return x
+        return jax.lax.scan(one_layer, x, layer_params)
 
     def head(self, x):  # [batch, seq, embed] -> float32 logits [batch, seq, vocab]
         x = self.final_norm(x)
@@ -184,8 +212,10 @@ class Transformer(nnx.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
     def __call__(self, tokens, positions, segment_ids):
-        """tokens, positions, segment_ids: int [batch, seq] -> float32 logits [batch, seq, vocab]."""
-        return self.head(self.apply_blocks(self.embed(tokens), positions, segment_ids))
+        """tokens, positions, segment_ids: int [batch, seq] ->
+        (float32 logits [batch, seq, vocab], MoE statistics stacked over layers or {})."""
+        x, stats = self.apply_blocks(self.embed(tokens), positions, segment_ids)
+        return self.head(x), stats
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -193,5 +223,17 @@ def matmul_params(cfg: ModelConfig) -> int:
     the output head counts, tied or not) -- the N of the 6N FLOPs-per-token rule."""
     e, n, k, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size
     h = e // n
-    per_layer = e * n * h + 2 * e * k * h + n * h * e + 3 * e * f
-    return cfg.n_layers * per_layer + e * v
+    attention = e * n * h + 2 * e * k * h + n * h * e
+    moe_layers = 0 if cfg.moe.num_experts == 0 else cfg.n_layers // cfg.moe.every
+    dense_layers = cfg.n_layers - moe_layers
+    return (cfg.n_layers * attention + dense_layers * 3 * e * f
+            + moe_layers * moe_matmul_params(cfg) + e * v)
+
+
+def active_matmul_params(cfg: ModelConfig) -> int:
+    """Matmul weights one token goes through (an MoE layer counts its top_k experts only)."""
+    if cfg.moe.num_experts == 0:
+        return matmul_params(cfg)
+    moe_layers = cfg.n_layers // cfg.moe.every
+    inactive = (cfg.moe.num_experts - cfg.moe.top_k) * 3 * cfg.d_model * expert_d_ff(cfg)
+    return matmul_params(cfg) - moe_layers * inactive

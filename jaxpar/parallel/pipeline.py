@@ -212,8 +212,9 @@ def lower_schedule(schedule: Schedule) -> Lowered:
             stash[s][i, c] = (t, when["B", i, c])
         if phase == "B":
             grads[s][i, c] = (when["F", i, c] if c == last else when["B", i, c + 1], t)
-    acts, stash, grads = ([_allocate(x) for x in kind] for kind in (acts, stash, grads))
-    n_act, n_stash, n_grad = (max(n for _, n in kind) for kind in (acts, stash, grads))
+    allocated = [[_allocate(per_stage) for per_stage in kind] for kind in (acts, stash, grads)]
+    act_slot, stash_slot, grad_slot = ([slots for slots, _ in kind] for kind in allocated)
+    n_act, n_stash, n_grad = (max(n for _, n in kind) for kind in allocated)
 
     table = np.zeros((len(schedule.actions), p, len(FIELDS)), np.int32)
     table[..., [3, 5, 6, 7]] = [n_act, n_grad, n_act, n_grad]  # scratch slots by default
@@ -225,15 +226,15 @@ def lower_schedule(schedule: Schedule) -> Lowered:
             entry = table[t, s]
             entry[0] = BACKWARD if a.phase == "B" else FORWARD_HEAD if c == last else FORWARD
             entry[1], entry[2], entry[8] = i, a.chunk, c == 0
-            entry[4] = stash[s][0][i, c]
+            entry[4] = stash_slot[s][i, c]
             if a.phase == "F" and c > 0:
-                entry[3] = acts[s][0][i, c]
+                entry[3] = act_slot[s][i, c]
             if a.phase == "B" or c == last:
-                entry[5] = grads[s][0][i, c]
+                entry[5] = grad_slot[s][i, c]
             if a.phase == "F" and c < last:  # activation goes to the next chunk's device
-                table[t, (s + 1) % p, 6] = acts[(s + 1) % p][0][i, c + 1]
+                table[t, (s + 1) % p, 6] = act_slot[(s + 1) % p][i, c + 1]
             if a.phase == "B" and c > 0:  # gradient goes to the previous chunk's device
-                table[t, (s - 1) % p, 7] = grads[(s - 1) % p][0][i, c - 1]
+                table[t, (s - 1) % p, 7] = grad_slot[(s - 1) % p][i, c - 1]
     return Lowered(table, n_act, n_stash, n_grad)
 
 

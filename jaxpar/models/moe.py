@@ -1,0 +1,58 @@
+"""The mixture-of-experts MLP: parameters and logical names here, the routing and the expert
+all-to-all in `jaxpar.parallel.experts` (one shard_map over the mesh)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.models.params import param
+from jaxpar.parallel.experts import moe_mlp
+from jaxpar.sharding import constrain, current_mesh, single_device_mesh
+
+
+def expert_d_ff(cfg: ModelConfig) -> int:
+    return cfg.moe.d_ff or cfg.d_ff
+
+
+def moe_matmul_params(cfg: ModelConfig) -> int:
+    """Matmul weights of one MoE MLP: router, every routed expert, the shared experts."""
+    e, f, m = cfg.d_model, expert_d_ff(cfg), cfg.moe
+    return e * m.num_experts + (m.num_experts + m.shared_experts) * 3 * e * f
+
+
+class MoEMLP(nnx.Module):
+    """Top-k routed SwiGLU experts (+ optional always-on shared experts, DeepSeek-MoE style).
+
+    Weights: router [embed, experts] (replicated: every device routes its own tokens), experts
+    gate/up [experts, embed, mlp] and down [experts, mlp, embed], split over `expert` along the
+    experts dim (and over `tensor` / `fsdp` like a dense MLP)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, f, n = cfg.d_model, expert_d_ff(cfg), cfg.moe.num_experts
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.router = param(rngs, (e, n), ("embed", None), cfg)
+        self.gate = param(rngs, (n, e, f), ("experts", "embed", "mlp"), cfg)
+        self.up = param(rngs, (n, e, f), ("experts", "embed", "mlp"), cfg)
+        self.down = param(rngs, (n, f, e), ("experts", "mlp", "embed"), cfg, out_std)
+        shared = cfg.moe.shared_experts * f
+        if shared:
+            self.shared_gate = param(rngs, (e, shared), ("embed", "mlp"), cfg)
+            self.shared_up = param(rngs, (e, shared), ("embed", "mlp"), cfg)
+            self.shared_down = param(rngs, (shared, e), ("mlp", "embed"), cfg, out_std)
+
+    def __call__(self, x):
+        """x [batch, seq, embed] -> (y [batch, seq, embed], router statistics)."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        weights = {"router": self.router[...], "gate": self.gate[...], "up": self.up[...],
+                   "down": self.down[...]}
+        y, stats = moe_mlp(x, weights, mesh=current_mesh() or single_device_mesh(),
+                           top_k=self.cfg.moe.top_k, capacity_factor=self.cfg.moe.capacity_factor,
+                           compute_dtype=dtype)
+        if self.cfg.moe.shared_experts:
+            hidden = jax.nn.silu(x @ self.shared_gate[...].astype(dtype)) * (x @ self.shared_up[...].astype(dtype))
+            y = y + constrain(hidden, ("batch", "seq", "mlp")) @ self.shared_down[...].astype(dtype)
+        return y, stats

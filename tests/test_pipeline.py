@@ -1,0 +1,272 @@
+"""Pipeline parallelism: schedules, bubble, equality with the single-device model, memory.
+
+Toy model: L layers of h = h + tanh(h @ w1) @ w2 on [batch, d] activations, head
+loss = sum((tanh(h @ w) - y)^2) / batch. The pipelined loss and gradients (stack, head, inputs)
+must equal jax.value_and_grad of the plain model.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.parallel.pipeline import (
+    build_schedule,
+    bubble_fraction,
+    format_schedule,
+    lower_schedule,
+    merge_microbatches,
+    pipeline_value_and_grad,
+    split_microbatches,
+    stack_stages,
+    unstack_stages,
+    validate_pipeline,
+)
+
+AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
+LAYERS, WIDTH, HIDDEN, MICROBATCH, OUT = 16, 8, 16, 4, 3
+
+
+def layer(h, w):
+    return h + jnp.tanh(h @ w["w1"]) @ w["w2"], None
+
+
+def stage_fn(chunk_params, h):  # chunk_params leaves: [layers_per_chunk, ...]
+    return jax.lax.scan(layer, h, chunk_params)[0]
+
+
+def head_loss(head_params, h, y, batch):
+    return jnp.sum((jnp.tanh(h @ head_params["w"]) - y) ** 2) / batch
+
+
+def model_loss(layer_params, head_params, x, y):
+    return head_loss(head_params, stage_fn(layer_params, x), y, x.shape[0])
+
+
+def toy_problem(batch, layers=LAYERS, width=WIDTH, hidden=HIDDEN, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    layer_params = {
+        "w1": jax.random.normal(k[0], (layers, width, hidden)) / np.sqrt(width),
+        "w2": jax.random.normal(k[1], (layers, hidden, width)) / np.sqrt(hidden),
+    }
+    head_params = {"w": jax.random.normal(k[2], (width, OUT)) / np.sqrt(width)}
+    x = jax.random.normal(k[3], (batch, width))
+    y = jax.random.normal(k[4], (batch, OUT))
+    return layer_params, head_params, x, y
+
+
+def make_mesh(shape, axis_type=AxisType.Auto):
+    devices = jax.devices()[: int(np.prod(shape))]
+    return jax.make_mesh(shape, AXES, axis_types=(axis_type,) * len(AXES), devices=devices)
+
+
+def pipelined(schedule, mesh, batch):
+    """Jitted pipeline loss and grads, from the plain model's [layers, ...] params, [batch, d] x."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+
+    @jax.jit
+    def run(layer_params, head_params, x, y):
+        return pipeline_value_and_grad(
+            stage_fn, functools.partial(head_loss, batch=batch),
+            stack_stages(layer_params, p, v), head_params,
+            split_microbatches(x, m), split_microbatches(y, m), schedule=schedule, mesh=mesh)
+    return run
+
+
+def single_device(schedule, args):
+    """The plain model's loss and grads, laid out like the pipeline's outputs."""
+    loss, (layer_grads, head_grads, x_grads) = jax.jit(
+        jax.value_and_grad(model_loss, argnums=(0, 1, 2)))(*jax.device_get(args))
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    return loss, (stack_stages(layer_grads, p, v), head_grads, split_microbatches(x_grads, m))
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    def check(path, a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        err = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
+    jax.tree_util.tree_map_with_path(check, actual, expected)
+
+
+def assert_matches_single_device(schedule, mesh, args):
+    actual = pipelined(schedule, mesh, args[2].shape[0])(*args)
+    assert float(actual[0]) > 0.1
+    assert_close(jax.device_get(actual), single_device(schedule, args))
+
+
+# Every pipe size with every schedule; microbatches below, at and above the stage count.
+CASES = [
+    ("gpipe", 2, 3, 1), ("1f1b", 2, 5, 1), ("interleaved", 2, 4, 2),
+    ("gpipe", 4, 6, 1), ("1f1b", 4, 3, 1), ("interleaved", 4, 4, 2),
+    ("gpipe", 8, 2, 1), ("1f1b", 8, 9, 1), ("interleaved", 8, 8, 2),
+]
+
+
+@pytest.mark.parametrize("kind,stages,microbatches,virtual_stages", CASES)
+def test_pipeline_matches_single_device(kind, stages, microbatches, virtual_stages):
+    schedule = build_schedule(kind, stages, microbatches, virtual_stages)
+    mesh = make_mesh((stages, 1, 1, 1, 1, 1))
+    assert_matches_single_device(schedule, mesh, toy_problem(microbatches * MICROBATCH))
+
+
+@pytest.mark.parametrize("kind,virtual_stages", [("1f1b", 1), ("interleaved", 2)])
+def test_pipeline_with_data_and_tensor_axes_matches_single_device(kind, virtual_stages):
+    mesh = make_mesh((2, 2, 1, 1, 1, 2))  # pipe=2 data=2 tensor=2, GSPMD (auto) outside 'pipe'
+    microbatches = 4
+    layer_params, head_params, x, y = toy_problem(microbatches * MICROBATCH)
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    args = (
+        {"w1": put(layer_params["w1"], None, None, "tensor"),
+         "w2": put(layer_params["w2"], None, "tensor", None)},
+        head_params, put(x, ("data", "fsdp")), put(y, ("data", "fsdp")))
+    schedule = build_schedule(kind, 2, microbatches, virtual_stages)
+    assert_matches_single_device(schedule, mesh, args)
+
+
+def test_pipeline_on_explicit_mesh_matches_single_device():
+    mesh = make_mesh((2, 2, 2, 1, 1, 1), AxisType.Explicit)  # jax.make_mesh's default axis type
+    layer_params, head_params, x, y = toy_problem(4 * MICROBATCH)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))  # noqa: E731
+    args = (layer_params, head_params, put(x), put(y))
+    assert_matches_single_device(build_schedule("gpipe", 2, 4), mesh, args)
+
+
+def test_layouts_round_trip():
+    layers = {"w": jnp.arange(16 * 3.0).reshape(16, 3)}
+    stacked = stack_stages(layers, stages=4, virtual_stages=2)  # [8, 2, 3]
+    assert stacked["w"].shape == (8, 2, 3)
+    assert float(stacked["w"][1, 0, 0]) == 8 * 3  # device 0, virtual chunk 1 = model chunk 4
+    np.testing.assert_array_equal(unstack_stages(stacked, 4, 2)["w"], layers["w"])
+    x = jnp.arange(12.0).reshape(6, 2)
+    assert split_microbatches(x, 3).shape == (3, 2, 2)
+    np.testing.assert_array_equal(merge_microbatches(split_microbatches(x, 3)), x)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_layers_not_divisible_by_stages_times_virtual_stages():
+    with pytest.raises(ValueError, match=r"layers=12 .* stages\*virtual_stages=4\*2=8"):
+        stack_stages({"w": jnp.zeros((12, 2))}, stages=4, virtual_stages=2)
+    with pytest.raises(ValueError, match="layers=6"):
+        validate_pipeline("1f1b", 4, 8, layers=6)
+
+
+def test_batch_not_divisible_into_microbatches():
+    with pytest.raises(ValueError, match="batch=10 does not split into microbatches=4"):
+        split_microbatches(jnp.zeros((10, 3)), 4)
+    with pytest.raises(ValueError, match="batch=10"):
+        validate_pipeline("gpipe", 2, 4, batch=10)
+
+
+def test_schedule_arguments_are_checked():
+    with pytest.raises(ValueError, match="microbatches=6 divisible by stages=4"):
+        build_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="virtual_stages >= 2"):
+        build_schedule("interleaved", 4, 8, 1)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs 'interleaved'"):
+        build_schedule("1f1b", 4, 8, 2)
+    with pytest.raises(ValueError, match="unknown"):
+        build_schedule("zero-bubble", 4, 8)
+
+
+def test_mesh_and_schedule_must_agree():
+    layer_params, head_params, x, y = toy_problem(8)
+    schedule, mesh = build_schedule("1f1b", 4, 4), make_mesh((2, 4, 1, 1, 1, 1))
+    with pytest.raises(ValueError, match="mesh axis pipe=2 but schedule has stages=4"):
+        pipeline_value_and_grad(stage_fn, functools.partial(head_loss, batch=8),
+                                stack_stages(layer_params, 4), head_params,
+                                split_microbatches(x, 4), split_microbatches(y, 4),
+                                schedule=schedule, mesh=mesh)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 3), (8, 16)])
+def test_bubble_fraction_matches_formula(stages, microbatches):
+    p, m = stages, microbatches
+    formula = (p - 1) / (m + p - 1)
+    assert bubble_fraction(build_schedule("gpipe", p, m)) == pytest.approx(formula, abs=1e-12)
+    assert bubble_fraction(build_schedule("1f1b", p, m)) == pytest.approx(formula, abs=1e-12)
+    if m % p == 0:
+        interleaved = bubble_fraction(build_schedule("interleaved", p, m, 2))
+        assert interleaved < formula
+        assert interleaved == pytest.approx((p - 1) / (2 * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("kind,virtual_stages", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_schedule_runs_every_action_once_in_dependency_order(kind, virtual_stages):
+    p, m, v = 4, 8, virtual_stages
+    schedule = build_schedule(kind, p, m, v)
+    when = {}
+    for t, row in enumerate(schedule.actions):
+        for s, a in enumerate(row):
+            if a is not None:
+                key = (a.phase, a.microbatch, a.chunk * p + s)
+                assert key not in when
+                when[key] = t
+    assert len(when) == 2 * m * p * v
+    for (phase, i, c), t in when.items():
+        if phase == "F" and c > 0:
+            assert when["F", i, c - 1] < t
+        if phase == "B":
+            assert when["F", i, c] < t
+            assert c == p * v - 1 or when["B", i, c + 1] < t
+
+
+@pytest.mark.parametrize("microbatches", [4, 16])
+def test_1f1b_stashes_at_most_stages_microbatches(microbatches):
+    assert lower_schedule(build_schedule("1f1b", 4, microbatches)).stash_slots == 4
+    assert lower_schedule(build_schedule("gpipe", 4, microbatches)).stash_slots == microbatches
+
+
+def test_format_schedule():
+    text = format_schedule(build_schedule("1f1b", 2, 3))
+    lines = text.splitlines()
+    assert lines[0].split() == ["stage", "0", "|", "F0", "F1", ".", "B0", "F2", "B1", ".", "B2"]
+    assert lines[1].split() == ["stage", "1", "|", ".", "F0", "B0", "F1", "B1", "F2", "B2", "."]
+    assert lines[2].startswith("bubble 0.2500")
+    assert "F0.1" in format_schedule(build_schedule("interleaved", 2, 2, 2))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.fixture(scope="module")
+def temp_bytes():
+    """Compiled temporaries for gpipe / 1f1b at m=4 and m=16, microbatch held fixed.
+
+    Activations ([256, 16], hidden [256, 64]) dwarf the parameters (4 layers of 16x64), so the
+    stashed vjp residuals are what grows with m. Compile only; nothing runs.
+    """
+    p, layers, microbatch, width, hidden = 2, 4, 256, 16, 64
+    mesh = make_mesh((p, 1, 1, 1, 1, 1))
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    stage_params = {"w1": f32(p, layers // p, width, hidden),
+                    "w2": f32(p, layers // p, hidden, width)}
+    sizes = {}
+    for kind in ("gpipe", "1f1b"):
+        for m in (4, 16):
+            schedule = build_schedule(kind, p, m)
+            head_fn = functools.partial(head_loss, batch=m * microbatch)
+            run = jax.jit(functools.partial(pipeline_value_and_grad, stage_fn, head_fn,
+                                            schedule=schedule, mesh=mesh))
+            compiled = run.lower(stage_params, {"w": f32(width, OUT)}, f32(m, microbatch, width),
+                                 f32(m, microbatch, OUT)).compile()
+            sizes[kind, m] = compiled.memory_analysis().temp_size_in_bytes
+    return sizes
+
+
+def test_1f1b_memory_flat_in_microbatches(temp_bytes):
+    assert temp_bytes["1f1b", 16] <= 1.25 * temp_bytes["1f1b", 4], temp_bytes
+
+
+def test_gpipe_memory_grows_with_microbatches(temp_bytes):
+    assert temp_bytes["gpipe", 16] >= 2.5 * temp_bytes["gpipe", 4], temp_bytes
+    assert temp_bytes["1f1b", 16] < temp_bytes["gpipe", 16] / 3, temp_bytes
