@@ -383,6 +383,32 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"model.moe.shared_experts={moe.shared_experts} must be 0 or more")
 
 
+def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
+    p, par, t = sizes["pipe"], cfg.parallel, cfg.train
+    if p == 1:
+        return
+    from jaxpar.parallel.pipeline import validate_pipeline  # jax-free schedule checks
+
+    try:
+        validate_pipeline(par.pipeline_schedule, p, par.microbatches, par.virtual_stages,
+                          layers=cfg.model.n_layers, batch=t.batch_size)
+    except ValueError as e:
+        raise ConfigError(f"mesh.pipe={p}, parallel.pipeline_schedule={par.pipeline_schedule}: {e}") from None
+    data_parallel = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    if t.batch_size % (par.microbatches * data_parallel):
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} must split into parallel.microbatches={par.microbatches} "
+            f"microbatches that each split over data*fsdp*expert={data_parallel}; "
+            f"try a multiple of {par.microbatches * data_parallel}")
+    for key, value, why in [
+        ("parallel.grad_accum", par.grad_accum != 1, "microbatches already accumulate; set it to 1"),
+        ("model.moe.num_experts", cfg.model.moe.num_experts != 0, "MoE layers are not pipelined yet"),
+        ("mesh.context", sizes["context"] != 1, "ring attention is not pipelined yet"),
+    ]:
+        if value:
+            raise ConfigError(f"{key} with mesh.pipe={p}: {why}")
+
+
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks the whole config against itself and the device count; returns the mesh sizes."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -445,7 +471,8 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     if p.sequence_parallel:
         _require_divides("mesh.tensor", tensor * sizes["context"], "train.seq_len", t.seq_len)
     _validate_moe(cfg, sizes)
-    for axis in ("pipe", "context"):
+    _validate_pipeline(cfg, sizes)
+    for axis in ("context",):
         if sizes[axis] > 1:
             raise ConfigError(
                 f"mesh.{axis}={sizes[axis]}: this technique is not available in this build; "

@@ -1,4 +1,7 @@
-"""`python -m jaxpar.inspect [CONFIG] [overrides] [--compare] [--human]`: compile, never run.
+"""`python -m jaxpar.inspect [CONFIG] [overrides] [--compare] [--human] [--schedule]`: compile, never run.
+
+`--schedule` prints the pipeline schedule (stage x tick: F3, B1, idle) and its bubble fraction
+instead, without compiling anything.
 
 Compiles the train step for the configured mesh and prints one JSON object: the mesh, the
 parameter count, the bytes each device holds (parameters, optimizer state and gradients from
@@ -26,6 +29,7 @@ import numpy as np
 from jaxpar import hlo
 from jaxpar import metrics as metrics_lib
 from jaxpar.config import ConfigError
+from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.sharding import shard_bytes
 from jaxpar.train import Trainer, build_trainer, load_and_validate
 
@@ -118,15 +122,21 @@ def format_human(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     flags = {a for a in argv if a.startswith("--")}
-    unknown = flags - {"--compare", "--human"}
+    unknown = flags - {"--compare", "--human", "--schedule"}
     if unknown:
-        print(f"error: unknown flag(s) {sorted(unknown)}; known: --compare, --human", file=sys.stderr)
+        print(f"error: unknown flag(s) {sorted(unknown)}; known: --compare, --human, --schedule",
+              file=sys.stderr)
         return 2
     try:
         cfg, sizes = load_and_validate([a for a in argv if not a.startswith("--")])
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if "--schedule" in flags:  # the pipeline's static timeline; nothing compiles
+        p = cfg.parallel
+        print(pipeline_lib.format_schedule(pipeline_lib.build_schedule(
+            p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)))
+        return 0
     trainer = build_trainer(cfg, sizes)
     result = report(trainer, compile_step(trainer), compare="--compare" in flags)
     print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))

@@ -34,7 +34,7 @@ BASE_RULES: Rules = {
     "batch": ("data", "fsdp", "expert"),
     "seq": ("context",),
     "act_seq": ("context",),  # sequence between blocks; + tensor with sequence parallelism
-    "layers": (),
+    "layers": ("pipe",),  # pipeline stages own contiguous runs of layers
     "vocab": ("tensor",),
     "embed": (),
     "heads": ("tensor",),
@@ -45,8 +45,10 @@ BASE_RULES: Rules = {
 }
 
 
-def make_rules(*, shard_embed: bool, sequence_parallel: bool) -> Rules:
+def make_rules(*, shard_embed: bool, sequence_parallel: bool, shard_vocab: bool = True) -> Rules:
     rules = dict(BASE_RULES)
+    if not shard_vocab:
+        rules["vocab"] = ()
     if shard_embed:
         rules["embed"] = ("fsdp",)
     if sequence_parallel:
@@ -85,10 +87,15 @@ def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
     )
 
 
-def state_rules(zero_stage: int, sequence_parallel: bool) -> dict[str, Rules]:
-    """Rules for params, grads and optimizer state at a ZeRO stage (table in the module doc)."""
-    replicated = make_rules(shard_embed=False, sequence_parallel=sequence_parallel)
-    sharded = make_rules(shard_embed=True, sequence_parallel=sequence_parallel)
+def state_rules(zero_stage: int, sequence_parallel: bool, pipelined: bool = False) -> dict[str, Rules]:
+    """Rules for params, grads and optimizer state at a ZeRO stage (table in the module doc).
+
+    Pipelined runs keep the embedding and the output head whole over `tensor` (`vocab` -> no
+    axis): XLA's SPMD partitioner (jax 0.10.2) fails a check on a vocab-split embedding next to
+    the pipeline's shard_map when data and tensor are both > 1."""
+    options = dict(sequence_parallel=sequence_parallel, shard_vocab=not pipelined)
+    replicated = make_rules(shard_embed=False, **options)
+    sharded = make_rules(shard_embed=True, **options)
     return {
         "params": sharded if zero_stage >= 3 else replicated,
         "grads": sharded if zero_stage >= 2 else replicated,
@@ -135,6 +142,17 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.Context
 def use_mesh(mesh: Mesh, rules: Rules):
     """Within this block, `constrain` pins activations onto `mesh` with `rules`."""
     token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def unconstrained():
+    """Within this block `constrain` does nothing: for code traced inside a shard_map, where the
+    mesh's manual axes cannot appear in sharding constraints (GSPMD propagates from the inputs)."""
+    token = _ACTIVE.set(None)
     try:
         yield
     finally:

@@ -28,6 +28,8 @@ from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import emulate_cpu_devices, make_mesh
 from jaxpar.models import Transformer
+from jaxpar.models.llama import logits_from, scan_layers
+from jaxpar.parallel import pipeline as pipeline_lib
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -104,14 +106,61 @@ def cross_entropy(logits, targets, mask):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+def pipelined_grads_fn(cfg: Config, mesh: Mesh, graphdef, abstract_model: Transformer):
+    """(params, batch) -> (grads of the summed NLL, {"nll", "count"}) with the blocks pipelined
+    over `pipe` (jaxpar.parallel.pipeline); the embedding and the head stay outside the stages."""
+    p, m, v = mesh.shape["pipe"], cfg.parallel.microbatches, cfg.parallel.virtual_stages
+    schedule = pipeline_lib.build_schedule(cfg.parallel.pipeline_schedule, p, m, v)
+    blocks_graphdef = nnx.split(abstract_model.blocks)[0]
+    norm_graphdef = nnx.split(abstract_model.final_norm)[0]
+    dtype = jnp.dtype(cfg.model.dtype)
+
+    def stage_fn(chunk_params, h, side):
+        positions, segment_ids = side
+        with sharding_lib.unconstrained():  # inside the pipeline's shard_map
+            out, _ = scan_layers(blocks_graphdef, chunk_params, h.astype(dtype), positions,
+                                 segment_ids, cfg.parallel.remat)
+        return out.astype(h.dtype)
+
+    def head_fn(head_params, h, targets):
+        norm = nnx.merge(norm_graphdef, head_params["final_norm"])
+        with sharding_lib.unconstrained():
+            logits = logits_from(norm, head_params["output"], h, dtype)
+        return cross_entropy(logits, targets["targets"], targets["loss_mask"])[0]
+
+    def grads(params, batch):
+        # Activations travel between stages in float32: with bfloat16 ones, XLA:CPU's SPMD
+        # partitioner fails a check (jax 0.10.2); the blocks still compute in model.dtype.
+        x, embed_vjp = jax.vjp(lambda e: e[batch["inputs"]], params["embedding"])
+        output = params["embedding"].T if cfg.model.tie_embeddings else params["lm_head"]
+        head_params = {"final_norm": params["final_norm"], "output": output}
+        micro = pipeline_lib.split_microbatches(batch, m)
+        nll, (stage_grads, head_grads, input_grads) = pipeline_lib.pipeline_value_and_grad(
+            stage_fn, head_fn, pipeline_lib.stack_stages(params["blocks"], p, v), head_params,
+            pipeline_lib.split_microbatches(x, m), {k: micro[k] for k in ("targets", "loss_mask")},
+            schedule=schedule, mesh=mesh, side=(micro["positions"], micro["segment_ids"]))
+        (embedding_grad,) = embed_vjp(pipeline_lib.merge_microbatches(input_grads))
+        out = {"blocks": pipeline_lib.unstack_stages(stage_grads, p, v),
+               "final_norm": head_grads["final_norm"]}
+        if cfg.model.tie_embeddings:
+            out["embedding"] = embedding_grad + head_grads["output"].T
+        else:
+            out["embedding"], out["lm_head"] = embedding_grad, head_grads["output"]
+        return out, {"nll": nll, "count": jnp.sum(batch["loss_mask"])}
+
+    return grads
+
+
 def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
     """Mesh, shardings, born-sharded init and the jitted train step for `cfg` (not compiled yet)."""
     mesh = make_mesh(sizes, devices)
-    rules = sharding_lib.state_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
+    rules = sharding_lib.state_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
+                                     pipelined=sizes["pipe"] > 1)
     optimizer = make_optimizer(cfg)
     schedule = lr_schedule(cfg)
 
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: _new_model(cfg)))
+    abstract_model = nnx.eval_shape(lambda: _new_model(cfg))
+    graphdef, abstract_state = nnx.split(abstract_model)
     logical = _logical_names(abstract_state)
     param_shape = nnx.to_pure_dict(abstract_state)
     shardings = {
@@ -166,6 +215,9 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
                              jax.eval_shape(grads_of_sum, params, batch))
         total, _ = jax.lax.scan(microstep, zeros, micro)
         return total
+
+    if sizes["pipe"] > 1:
+        summed_grads = pipelined_grads_fn(cfg, mesh, graphdef, abstract_model)  # noqa: F811
 
     def train_step(state, batch):
         with sharding_lib.use_mesh(mesh, rules["activations"]):

@@ -168,6 +168,24 @@ def scan_length(cfg: ModelConfig) -> int:
     return cfg.n_layers if cfg.moe.num_experts == 0 else cfg.n_layers // cfg.moe.every
 
 
+def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = "none"):
+    """Applies stacked layers (leaves [layers, ...], merged into `graphdef` one at a time) with a
+    lax.scan, rematerialised per `remat`. Returns (x, per-layer statistics stacked)."""
+
+    def one_layer(h, params):
+        return nnx.merge(graphdef, params)(h, positions, segment_ids)
+
+    if remat != "none":
+        one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat])
+    return jax.lax.scan(one_layer, x, layer_params)
+
+
+def logits_from(final_norm: RMSNorm, weight, x, dtype):
+    """Final norm and output projection: [batch, seq, embed] -> float32 [batch, seq, vocab]."""
+    logits = final_norm(x) @ weight.astype(dtype)
+    return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
         self.cfg = cfg
@@ -191,25 +209,15 @@ class Transformer(nnx.Module):
         return constrain(x, ("batch", "act_seq", "embed"))
 
     def apply_blocks(self, x, positions, segment_ids):
-        """Runs the stacked blocks with a scan over the layers axis (rematerialised per policy).
-
-        Returns (x, stats): stats are the MoE layers' router statistics stacked over the scan
-        ({} for a dense model)."""
+        """Runs the stacked blocks; returns (x, MoE statistics stacked over layers, or {})."""
         graphdef, layer_params = nnx.split(self.blocks)
+        return scan_layers(graphdef, layer_params, x, positions, segment_ids, self.remat)
 
-        def one_layer(h, params):
-            return nnx.merge(graphdef, params)(h, positions, segment_ids)
-
-        if self.remat != "none":
-            one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[self.remat])
-        return jax.lax.scan(one_layer, x, layer_params)
+    def output_weight(self):
+        return self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
     def head(self, x):  # [batch, seq, embed] -> float32 logits [batch, seq, vocab]
-        x = self.final_norm(x)
-        dtype = jnp.dtype(self.cfg.dtype)
-        w = self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = x @ w.astype(dtype)
-        return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+        return logits_from(self.final_norm, self.output_weight(), x, jnp.dtype(self.cfg.dtype))
 
     def __call__(self, tokens, positions, segment_ids):
         """tokens, positions, segment_ids: int [batch, seq] ->

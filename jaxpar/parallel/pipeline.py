@@ -285,14 +285,14 @@ def merge_microbatches(microbatched):
     return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:]), microbatched)
 
 
-def _residual_layout(stage_fn, chunk_params, x):
+def _residual_layout(stage_fn, chunk_params, x, side):
     """Trace one chunk's jax.vjp abstractly: the pullback's treedef, and for each residual leaf
     either the index of the chunk-param leaf it is (not stashed: params do not change during the
     step) or -1 together with its shape (stashed per microbatch)."""
     found = {}
 
     def trace(params, h):
-        _, pullback = jax.vjp(stage_fn, params, h)
+        _, pullback = jax.vjp(lambda p_, h_: stage_fn(p_, h_, side), params, h)
         leaves, found["treedef"] = jax.tree.flatten(pullback)
         if not all(isinstance(leaf, jax.Array) for leaf in leaves):
             raise NotImplementedError("jax.vjp's pullback is not a pytree of arrays in this jax "
@@ -309,7 +309,7 @@ def _param_sources(leaves, params) -> list[int]:
 
 
 def pipeline_value_and_grad(
-    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_fn: Callable[..., jax.Array],
     head_fn: Callable[[Any, jax.Array, Any], jax.Array],
     stage_params: Any,
     head_params: Any,
@@ -319,6 +319,7 @@ def pipeline_value_and_grad(
     schedule: Schedule,
     mesh: jax.sharding.Mesh,
     axis_name: str = "pipe",
+    side: Any = None,
 ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
     """Loss and gradients of a pipelined layer stack followed by a head.
 
@@ -334,6 +335,9 @@ def pipeline_value_and_grad(
     inputs: [microbatches, microbatch, ...] activations: the caller embeds (split_microbatches)
         and backprops input_grads through its embedding.
     targets: pytree with leaves [microbatches, microbatch, ...].
+    side: optional pytree with leaves [microbatches, microbatch, ...] that every stage reads and
+        nobody differentiates (token positions, document ids); with it, stage_fn is called as
+        stage_fn(chunk_params, h, side_i).
 
     Returns (loss, (stage_grads, head_grads, input_grads)), shaped like stage_params, head_params,
     inputs. Only `axis_name` is manual inside the shard_map; other mesh axes stay automatic, so
@@ -353,19 +357,23 @@ def pipeline_value_and_grad(
     if inputs.shape[0] != m:
         raise ValueError(f"inputs leading dim {inputs.shape[0]} != microbatches={m}; "
                          "reshape to [microbatches, microbatch, ...]")
+    if side is None:
+        plain_stage_fn = stage_fn
+        stage_fn = lambda params, h, _: plain_stage_fn(params, h)  # noqa: E731
+        side = jnp.zeros((m,), jnp.int32)
     body = functools.partial(_pipeline_body, stage_fn, head_fn, schedule, axis_name)
     mapped = jax.shard_map(
         body, mesh=mesh, axis_names={axis_name},
-        in_specs=(P(axis_name), P(), P(), P()),
+        in_specs=(P(axis_name), P(), P(), P(), P()),
         out_specs=(P(), (P(axis_name), P(), P())),
         # The carried buffers start equal on every stage and become per-stage after the first
         # ppermute; skipping the replication check avoids pvary/pcast, whose API moves in 0.10-0.12.
         check_vma=False)
-    return mapped(stage_params, head_params, inputs, targets)
+    return mapped(stage_params, head_params, inputs, targets, side)
 
 
 def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
-                   stage_params, head_params, inputs, targets):
+                   stage_params, head_params, inputs, targets, side):
     """One device: stage_params leaves [v, layers_per_chunk, ...]; scans the schedule's ticks."""
     p, lowered = schedule.stages, lower_schedule(schedule)
     stage = jax.lax.axis_index(axis_name)
@@ -373,7 +381,8 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
     update = functools.partial(jax.lax.dynamic_update_index_in_dim, axis=0)
     chunk_params = lambda j: jax.tree.map(lambda a: index(a, j), stage_params)  # noqa: E731
     h_zeros = jnp.zeros_like(inputs[0])  # [microbatch, ...]; zeros_like keeps explicit shardings
-    treedef, sources, stash_shapes = _residual_layout(stage_fn, chunk_params(0), h_zeros)
+    side_of = lambda mb: jax.tree.map(lambda a: index(a, mb), side)  # noqa: E731
+    treedef, sources, stash_shapes = _residual_layout(stage_fn, chunk_params(0), h_zeros, side_of(0))
     ring = schedule.virtual_stages > 1  # chunk j*p + p-1 (last device) feeds (j+1)*p (device 0)
     to_next = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     to_prev = [(b, a) for a, b in to_next]
@@ -406,7 +415,7 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
         current_stash = lambda: [index(b, stash_slot) for b in carry["stash"]]  # noqa: E731
 
         def forward(with_head):
-            y, pullback = jax.vjp(stage_fn, params, h)
+            y, pullback = jax.vjp(lambda p_, h_: stage_fn(p_, h_, side_of(mb)), params, h)
             leaves = jax.tree.leaves(pullback)
             if _param_sources(leaves, params) != sources:
                 raise RuntimeError("stage_fn's vjp residuals changed between traces")

@@ -1,0 +1,199 @@
+"""`python -m jaxpar.export RUN_DIR --out DIR [--max-shard-bytes N] [--step N]`: a run's newest
+intact checkpoint as a Hugging Face Llama checkpoint (safetensors + config.json).
+
+The params are restored alone (not the optimizer state) onto one CPU device, renamed and laid out
+as `LlamaForCausalLM` expects (the table in `jaxpar/models/llama.py`): our einsum weights
+[in, ..., out] become torch `Linear` weights [out, in] (reshape, then transpose), and the stacked
+[layers, ...] arrays are split into one tensor per layer. Tensors keep the parameter dtype
+(model.param_dtype, float32 by default). The files follow `save_pretrained`: one
+`model.safetensors` when everything fits in `--max-shard-bytes`, otherwise
+`model-00001-of-0000N.safetensors` ... plus `model.safetensors.index.json` (the weight map).
+Mixture-of-experts models have no Llama counterpart and are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from jaxpar.config import ConfigError, ModelConfig
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default "5GB"
+
+
+def _linear(w: np.ndarray, in_dims: int) -> np.ndarray:
+    """An einsum weight [in..., out...] (first `in_dims` axes are inputs) -> torch [out, in]."""
+    in_size = int(np.prod(w.shape[:in_dims]))
+    return np.ascontiguousarray(w.reshape(in_size, -1).T)
+
+
+def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """jaxpar params (nested dict of arrays, as in the train state) -> {Hugging Face Llama name:
+    numpy array}, in the order `LlamaForCausalLM.state_dict()` lists them.
+
+    q/k/v_proj.weight: wq [E, N, H] -> [N*H, E]; o_proj.weight: wo [N, H, E] -> [E, N*H];
+    gate/up_proj.weight: [E, F] -> [F, E]; down_proj.weight: [F, E] -> [E, F];
+    lm_head.weight: [E, V] -> [V, E], absent when model.tie_embeddings (HF ties it to the
+    embedding). Norm scales and the embedding [V, E] are copied as they are.
+    """
+    if model_cfg.moe.num_experts:
+        raise ConfigError("model.moe.num_experts > 0: a mixture-of-experts model has no Hugging "
+                          "Face Llama counterpart; only dense models can be exported")
+    p = {key: _to_numpy(value) for key, value in _flatten(params).items()}
+    out = {"model.embed_tokens.weight": p["embedding"]}
+    for layer in range(model_cfg.n_layers):
+        prefix = f"model.layers.{layer}."
+        out[prefix + "self_attn.q_proj.weight"] = _linear(p["blocks.attn.wq"][layer], 1)
+        out[prefix + "self_attn.k_proj.weight"] = _linear(p["blocks.attn.wk"][layer], 1)
+        out[prefix + "self_attn.v_proj.weight"] = _linear(p["blocks.attn.wv"][layer], 1)
+        out[prefix + "self_attn.o_proj.weight"] = _linear(p["blocks.attn.wo"][layer], 2)
+        out[prefix + "mlp.gate_proj.weight"] = _linear(p["blocks.mlp.w_gate"][layer], 1)
+        out[prefix + "mlp.up_proj.weight"] = _linear(p["blocks.mlp.w_up"][layer], 1)
+        out[prefix + "mlp.down_proj.weight"] = _linear(p["blocks.mlp.w_down"][layer], 1)
+        out[prefix + "input_layernorm.weight"] = p["blocks.attn_norm.scale"][layer]
+        out[prefix + "post_attention_layernorm.weight"] = p["blocks.mlp_norm.scale"][layer]
+    out["model.norm.weight"] = p["final_norm.scale"]
+    if not model_cfg.tie_embeddings:
+        out["lm_head.weight"] = _linear(p["lm_head"], 1)
+    return {name: np.ascontiguousarray(value) for name, value in out.items()}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + str(key)] = value
+    return flat
+
+
+def _to_numpy(x) -> np.ndarray:
+    return np.asarray(x.value if hasattr(x, "value") else x)
+
+
+def hf_config(model_cfg: ModelConfig) -> dict:
+    """A minimal `LlamaConfig` (config.json) for the model."""
+    m = model_cfg
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": m.d_model,
+        "intermediate_size": m.d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.d_model // m.n_heads,
+        "vocab_size": m.vocab_size,
+        "max_position_embeddings": m.max_seq_len,
+        "rope_theta": m.rope_theta,
+        "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": m.init_std,
+        "torch_dtype": m.param_dtype,
+    }
+
+
+def shard_names(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into files, in order, each group at most `max_shard_bytes` (a
+    tensor larger than the limit gets a file of its own)."""
+    shards, current, size = [], [], 0
+    for name, array in tensors.items():
+        if current and size + array.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += array.nbytes
+    return shards + [current] if current else shards
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], out: str,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Writes `tensors` as `save_pretrained` does; returns the file names written."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out, exist_ok=True)
+    shards = shard_names(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        files = ["model.safetensors"]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for file, names in zip(files, shards):
+        save_file({name: tensors[name] for name in names}, os.path.join(out, file),
+                  metadata={"format": "pt"})
+        weight_map.update({name: file for name in names})
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+                 "weight_map": weight_map}
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return files
+
+
+def load_params(run_dir: str, step: int | None = None):
+    """(config, params as numpy arrays, step) from the run's newest intact checkpoint (or
+    `step`), restored onto one CPU device without the optimizer state."""
+    import jax
+
+    from jaxpar import config as config_lib
+    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+    from jaxpar.train import build_trainer
+
+    cfg = config_lib.load_config(os.path.join(run_dir, "config.yaml"))
+    sizes = {axis: 1 for axis in config_lib.MESH_AXES}
+    trainer = build_trainer(cfg, sizes, devices=jax.devices("cpu")[:1])
+    checkpointer = Checkpointer(checkpoint_dir(run_dir), read_only=True)
+    try:
+        state, _, step = checkpointer.restore(
+            {"params": trainer.state_shape["params"]},
+            {"params": trainer.state_shardings["params"]}, step)
+    finally:
+        checkpointer.close()
+    return cfg, jax.tree.map(np.asarray, state["params"]), step
+
+
+def export(run_dir: str, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+           step: int | None = None) -> dict:
+    """Writes the Hugging Face checkpoint of `run_dir` into `out`; returns a summary."""
+    cfg, params, step = load_params(run_dir, step)
+    tensors = hf_state_dict(params, cfg.model)
+    files = write_safetensors(tensors, out, max_shard_bytes)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config(cfg.model), f, indent=2)
+    return {"step": step, "out": out, "files": files, "tensors": len(tensors),
+            "bytes": sum(t.nbytes for t in tensors.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxpar.export",
+        description="Export a run's newest intact checkpoint as Hugging Face Llama safetensors.")
+    parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
+                        help=f"largest safetensors file (default {DEFAULT_MAX_SHARD_BYTES})")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    args = parser.parse_args(argv)
+    try:
+        summary = export(args.run_dir, args.out, args.max_shard_bytes, args.step)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"exported step {summary['step']}: {summary['tensors']} tensors, "
+          f"{summary['bytes'] / 1e6:.1f} MB in {len(summary['files'])} file(s) -> {summary['out']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

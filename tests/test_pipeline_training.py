@@ -1,0 +1,78 @@
+"""Pipelined training (GPipe, 1F1B, interleaved over `pipe`) equals the single-device run."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import config as config_lib
+from jaxpar.config import ConfigError, MESH_AXES
+from jaxpar.inspect import compile_step, report
+from jaxpar.train import build_trainer
+from tests.test_moe_training import random_batches
+
+TINY = [
+    "model.vocab_size=264", "model.d_model=32", "model.n_layers=8", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.d_ff=64", "model.dtype=float32", "train.batch_size=16",
+    "train.seq_len=16", "optimizer.warmup_steps=2", "optimizer.lr=1e-2", "parallel.zero_stage=0",
+]
+LAYOUTS = {
+    "pipe2_interleaved": ({"pipe": 2, "data": 4}, ["parallel.pipeline_schedule=interleaved",
+                                                   "parallel.virtual_stages=2", "parallel.microbatches=4"]),
+    "pipe4_1f1b": ({"pipe": 4, "data": 2}, ["parallel.pipeline_schedule=1f1b", "parallel.microbatches=8"]),
+    "pipe8_gpipe": ({"pipe": 8}, ["parallel.pipeline_schedule=gpipe", "parallel.microbatches=4"]),
+    "pipe2_data2_tensor2": ({"pipe": 2, "data": 2, "tensor": 2}, ["parallel.microbatches=4"]),
+    "pipe2_fsdp4_zero3": ({"pipe": 2, "fsdp": 4}, ["parallel.zero_stage=3", "parallel.microbatches=2"]),
+}
+
+
+def trainer_for(mesh, extra=()):
+    cfg = config_lib.load_config(None, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES] + list(extra))
+    n = int(np.prod(list(mesh.values()) or [1]))
+    return build_trainer(cfg, config_lib.validate(cfg, n), devices=jax.devices()[:n])
+
+
+def losses(trainer, compiled):
+    state, out = trainer.init(), []
+    for batch in random_batches(trainer.cfg):
+        state, metrics = compiled(state, trainer.shard_batch(batch))
+        out.append(float(metrics["loss"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    trainer = trainer_for({})
+    return losses(trainer, compile_step(trainer))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipelined_training_matches_single_device(layout, single_device):
+    trainer = trainer_for(*LAYOUTS[layout])
+    compiled = compile_step(trainer)
+    np.testing.assert_allclose(losses(trainer, compiled), single_device, rtol=1e-5)
+    if layout == "pipe8_gpipe":  # activations and gradients hop between neighbouring stages
+        assert report(trainer, compiled)["collectives"]["collective-permute"]["count"] > 0
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.n_layers=6"], r"layers=6"),
+    (["train.batch_size=12", "parallel.microbatches=8"], r"batch=12|batch_size=12"),
+    (["parallel.grad_accum=2"], r"parallel.grad_accum"),
+])
+def test_pipeline_config_errors(overrides, match):
+    cfg = config_lib.load_config(None, TINY + ["mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
+                                               "parallel.microbatches=4"] + overrides)
+    with pytest.raises(ConfigError, match=match):
+        config_lib.validate(cfg, 8)
+
+
+def test_inspect_prints_the_schedule_and_its_bubble():
+    from tests.test_train import _run
+
+    proc = _run("jaxpar.inspect", *TINY, "mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
+                "parallel.microbatches=8", "--schedule", devices=8)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("stage ") for line in lines) == 4
+    assert "F7" in proc.stdout and "B0" in proc.stdout
+    assert f"bubble {3 / 11:.4f}" in proc.stdout  # (p-1)/(m+p-1) for 1f1b, p=4, m=8
