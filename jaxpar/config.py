@@ -472,12 +472,13 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         _require_divides("mesh.tensor", tensor * sizes["context"], "train.seq_len", t.seq_len)
     _validate_moe(cfg, sizes)
     _validate_pipeline(cfg, sizes)
-    for axis in ("context",):
-        if sizes[axis] > 1:
+    if sizes["context"] > 1:
+        pieces = sizes["context"] * (2 if p.context_layout == "zigzag" else 1)
+        if t.seq_len % pieces:
             raise ConfigError(
-                f"mesh.{axis}={sizes[axis]}: this technique is not available in this build; "
-                f"set mesh.{axis}=1"
-            )
+                f"train.seq_len={t.seq_len} is not divisible by {pieces}: ring attention with "
+                f"mesh.context={sizes['context']} and parallel.context_layout={p.context_layout} cuts "
+                f"the sequence into {pieces} chunks; try a multiple of {pieces}")
 
     if cfg.data.source != "stdlib":
         data_files(cfg.data)

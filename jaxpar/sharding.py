@@ -136,16 +136,20 @@ def opt_state_shardings(opt_state_shape: Any, params_logical: Any, mesh: Mesh, r
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
     "jaxpar_sharding", default=None
 )
+_CONTEXT_LAYOUT = contextvars.ContextVar("jaxpar_context_layout", default="zigzag")
 
 
 @contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: Rules):
-    """Within this block, `constrain` pins activations onto `mesh` with `rules`."""
+def use_mesh(mesh: Mesh, rules: Rules, context_layout: str = "zigzag"):
+    """Within this block, `constrain` pins activations onto `mesh` with `rules`, and attention
+    runs as a ring over `context` (sequence in `context_layout` order) when that axis is > 1."""
+    layout_token = _CONTEXT_LAYOUT.set(context_layout)
     token = _ACTIVE.set((mesh, rules))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        _CONTEXT_LAYOUT.reset(layout_token)
 
 
 @contextlib.contextmanager
@@ -162,6 +166,13 @@ def unconstrained():
 def current_mesh() -> Mesh | None:
     active = _ACTIVE.get()
     return None if active is None else active[0]
+
+
+def ring_layout() -> str | None:
+    """The sequence layout ring attention should assume, or None when `context` is 1 (or no mesh
+    is active): then attention is ordinary attention."""
+    mesh = current_mesh()
+    return _CONTEXT_LAYOUT.get() if mesh is not None and mesh.shape["context"] > 1 else None
 
 
 def single_device_mesh() -> Mesh:

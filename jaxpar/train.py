@@ -30,6 +30,7 @@ from jaxpar.mesh import emulate_cpu_devices, make_mesh
 from jaxpar.models import Transformer
 from jaxpar.models.llama import logits_from, scan_layers
 from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel.ring_attention import permute_to_layout
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
@@ -220,7 +221,10 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         summed_grads = pipelined_grads_fn(cfg, mesh, graphdef, abstract_model)  # noqa: F811
 
     def train_step(state, batch):
-        with sharding_lib.use_mesh(mesh, rules["activations"]):
+        if sizes["context"] > 1:  # ring attention's layout, applied once to every token array
+            batch = {k: permute_to_layout(x, context=sizes["context"], layout=cfg.parallel.context_layout)
+                     for k, x in batch.items()}
+        with sharding_lib.use_mesh(mesh, rules["activations"], cfg.parallel.context_layout):
             grads, aux = summed_grads(state["params"], batch)
         count = jnp.maximum(aux["count"], 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)

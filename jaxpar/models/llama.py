@@ -39,7 +39,8 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_matmul_params
 from jaxpar.models.params import param as _param
-from jaxpar.sharding import constrain
+from jaxpar.parallel.ring_attention import ring_attention_permuted
+from jaxpar.sharding import constrain, current_mesh, ring_layout
 
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -97,10 +98,15 @@ class Attention(nnx.Module):
         q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "seq", "heads", None))
         k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "seq", "kv_heads", None))
         v = constrain(v, ("batch", "seq", "kv_heads", None))
-        impl = None if self.cfg.attention == "auto" else self.cfg.attention
-        out = jax.nn.dot_product_attention(
-            q, k, v, mask=attention_mask(segment_ids), implementation=impl
-        )  # [batch, seq, heads, head_dim]
+        layout = ring_layout()
+        if layout is not None:  # context parallel: the sequence is split over `context`
+            out = ring_attention_permuted(q, k, v, mesh=current_mesh(), layout=layout,
+                                          segment_ids=segment_ids)
+        else:
+            impl = None if self.cfg.attention == "auto" else self.cfg.attention
+            out = jax.nn.dot_product_attention(
+                q, k, v, mask=attention_mask(segment_ids), implementation=impl
+            )  # [batch, seq, heads, head_dim]
         out = constrain(out, ("batch", "seq", "heads", None))
         return jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(dtype))
 
