@@ -113,11 +113,13 @@ class TrainConfig:
     log_every: int = 10
     run_dir: str = "runs/default"
     progress: bool = True  # live progress bar on the terminal
+    resume: str = "auto"  # auto (latest complete checkpoint in run_dir) | never | a step number
+    on_nan: str = "stop"  # stop (error naming the step) | skip (drop that step's update)
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every n steps and at the end (0 = never)
+    every: int = 100  # save every n steps and at the end (0 = only on preemption)
     keep: int = 3  # newest checkpoints to keep
 
 
@@ -421,6 +423,11 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     _check_choice("parallel.context_layout", p.context_layout, ("zigzag", "contiguous"))
     _check_choice("parallel.pipeline_schedule", p.pipeline_schedule, ("gpipe", "1f1b", "interleaved"))
     _check_choice("data.format", cfg.data.format, ("auto", "text", "jsonl"))
+    _check_choice("train.on_nan", t.on_nan, ("stop", "skip"))
+    if t.resume not in ("auto", "never") and not t.resume.isdigit():
+        raise ConfigError(f"train.resume={t.resume!r}: use auto, never, or a checkpoint step number")
+    if cfg.checkpoint.every < 0:
+        raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: use 0 (never) or a step count")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: choose 0, 1, 2 or 3")
 

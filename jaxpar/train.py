@@ -8,8 +8,11 @@ everything up to the compiled step and is shared with `python -m jaxpar.inspect`
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,6 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar import checkpoint as checkpoint_lib
 from jaxpar import config as config_lib
 from jaxpar import data as data_lib
 from jaxpar import metrics as metrics_lib
@@ -239,7 +243,15 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
             metrics.update({k: aux[k] / accum for k in ("aux_loss", "z_loss", "dropped_fraction")})
             metrics["expert_load_min"] = jnp.min(aux["expert_load"])
             metrics["expert_load_max"] = jnp.max(aux["expert_load"])
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
+        if cfg.train.on_nan == "skip":  # a non-finite loss or gradient leaves the state as it was
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+            kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                {"params": params, "opt_state": opt_state},
+                                {"params": state["params"], "opt_state": state["opt_state"]})
+            new_state = {**kept, "step": state["step"] + 1}
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        return new_state, metrics
 
     batch_sharding = sharding_lib.batch_sharding(mesh)
     return Trainer(
@@ -268,75 +280,167 @@ def make_data(cfg: Config):
         process_index=jax.process_index(), process_count=jax.process_count())
 
 
+class Preemption:
+    """SIGTERM or SIGINT asks the loop to stop after the current step and checkpoint; a second
+    SIGINT stops at once."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite (train.on_nan=stop)."""
+
+
+def _resume_step(cfg: Config, ckpt: checkpoint_lib.Checkpointer) -> int | None:
+    if cfg.train.resume == "never":
+        return None
+    if cfg.train.resume == "auto":
+        return ckpt.latest_valid_step()
+    step = int(cfg.train.resume)
+    problem = ckpt.problem(step)
+    if problem is not None:
+        raise ConfigError(f"train.resume={step}: that checkpoint cannot be used ({problem}); "
+                          f"complete checkpoints: {[s for s in ckpt.all_steps() if ckpt.problem(s) is None]}")
+    return step
+
+
+def _data_iterator(dataset, data_state: dict | None, start: int):
+    """The batch stream from step `start`: grain's own state when it was saved by as many
+    processes as there are now, else the position (the global sample order is the same)."""
+    if data_state and data_state.get("process_count") == jax.process_count():
+        return data_lib.make_iterator(dataset, data_state["grain"])
+    return data_lib.make_iterator(dataset[start:])
+
+
+def _keep_metrics_until(run_dir: str, step: int) -> None:
+    """On resume, drop metrics.jsonl lines of steps after the checkpoint (they are rerun)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
 def train(cfg: Config, sizes: dict[str, int]) -> dict:
-    """Runs training; returns a summary. Writes config.yaml, metrics.jsonl, TensorBoard, loss.png."""
+    """Runs training (resuming from run_dir's checkpoints); returns a summary. Writes config.yaml,
+    metrics.jsonl, TensorBoard events, loss.png and checkpoints into train.run_dir."""
     t = cfg.train
     dataset = make_data(cfg)  # before compiling: data errors are config errors
     trainer = build_trainer(cfg, sizes)
+    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_dir(t.run_dir),
+                                       keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
+    start, data_state = 0, None
+    resume = _resume_step(cfg, ckpt)
+    is_main = jax.process_index() == 0
+    if resume is not None:  # any mesh: restored onto this run's shardings
+        state, data_state, start = ckpt.restore(trainer.state_shape, trainer.state_shardings, step=resume)
+        if is_main:
+            _keep_metrics_until(t.run_dir, start)
+            print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
+    else:
+        state = trainer.init()
     os.makedirs(t.run_dir, exist_ok=True)
     config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
+
     devices = list(trainer.mesh.devices.flat)
     flops_tok = metrics_lib.flops_per_token(cfg.model, t.seq_len)
     tokens_per_step = t.batch_size * t.seq_len
-    is_main = jax.process_index() == 0
-
     writer = metrics_lib.MetricsWriter(t.run_dir) if is_main else None
-    progress = metrics_lib.Progress(t.steps, enabled=is_main and t.progress)
-    iterator = data_lib.make_iterator(dataset)
-    start = time.perf_counter()
-    state = trainer.init()
-    first_loss = last_loss = None
-    compile_s = None
-    window_start, window_steps = None, 0
+    progress = metrics_lib.Progress(t.steps, initial=start, enabled=is_main and t.progress)
+    iterator = _data_iterator(dataset, data_state, start)
+    clock = time.perf_counter()
+    first_loss = last_loss = compile_s = window_start = None
+    window_steps, step, stopped_by = 0, start, None
+
+    def save(at: int, state, force: bool = False) -> None:
+        data = {"grain": iterator.get_state(), "process_count": jax.process_count(),
+                "seed": t.seed}  # training draws no random numbers: the seed fixes init and data
+        ckpt.save(at, state, data, force=force)
+
     try:
-        for step in range(1, t.steps + 1):
-            batch = trainer.shard_batch(next(iterator))
-            state, metrics = trainer.step(state, batch)
-            window_steps += 1
-            if compile_s is None:  # step 1 holds the compilation: time the rest without it
-                jax.block_until_ready(metrics)
-                compile_s = time.perf_counter() - start
-                window_start, window_steps = time.perf_counter(), 0
-            if step % t.log_every and step != t.steps:
-                progress.update(step, None)
-                continue
-            loss = float(metrics["loss"])
-            now = time.perf_counter()
-            step_time = (now - window_start) / window_steps if window_steps else None
-            tokens_per_sec = tokens_per_step / step_time if step_time else None
-            record = {
-                "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
-                "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
-                "step_time_s": step_time,
-                "memory_bytes": metrics_lib.device_memory_bytes(devices[0]),
-                **{k: float(v) for k, v in metrics.items() if k not in ("loss", "tokens")},
-            }
-            if not np.isfinite(loss):
-                raise FloatingPointError(f"the loss became {loss} at step {step}")
-            first_loss = loss if first_loss is None else first_loss
-            last_loss = loss
-            if writer is not None:
-                writer.write(record)
-            progress.update(step, record)
-            window_start, window_steps = now, 0
+        with Preemption() as preemption:
+            for step in range(start + 1, t.steps + 1):
+                batch = trainer.shard_batch(next(iterator))
+                state, metrics = trainer.step(state, batch)
+                window_steps += 1
+                if compile_s is None:  # the first step holds the compilation: time the rest
+                    jax.block_until_ready(metrics)
+                    compile_s, window_start, window_steps = time.perf_counter() - clock, time.perf_counter(), 0
+                stop = preemption.requested  # read once: a signal arriving later waits a step
+                logged = step % t.log_every == 0 or step == t.steps
+                if logged or ckpt.should_save(step) or stop or t.on_nan == "stop":
+                    loss = float(metrics["loss"])
+                    if not np.isfinite(loss) and t.on_nan == "stop":
+                        raise NonFiniteLoss(
+                            f"the loss became {loss} at step {step} (train.on_nan=stop); the last "
+                            f"good checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}")
+                save(step, state, force=step == t.steps or stop is not None)
+                if logged:
+                    now = time.perf_counter()
+                    step_time = (now - window_start) / window_steps if window_steps else None
+                    tokens_per_sec = tokens_per_step / step_time if step_time else None
+                    record = {
+                        "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
+                        "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
+                        "step_time_s": step_time,
+                        "memory_bytes": metrics_lib.device_memory_bytes(devices[0]),
+                        **{k: float(v) for k, v in metrics.items() if k not in ("loss", "tokens")},
+                    }
+                    first_loss = loss if first_loss is None else first_loss
+                    last_loss = loss
+                    if writer is not None:
+                        writer.write(record)
+                    progress.update(step, record)
+                    window_start, window_steps = now, 0
+                else:
+                    progress.update(step, None)
+                if stop:
+                    stopped_by = stop
+                    break
     finally:
         progress.close()
+        ckpt.close()
         if writer is not None:
             writer.close()
-    total_s = time.perf_counter() - start
+    total_s = time.perf_counter() - clock
+    run_steps = step - start - 1
     run_s = total_s - (compile_s or 0.0)
-    tokens_per_sec = tokens_per_step * (t.steps - 1) / run_s if t.steps > 1 else None
+    tokens_per_sec = tokens_per_step * run_steps / run_s if run_steps > 0 else None
     return {
-        "steps": t.steps, "first_loss": first_loss, "final_loss": last_loss,
-        "seconds": total_s, "compile_seconds": compile_s, "tokens_per_sec": tokens_per_sec,
+        "steps": step, "start_step": start, "first_loss": first_loss, "final_loss": last_loss,
+        "seconds": total_s, "compile_seconds": compile_s or 0.0, "tokens_per_sec": tokens_per_sec,
         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
         "devices": len(devices), "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
-        "run_dir": t.run_dir,
+        "run_dir": t.run_dir, "stopped_by": stopped_by,
     }
 
 
 def format_summary(s: dict) -> str:
     mesh = " ".join(f"{a}={n}" for a, n in s["mesh"].items())
+    if s["stopped_by"]:
+        return (f"stopped by {s['stopped_by']} after step {s['steps']}: checkpoint written to "
+                f"{checkpoint_lib.checkpoint_dir(s['run_dir'])}; run the same command to resume")
+    if s["first_loss"] is None:
+        return f"nothing to do: {s['run_dir']} is already at step {s['steps']} (train.steps)"
     rate = metrics_lib.format_rate(s["tokens_per_sec"], s["mfu"])
     return (f"done: {s['steps']} steps in {s['seconds']:.1f} s (compile {s['compile_seconds']:.1f} s)"
             f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} | {rate}"
@@ -373,6 +477,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted (second SIGINT): stopped without a checkpoint", file=sys.stderr)
+        return 130
     if jax.process_index() == 0:
         print(format_summary(summary))
     return 0

@@ -28,9 +28,17 @@ Parameter names and their Hugging Face Llama (`LlamaForCausalLM`) counterparts, 
 
 Rotary embeddings use the "rotate half" pairing (dimension i with i + H/2), which is the layout of
 Hugging Face's Llama checkpoints, so q/k weights map over without a permutation.
+
+Generation. `Transformer.decode(tokens, positions, cache)` runs the same blocks with a `KVCache`:
+each attention layer writes its new keys and values into the cache and attends to every filled
+slot up to its own (`python -m jaxpar.sample` drives it: one prefill of the prompt, then one token
+at a time). The layer scan is the same scan over the stacked params, also carrying each layer's
+slice of the cache.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +86,40 @@ def attention_mask(segment_ids):
     return (causal[None] & same_doc)[:, None]
 
 
+class KVCache(NamedTuple):
+    """Keys and values of the tokens seen so far, for generation (a pytree).
+
+    For the whole model k, v are [layers, batch, max_len, kv_heads, head_dim]; inside one
+    attention layer they are that layer's slice [batch, max_len, kv_heads, head_dim]. `length`
+    (int32 []) counts the filled slots; slots from `length` on are masked out.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+        """An empty cache for `batch` sequences of at most `max_len` tokens, in model.dtype."""
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.d_model // cfg.n_heads)
+        zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+        return cls(zeros, zeros, jnp.zeros((), jnp.int32))
+
+    def append(self, k, v) -> KVCache:
+        """One layer's cache with k, v [batch, seq, kv_heads, head_dim] written at slots
+        [length, length + seq). The caller keeps length + seq <= max_len."""
+        at = (0, self.length, 0, 0)
+        return KVCache(jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), at),
+                       jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), at),
+                       self.length + k.shape[1])
+
+    def causal_mask(self, seq: int):
+        """[1, 1, seq, max_len]: the last `seq` filled slots are the queries; query i (at slot
+        length - seq + i) sees slots 0 .. length - seq + i."""
+        query_slot = self.length - seq + jnp.arange(seq)
+        return (jnp.arange(self.k.shape[-3])[None, :] <= query_slot[:, None])[None, None]
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -90,7 +132,9 @@ class Attention(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.wo = _param(rngs, (n, h, e), ("heads", "head_dim", "embed"), cfg, out_std)
 
-    def __call__(self, x, positions, segment_ids):  # x [batch, seq, embed]
+    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
+        """x [batch, seq, embed] -> [batch, seq, embed]. With `cache` (this layer's KVCache; a
+        single document, segment_ids unused): (out, the cache with these keys/values added)."""
         dtype = jnp.dtype(self.cfg.dtype)
         q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dtype))
         k = jnp.einsum("bse,ekh->bskh", x, self.wk[...].astype(dtype))
@@ -99,7 +143,11 @@ class Attention(nnx.Module):
         k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "seq", "kv_heads", None))
         v = constrain(v, ("batch", "seq", "kv_heads", None))
         layout = ring_layout()
-        if layout is not None:  # context parallel: the sequence is split over `context`
+        if cache is not None:  # generation: attend to the cached tokens and these
+            cache = cache.append(k, v)
+            # "auto" rather than model.attention: cuDNN may not take this mask, XLA always does.
+            out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=cache.causal_mask(q.shape[1]))
+        elif layout is not None:  # context parallel: the sequence is split over `context`
             out = ring_attention_permuted(q, k, v, mesh=current_mesh(), layout=layout,
                                           segment_ids=segment_ids)
         else:
@@ -108,7 +156,8 @@ class Attention(nnx.Module):
                 q, k, v, mask=attention_mask(segment_ids), implementation=impl
             )  # [batch, seq, heads, head_dim]
         out = constrain(out, ("batch", "seq", "heads", None))
-        return jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(dtype))
+        out = jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(dtype))
+        return out if cache is None else (out, cache)
 
 
 class MLP(nnx.Module):
@@ -138,13 +187,18 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MoEMLP(cfg, rngs) if moe else MLP(cfg, rngs)
 
-    def __call__(self, x, positions, segment_ids):
-        """x [batch, seq, embed] -> (x, stats); stats holds the router statistics of an MoE MLP."""
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        x = constrain(x, ("batch", "act_seq", "embed"))
+    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
+        """x [batch, seq, embed] -> (x, stats); stats holds the router statistics of an MoE MLP.
+        With `cache` (this layer's KVCache): (x, the updated cache) instead."""
+        if cache is None:
+            attn = self.attn(self.attn_norm(x), positions, segment_ids)
+        else:
+            attn, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
+        x = constrain(x + attn, ("batch", "act_seq", "embed"))
         out = self.mlp(self.mlp_norm(x))
         out, stats = out if isinstance(out, tuple) else (out, {})
-        return constrain(x + out, ("batch", "act_seq", "embed")), stats
+        x = constrain(x + out, ("batch", "act_seq", "embed"))
+        return x, (stats if cache is None else cache)
 
 
 class BlockGroup(nnx.Module):
@@ -155,12 +209,23 @@ class BlockGroup(nnx.Module):
         every = cfg.moe.every
         self.blocks = nnx.List([Block(cfg, rngs, moe=i == every - 1) for i in range(every)])
 
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
+        """Like `Block`; a cache holds the group's layers: k, v [every, batch, max_len, ...]."""
+        if cache is not None:
+            return self._decode(x, positions, cache)
         stats = {}
         for block in self.blocks:
             x, block_stats = block(x, positions, segment_ids)
             stats = block_stats or stats
         return x, stats
+
+    def _decode(self, x, positions, cache: KVCache):
+        keys, values = [], []
+        for i, block in enumerate(self.blocks):
+            x, layer = block(x, positions, None, KVCache(cache.k[i], cache.v[i], cache.length))
+            keys.append(layer.k)
+            values.append(layer.v)
+        return x, KVCache(jnp.stack(keys), jnp.stack(values), layer.length)
 
 
 def scan_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -184,6 +249,25 @@ def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = 
     if remat != "none":
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat])
     return jax.lax.scan(one_layer, x, layer_params)
+
+
+def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache):
+    """`scan_layers` for generation: each scan step also reads and rewrites its layers' slice of
+    the cache (k, v [layers, ...], regrouped as [units, layers per unit, ...] when the scanned
+    unit is a `BlockGroup`). Returns (x, the cache with x.shape[1] more slots filled)."""
+    units = jax.tree.leaves(layer_params)[0].shape[0]
+    per_unit = cache.k.shape[0] // units
+
+    def by_unit(a):  # [layers, ...] -> [units, per_unit, ...] (a BlockGroup) or as it is
+        return a.reshape(units, per_unit, *a.shape[1:]) if per_unit > 1 else a
+
+    def one_layer(h, scanned):
+        params, k, v = scanned
+        h, layer = nnx.merge(graphdef, params)(h, positions, None, KVCache(k, v, cache.length))
+        return h, (layer.k, layer.v)
+
+    x, (k, v) = jax.lax.scan(one_layer, x, (layer_params, by_unit(cache.k), by_unit(cache.v)))
+    return x, KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape), cache.length + x.shape[1])
 
 
 def logits_from(final_norm: RMSNorm, weight, x, dtype):
@@ -230,6 +314,18 @@ class Transformer(nnx.Module):
         (float32 logits [batch, seq, vocab], MoE statistics stacked over layers or {})."""
         x, stats = self.apply_blocks(self.embed(tokens), positions, segment_ids)
         return self.head(x), stats
+
+    def decode(self, tokens, positions, cache: KVCache):
+        """Generation: tokens, positions int [batch, seq] continue the sequences held in `cache`
+        (a whole prompt, or one token at a time; positions normally cache.length + arange(seq))
+        -> (float32 logits [batch, seq, vocab], the cache with seq more slots filled).
+
+        One document per row: attention is causal over the cache slots, with no segment ids.
+        The same weights and math as `__call__`, so the logits match its logits position by
+        position."""
+        graphdef, layer_params = nnx.split(self.blocks)
+        x, cache = scan_layers_cached(graphdef, layer_params, self.embed(tokens), positions, cache)
+        return self.head(x), cache
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -1,0 +1,162 @@
+"""`python -m jaxpar.sample RUN_DIR --prompt TEXT --max-tokens N [--temperature T] [--top-k K]
+[--seed S] [--step N]`: text from a run's newest intact checkpoint.
+
+The params are restored alone onto one device (`jaxpar.export.load_params`), the prompt is
+tokenized with the run's tokenizer (data.tokenizer), and generation runs under one `nnx.jit`:
+a prefill of the whole prompt into a `KVCache` sized prompt + max_tokens (at most
+model.max_seq_len), then a `lax.scan` of single-token decode steps (`Transformer.decode`). At
+temperature 0 each token is the argmax; otherwise it is drawn from softmax(logits / temperature)
+over the top-k logits, with a key folded from --seed and the step, so a seed always gives the same
+text. Generation stops early at the tokenizer's end-of-document token. The prompt is printed,
+followed by the generated text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.config import ConfigError
+from jaxpar.models.llama import KVCache, Transformer
+
+
+def sample_token(logits, key, temperature: float = 0.0, top_k: int | None = None):
+    """logits float32 [..., vocab] -> int32 token ids [...].
+
+    temperature 0: the argmax. Otherwise a draw from softmax(logits / temperature), restricted to
+    the `top_k` largest logits when top_k is given (ties with the k-th largest are kept)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@partial(nnx.jit, static_argnames=("max_tokens", "greedy", "top_k", "vocab_limit"))
+def _generate_ids(model: Transformer, prompt, temperature, key, *, max_tokens: int, greedy: bool,
+                  top_k: int | None, vocab_limit: int | None):
+    """prompt int32 [1, prompt_len] -> int32 [max_tokens]: prefill, then max_tokens - 1 decode
+    steps of one token each, all on a cache of prompt_len + max_tokens slots."""
+    prompt_len = prompt.shape[1]
+    allowed = jnp.arange(model.cfg.vocab_size) < (vocab_limit or model.cfg.vocab_size)
+
+    def pick(logits, step):  # logits [1, seq, vocab] -> [1], from the last position
+        last = jnp.where(allowed, logits[:, -1], -jnp.inf)
+        return sample_token(last, jax.random.fold_in(key, step), 0.0 if greedy else temperature,
+                            top_k)
+
+    cache = KVCache.create(model.cfg, 1, prompt_len + max_tokens)
+    logits, cache = model.decode(prompt, jnp.arange(prompt_len)[None], cache)
+    first = pick(logits, 0)
+
+    def step(carry, index):
+        token, cache = carry
+        logits, cache = model.decode(token[:, None], cache.length[None, None], cache)
+        return (pick(logits, index), cache), token[0]
+
+    (last, _), tokens = jax.lax.scan(step, (first, cache), jnp.arange(1, max_tokens))
+    return jnp.append(tokens, last[0])
+
+
+def generate(model: Transformer, prompt_ids, max_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, seed: int = 0, *, vocab_limit: int | None = None,
+             stop_token: int | None = None) -> list[int]:
+    """The token ids that follow `prompt_ids` (a non-empty sequence of ints), at most `max_tokens`
+    of them: fewer when prompt + max_tokens would pass model.max_seq_len, or when `stop_token` is
+    generated (it ends the list and is left out).
+
+    temperature 0 is greedy (argmax); otherwise tokens are sampled with temperature and top_k from
+    `jax.random.key(seed)`. `vocab_limit` forbids ids at and above it (the model's vocabulary is
+    often padded past the tokenizer's). Raises ValueError for an empty prompt or one that leaves
+    no room under model.max_seq_len."""
+    cfg = model.cfg
+    prompt = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty; give at least one token")
+    if prompt.size >= cfg.max_seq_len:
+        raise ValueError(f"the prompt has {prompt.size} tokens; model.max_seq_len={cfg.max_seq_len} "
+                         f"leaves room for at most {cfg.max_seq_len - 1}")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} is negative; use 0 (greedy) or more")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}; use a positive number, or None for the whole vocabulary")
+    max_tokens = min(max_tokens, cfg.max_seq_len - prompt.size)
+    if max_tokens <= 0:
+        return []
+    ids = _generate_ids(model, jnp.asarray(prompt)[None], jnp.float32(temperature),
+                        jax.random.key(seed), max_tokens=max_tokens, greedy=temperature == 0,
+                        top_k=top_k, vocab_limit=vocab_limit)
+    ids = [int(i) for i in np.asarray(ids)]
+    return ids[:ids.index(stop_token)] if stop_token in ids else ids
+
+
+# --- The command line ------------------------------------------------------------------------
+
+
+def load_model(run_dir: str, step: int | None = None):
+    """(config, Transformer with the checkpoint's params on the default device, step) from the
+    run's newest intact checkpoint (or `step`). Raises ConfigError without config.yaml and
+    FileNotFoundError without a usable checkpoint."""
+    from jaxpar.export import load_params
+
+    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        raise ConfigError(f"{run_dir} has no config.yaml; is it a run directory (train.run_dir)?")
+    cfg, params, step = load_params(run_dir, step)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    graphdef = nnx.split(abstract)[0]
+    return cfg, nnx.merge(graphdef, jax.tree.map(jnp.asarray, params)), step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxpar.sample",
+        description="Generate text from a run's newest intact checkpoint (KV-cache decoding).")
+    parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); higher = more random")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample from the k most likely tokens only (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    args = parser.parse_args(argv)
+    from jaxpar import config as config_lib
+    from jaxpar.data import make_tokenizer
+
+    try:
+        config_path = os.path.join(args.run_dir, "config.yaml")
+        if not os.path.isfile(config_path):
+            raise ConfigError(f"{args.run_dir} has no config.yaml; is it a run directory "
+                              "(train.run_dir)?")
+        tokenizer = make_tokenizer(config_lib.load_config(config_path).data)
+        prompt_ids = tokenizer.encode(args.prompt)
+        # The prompt is checked before the (slower) restore.
+        max_seq_len = config_lib.load_config(config_path).model.max_seq_len
+        if len(prompt_ids) >= max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; model.max_seq_len="
+                             f"{max_seq_len} leaves room for at most {max_seq_len - 1}")
+        cfg, model, step = load_model(args.run_dir, args.step)
+        if len(prompt_ids) + args.max_tokens > max_seq_len:
+            print(f"note: generating {max_seq_len - len(prompt_ids)} tokens, not {args.max_tokens}:"
+                  f" model.max_seq_len={max_seq_len}", file=sys.stderr)
+        ids = generate(model, prompt_ids, args.max_tokens, args.temperature, args.top_k,
+                       args.seed, vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eod_id)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(args.prompt + tokenizer.decode(ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

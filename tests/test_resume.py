@@ -1,0 +1,128 @@
+"""A run survives interruption: exact resume, another mesh, preemption, NaN, wrong shapes."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxpar import config as config_lib
+from jaxpar.checkpoint import CheckpointMismatchError
+from jaxpar.train import NonFiniteLoss, train
+from tests.test_train import ROOT
+
+TINY = [
+    "model.vocab_size=264", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.d_ff=64", "model.dtype=float32", "train.batch_size=8",
+    "train.seq_len=32", "data.max_documents=30", "optimizer.warmup_steps=2", "optimizer.lr=1e-2",
+    "train.progress=false", "train.log_every=1",
+]
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def cli(run_dir, *extra, devices=8):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    args = [sys.executable, "-m", "jaxpar.train", *TINY, f"train.run_dir={run_dir}",
+            f"runtime.cpu_devices={devices}", *extra]
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, proc, timeout=240):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def committed_steps(run_dir):
+    path = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return [int(n) for n in names if n.isdigit()
+            and os.path.exists(os.path.join(path, n, "jaxpar_manifest.json"))]
+
+
+def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
+    args = ["train.steps=20", "checkpoint.every=5", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    straight = cli(tmp_path / "straight", *args)
+    killed = cli(tmp_path / "killed", *args)
+    wait_for(lambda: any(s >= 10 for s in committed_steps(tmp_path / "killed")), killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert straight.wait(timeout=300) == 0
+    resumed = cli(tmp_path / "killed", *args)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert "resumed from step" in err
+    want, got = losses(tmp_path / "straight"), losses(tmp_path / "killed")
+    assert sorted(got) == list(range(1, 21))
+    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]  # bit-identical
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
+    proc = cli(tmp_path, "train.steps=100000", "checkpoint.every=0", "mesh.data=8", "mesh.fsdp=1",
+               "mesh.tensor=1")
+    wait_for(lambda: os.path.exists(tmp_path / "metrics.jsonl") and len(losses(tmp_path)) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM after step")
+    step = int(last.split("after step ")[1].split(":")[0])
+    assert step in committed_steps(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    cfg = config_lib.load_config(None, TINY + ["train.steps=12", "checkpoint.every=6", f"train.run_dir={run_dir}",
+                                               "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    train(cfg, config_lib.validate(cfg, 8))
+    return run_dir
+
+
+def test_restore_onto_another_mesh_continues_the_run(reference_run, tmp_path):
+    shutil.copytree(reference_run / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
+    cfg = config_lib.load_config(None, TINY + ["train.steps=12", "checkpoint.every=6", f"train.run_dir={tmp_path}",
+                                               "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])
+    summary = train(cfg, config_lib.validate(cfg, 8))
+    assert summary["start_step"] == 6
+    want, got = losses(reference_run), losses(tmp_path)
+    np.testing.assert_allclose([got[s] for s in range(7, 13)], [want[s] for s in range(7, 13)], rtol=1e-5)
+
+
+def test_checkpoint_of_another_shape_is_a_clear_error(reference_run, tmp_path):
+    shutil.copytree(reference_run / "checkpoints", tmp_path / "checkpoints")
+    cfg = config_lib.load_config(None, TINY + ["train.steps=12", f"train.run_dir={tmp_path}", "model.d_model=64",
+                                               "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    with pytest.raises(CheckpointMismatchError, match=r"params.blocks.attn.wq: checkpoint has shape \(2, 32, 4, 8\), the model has shape \(2, 64, 4, 16\)"):
+        train(cfg, config_lib.validate(cfg, 8))
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "skip"])
+def test_a_non_finite_loss_stops_or_is_skipped(on_nan, tmp_path):
+    cfg = config_lib.load_config(None, TINY + [
+        "train.steps=6", "checkpoint.every=1", f"train.run_dir={tmp_path}", f"train.on_nan={on_nan}",
+        "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=0",
+        "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    sizes = config_lib.validate(cfg, 8)
+    if on_nan == "stop":
+        with pytest.raises(NonFiniteLoss, match=r"at step (\d+)") as info:
+            train(cfg, sizes)
+        bad = int(info.value.args[0].split("at step ")[1].split(" ")[0])
+        assert bad > 1 and max(committed_steps(tmp_path)) == bad - 1
+    else:
+        summary = train(cfg, sizes)
+        records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+        assert sum(r["skipped"] for r in records) >= 1
+        assert np.isfinite(summary["final_loss"])
