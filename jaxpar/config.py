@@ -124,6 +124,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Multi-process runs (jax.distributed). Each key also comes from the environment:
+    JAXPAR_COORDINATOR, JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID (set by `python -m jaxpar.launch`)."""
+
+    coordinator: str | None = None  # host:port of process 0; None = single process
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto: bool = False  # let JAX detect the cluster (SLURM, Kubernetes, Cloud TPU, MPI)
+
+
+@dataclass
 class RuntimeConfig:
     cpu_devices: int = 8  # on a CPU-only machine, emulate this many devices (1 = plain run)
 
@@ -137,6 +148,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 

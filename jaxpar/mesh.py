@@ -8,13 +8,51 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpar.config import MESH_AXES, RuntimeConfig
+import os
+
+from jaxpar.config import MESH_AXES, ConfigError, DistributedConfig, RuntimeConfig
 
 
 def emulate_cpu_devices(runtime: RuntimeConfig) -> None:
     """On a CPU-only machine, present `runtime.cpu_devices` devices. Must run before the backend
     starts (before the first `jax.devices()`); it has no effect on GPUs."""
     jax.config.update("jax_num_cpu_devices", runtime.cpu_devices)
+
+
+def distributed_settings(dist: DistributedConfig) -> DistributedConfig:
+    """The config's distributed keys, each filled from the JAXPAR_* environment when unset."""
+    env = os.environ
+    coordinator = dist.coordinator or env.get("JAXPAR_COORDINATOR")
+    num = dist.num_processes if dist.num_processes is not None else env.get("JAXPAR_NUM_PROCESSES")
+    pid = dist.process_id if dist.process_id is not None else env.get("JAXPAR_PROCESS_ID")
+    try:
+        num = None if num is None else int(num)
+        pid = None if pid is None else int(pid)
+    except ValueError:
+        raise ConfigError(f"JAXPAR_NUM_PROCESSES={num!r} / JAXPAR_PROCESS_ID={pid!r} must be integers") from None
+    return DistributedConfig(coordinator=coordinator, num_processes=num, process_id=pid, auto=dist.auto)
+
+
+def start_distributed(dist: DistributedConfig) -> bool:
+    """Joins the multi-process run if one is configured; returns whether it did. Must run before
+    the backend starts. On CPU, collectives between processes go over gloo (loopback or TCP)."""
+    dist = distributed_settings(dist)
+    if dist.coordinator is None and not dist.auto:
+        return False
+    if dist.coordinator is not None and (dist.num_processes is None or dist.process_id is None):
+        raise ConfigError(
+            f"distributed.coordinator={dist.coordinator} needs distributed.num_processes and "
+            f"distributed.process_id (got {dist.num_processes} and {dist.process_id})")
+    if dist.num_processes is not None and not 0 <= (dist.process_id or 0) < dist.num_processes:
+        raise ConfigError(f"distributed.process_id={dist.process_id} is not in "
+                          f"[0, {dist.num_processes}) (distributed.num_processes)")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if dist.auto:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
+                                   process_id=dist.process_id)
+    return True
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -14,6 +14,7 @@ followed by the generated text.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from functools import partial
@@ -24,16 +25,14 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ConfigError
+from jaxpar.data import make_tokenizer
 from jaxpar.models.llama import KVCache, Transformer
 
 
-def sample_token(logits, key, temperature: float = 0.0, top_k: int | None = None):
-    """logits float32 [..., vocab] -> int32 token ids [...].
-
-    temperature 0: the argmax. Otherwise a draw from softmax(logits / temperature), restricted to
-    the `top_k` largest logits when top_k is given (ties with the k-th largest are kept)."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def sample_token(logits, key, temperature=1.0, top_k: int | None = None):
+    """logits float32 [..., vocab] -> int32 token ids [...], drawn from softmax(logits /
+    temperature) (temperature > 0), restricted to the `top_k` largest logits when top_k is given
+    (ties with the k-th largest are kept)."""
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
@@ -51,8 +50,9 @@ def _generate_ids(model: Transformer, prompt, temperature, key, *, max_tokens: i
 
     def pick(logits, step):  # logits [1, seq, vocab] -> [1], from the last position
         last = jnp.where(allowed, logits[:, -1], -jnp.inf)
-        return sample_token(last, jax.random.fold_in(key, step), 0.0 if greedy else temperature,
-                            top_k)
+        if greedy:
+            return jnp.argmax(last, axis=-1).astype(jnp.int32)
+        return sample_token(last, jax.random.fold_in(key, step), temperature, top_k)
 
     cache = KVCache.create(model.cfg, 1, prompt_len + max_tokens)
     logits, cache = model.decode(prompt, jnp.arange(prompt_len)[None], cache)
@@ -65,6 +65,15 @@ def _generate_ids(model: Transformer, prompt, temperature, key, *, max_tokens: i
 
     (last, _), tokens = jax.lax.scan(step, (first, cache), jnp.arange(1, max_tokens))
     return jnp.append(tokens, last[0])
+
+
+def check_prompt(prompt_len: int, max_seq_len: int) -> None:
+    """ValueError unless a prompt of `prompt_len` tokens leaves room for one more token."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty; give at least one token")
+    if prompt_len >= max_seq_len:
+        raise ValueError(f"the prompt has {prompt_len} tokens, too long for model.max_seq_len="
+                         f"{max_seq_len}; shorten it to at most {max_seq_len - 1} tokens")
 
 
 def generate(model: Transformer, prompt_ids, max_tokens: int, temperature: float = 0.0,
@@ -80,11 +89,7 @@ def generate(model: Transformer, prompt_ids, max_tokens: int, temperature: float
     no room under model.max_seq_len."""
     cfg = model.cfg
     prompt = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
-    if prompt.size == 0:
-        raise ValueError("the prompt is empty; give at least one token")
-    if prompt.size >= cfg.max_seq_len:
-        raise ValueError(f"the prompt has {prompt.size} tokens; model.max_seq_len={cfg.max_seq_len} "
-                         f"leaves room for at most {cfg.max_seq_len - 1}")
+    check_prompt(prompt.size, cfg.max_seq_len)
     if temperature < 0:
         raise ValueError(f"temperature={temperature} is negative; use 0 (greedy) or more")
     if top_k is not None and top_k < 1:
@@ -102,14 +107,23 @@ def generate(model: Transformer, prompt_ids, max_tokens: int, temperature: float
 # --- The command line ------------------------------------------------------------------------
 
 
+def run_config(run_dir: str):
+    """The run's config (RUN_DIR/config.yaml); ConfigError if there is none."""
+    from jaxpar import config as config_lib
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{run_dir} has no config.yaml; is it a run directory (train.run_dir)?")
+    return config_lib.load_config(path)
+
+
 def load_model(run_dir: str, step: int | None = None):
     """(config, Transformer with the checkpoint's params on the default device, step) from the
     run's newest intact checkpoint (or `step`). Raises ConfigError without config.yaml and
     FileNotFoundError without a usable checkpoint."""
     from jaxpar.export import load_params
 
-    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
-        raise ConfigError(f"{run_dir} has no config.yaml; is it a run directory (train.run_dir)?")
+    run_config(run_dir)  # a clear error before load_params reads it
     cfg, params, step = load_params(run_dir, step)
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     graphdef = nnx.split(abstract)[0]
@@ -122,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Generate text from a run's newest intact checkpoint (KV-cache decoding).")
     parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="tokens to generate (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); higher = more random")
     parser.add_argument("--top-k", type=int, default=None,
@@ -130,22 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
-    from jaxpar import config as config_lib
-    from jaxpar.data import make_tokenizer
-
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
     try:
-        config_path = os.path.join(args.run_dir, "config.yaml")
-        if not os.path.isfile(config_path):
-            raise ConfigError(f"{args.run_dir} has no config.yaml; is it a run directory "
-                              "(train.run_dir)?")
-        tokenizer = make_tokenizer(config_lib.load_config(config_path).data)
+        cfg = run_config(args.run_dir)
+        tokenizer = make_tokenizer(cfg.data)
         prompt_ids = tokenizer.encode(args.prompt)
-        # The prompt is checked before the (slower) restore.
-        max_seq_len = config_lib.load_config(config_path).model.max_seq_len
-        if len(prompt_ids) >= max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; model.max_seq_len="
-                             f"{max_seq_len} leaves room for at most {max_seq_len - 1}")
-        cfg, model, step = load_model(args.run_dir, args.step)
+        max_seq_len = cfg.model.max_seq_len
+        check_prompt(len(prompt_ids), max_seq_len)  # before the slower restore
+        _, model, _ = load_model(args.run_dir, args.step)
         if len(prompt_ids) + args.max_tokens > max_seq_len:
             print(f"note: generating {max_seq_len - len(prompt_ids)} tokens, not {args.max_tokens}:"
                   f" model.max_seq_len={max_seq_len}", file=sys.stderr)

@@ -30,7 +30,7 @@ from jaxpar import data as data_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
-from jaxpar.mesh import emulate_cpu_devices, make_mesh
+from jaxpar.mesh import emulate_cpu_devices, make_mesh, start_distributed
 from jaxpar.models import Transformer
 from jaxpar.models.llama import logits_from, scan_layers
 from jaxpar.parallel import pipeline as pipeline_lib
@@ -402,7 +402,7 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
                         "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
                         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
                         "step_time_s": step_time,
-                        "memory_bytes": metrics_lib.device_memory_bytes(devices[0]),
+                        "memory_bytes": metrics_lib.device_memory_bytes(jax.local_devices()[0]),
                         **{k: float(v) for k, v in metrics.items() if k not in ("loss", "tokens")},
                     }
                     first_loss = loss if first_loss is None else first_loss
@@ -452,6 +452,7 @@ def load_and_validate(argv: list[str]) -> tuple[Config, dict[str, int]]:
     path, overrides = config_lib.parse_cli(argv)
     cfg = config_lib.load_config(path, overrides)
     emulate_cpu_devices(cfg.runtime)
+    start_distributed(cfg.distributed)
     num_devices = jax.device_count()
     mesh_given = config_lib.sets_any(path, overrides, "mesh")
     default_mesh = dataclasses.asdict(config_lib.MeshConfig())

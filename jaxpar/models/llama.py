@@ -146,7 +146,8 @@ class Attention(nnx.Module):
         if cache is not None:  # generation: attend to the cached tokens and these
             cache = cache.append(k, v)
             # "auto" rather than model.attention: cuDNN may not take this mask, XLA always does.
-            out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=cache.causal_mask(q.shape[1]))
+            mask = cache.causal_mask(q.shape[1])
+            out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask)
         elif layout is not None:  # context parallel: the sequence is split over `context`
             out = ring_attention_permuted(q, k, v, mesh=current_mesh(), layout=layout,
                                           segment_ids=segment_ids)
