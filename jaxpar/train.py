@@ -26,7 +26,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import checkpoint as checkpoint_lib
 from jaxpar import config as config_lib
-from jaxpar import data as data_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
@@ -268,6 +267,8 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
 
 
 def make_data(cfg: Config):
+    from jaxpar import data as data_lib  # grain stays out of compile-only users (inspect, bench)
+
     tokenizer = data_lib.make_tokenizer(cfg.data)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -324,6 +325,8 @@ def _resume_step(cfg: Config, ckpt: checkpoint_lib.Checkpointer) -> int | None:
 def _data_iterator(dataset, data_state: dict | None, start: int):
     """The batch stream from step `start`: grain's own state when it was saved by as many
     processes as there are now, else the position (the global sample order is the same)."""
+    from jaxpar import data as data_lib
+
     if data_state and data_state.get("process_count") == jax.process_count():
         return data_lib.make_iterator(dataset, data_state["grain"])
     return data_lib.make_iterator(dataset[start:])
