@@ -1,0 +1,1 @@
+"""Throughput benchmarks of jaxpar's train step: `python -m benchmarks.bench CONFIG [overrides]`."""
