@@ -50,8 +50,10 @@ def start_distributed(dist: DistributedConfig) -> bool:
     if dist.auto:
         jax.distributed.initialize()
     else:
+        # Explicit settings win: without "deactivate", jax still runs its SLURM detection inside
+        # srun and restricts each process to the GPU of SLURM_LOCALID.
         jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
-                                   process_id=dist.process_id)
+                                   process_id=dist.process_id, cluster_detection_method="deactivate")
     return True
 
 

@@ -93,12 +93,11 @@ class MetricsWriter:
             self.plot()
 
     def plot(self) -> None:
-        import matplotlib
+        # A bare Figure (no pyplot): the caller's matplotlib backend, e.g. a notebook's, is untouched.
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
         ax.plot(self.steps, self.losses)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats/token)")
@@ -106,7 +105,6 @@ class MetricsWriter:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)
-        plt.close(fig)
 
 
 def format_rate(tokens_per_sec: float | None, mfu_value: float | None) -> str:

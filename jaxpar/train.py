@@ -304,6 +304,16 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def agreed(self) -> str | None:
+        """The stop request, agreed by every process (signals reach nodes at different times; all
+        must stop after the same step, or one waits forever in the next step's collectives)."""
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+
+        anyone = multihost_utils.process_allgather(np.int32(self.requested is not None)).any()
+        return (self.requested or "SIGTERM (on another process)") if anyone else None
+
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite (train.on_nan=stop)."""
@@ -388,7 +398,7 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
                 if compile_s is None:  # the first step holds the compilation: time the rest
                     jax.block_until_ready(metrics)
                     compile_s, window_start, window_steps = time.perf_counter() - clock, time.perf_counter(), 0
-                stop = preemption.requested  # read once: a signal arriving later waits a step
+                stop = preemption.agreed()  # read once: a signal arriving later waits a step
                 logged = step % t.log_every == 0 or step == t.steps
                 if logged or ckpt.should_save(step) or stop or t.on_nan == "stop":
                     loss = float(metrics["loss"])

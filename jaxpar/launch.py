@@ -1,0 +1,328 @@
+"""`python -m jaxpar.launch --nproc N [--port P] [train arguments...]`: N training processes on
+this machine, joined into one multi-process JAX run (like `torchrun --standalone`).
+
+    python -m jaxpar.launch --nproc 2 train.steps=100 runtime.cpu_devices=4 \\
+        mesh.data=2 mesh.fsdp=2 mesh.tensor=2
+
+starts `python -m jaxpar.train <train arguments>` N times, process i with
+
+    JAXPAR_COORDINATOR=127.0.0.1:<P>   (a free port unless --port is given)
+    JAXPAR_NUM_PROCESSES=N
+    JAXPAR_PROCESS_ID=i
+
+which `jaxpar.mesh.start_distributed` turns into `jax.distributed.initialize`. Every setting is
+per process: on CPU `runtime.cpu_devices=4` gives each process 4 devices, so the run above has
+2 x 4 = 8 devices and the same mesh -- and the same losses -- as one process with
+`runtime.cpu_devices=8`. The launcher is how the multi-process code path is exercised on one
+machine; on a cluster, start one `python -m jaxpar.train` per node yourself with the same three
+variables (examples/slurm/ shows SLURM and Kubernetes).
+
+What crosses processes (here over loopback, on a cluster over the network):
+- start-up: the coordinator service runs in process 0; every process registers with it and
+  learns the global device list (`jax.devices()` is the same everywhere, `jax.local_devices()`
+  differs). It also watches heartbeats and serves the key-value store the collectives use to
+  meet;
+- every step: the collectives of the mesh axes that span processes (gloo on CPU, NCCL on GPUs).
+  Devices are numbered process by process and the innermost mesh axes take neighbours, so in the
+  example above only `data` spans the two processes (its gradient all-reduce), while fsdp x
+  tensor = 2 x 2, the 4 devices of one process, never leave it. `mesh.data=1 mesh.fsdp=4` would
+  send fsdp's parameter all-gathers and gradient reduce-scatters across instead;
+- data: nothing. Each process reads the dataset itself and keeps only its rows of every global
+  batch (jaxpar.data);
+- checkpoints: every process writes the shards it owns into the same directory (orbax), which
+  on a cluster must be a shared file system; process 0 commits. Only process 0 writes
+  metrics.jsonl, the plots, and shows progress.
+
+Output: process 0's stdout and stderr pass through live; the others are kept as a rolling tail.
+
+Failure: when a process exits non-zero or is killed, the launcher asks the others to stop
+(SIGTERM; SIGKILL after --grace seconds), prints the failed process's exit code and last lines,
+and exits with that code (128 + the signal number for a signal, as a shell reports it). SIGINT
+and SIGTERM sent to the launcher are forwarded once to every process: training stops after the
+step, checkpoints and exits 0 (`jaxpar.train.Preemption`); the launcher then exits 0 too, and
+the same command resumes. Children sit in their own process group, so a Ctrl-C at the terminal
+reaches them once, through the launcher; on Linux they are killed if the launcher itself dies.
+Every wait is bounded by --grace: once one process has stopped (or been asked to), the others
+have that long to follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import collections
+import ctypes
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO
+
+POLL_S = 0.1  # how often the launcher looks at its queue of exits and signals
+KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for the process table to show the exit
+FORWARDED = (signal.SIGINT, signal.SIGTERM)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the kernel's pick); the coordinator binds it moments later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def exit_code(returncode: int) -> int:
+    """Popen's returncode as a shell reports it: -N (killed by signal N) -> 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name} (exit code {exit_code(returncode)})"
+    return f"exit code {returncode}"
+
+
+# --- One child: its process, its output ----------------------------------------------------
+
+
+@dataclass
+class Child:
+    """Process `index` of the run, with a rolling tail of its combined stdout and stderr."""
+
+    index: int
+    proc: subprocess.Popen
+    tail: collections.deque = field(default_factory=collections.deque)
+    readers: list[threading.Thread] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.running():
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:  # exited between poll and send
+                pass
+
+    def tail_text(self) -> str:
+        with self.lock:
+            return "\n".join(self.tail)
+
+
+def _pump(child: Child, pipe: IO[bytes], echo: IO | None, partial: list[str]) -> None:
+    """Copies `pipe` into the child's tail (and to `echo`, as it comes) until end of file.
+    Progress bars redraw with carriage returns: the tail keeps only a line's last redraw."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    fd = pipe.fileno()
+    while chunk := os.read(fd, 65536):
+        if echo is not None:
+            try:
+                target = getattr(echo, "buffer", None)
+                (target or echo).write(chunk if target else chunk.decode("utf-8", "replace"))
+                echo.flush()
+            except (OSError, ValueError):  # our stdout went away (a closed pipe): keep draining
+                echo = None
+        text = partial[0] + decoder.decode(chunk)
+        *lines, partial[0] = text.split("\n")
+        with child.lock:
+            child.tail.extend(line.rsplit("\r", 1)[-1] for line in lines)
+    if partial[0]:
+        with child.lock:
+            child.tail.append(partial[0].rsplit("\r", 1)[-1])
+        partial[0] = ""
+    pipe.close()
+
+
+def _child_setup(libc) -> None:
+    """Runs in the child between fork and exec: its own process group (a terminal's Ctrl-C
+    reaches only the launcher, which forwards it once), and death with the launcher (Linux)."""
+    os.setpgid(0, 0)
+    if libc is not None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _start_children(command: list[str], nproc: int, coordinator: str,
+                    tail_lines: int) -> list[Child]:
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    children = []
+    for index in range(nproc):  # all forks happen before any thread starts (preexec_fn)
+        env = dict(os.environ, JAXPAR_COORDINATOR=coordinator, JAXPAR_NUM_PROCESSES=str(nproc),
+                   JAXPAR_PROCESS_ID=str(index), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if index == 0 else subprocess.STDOUT,
+            preexec_fn=lambda: _child_setup(libc))
+        children.append(Child(index, proc, collections.deque(maxlen=tail_lines)))
+    for child in children:
+        # Process 0 keeps stdout and stderr apart, echoed live; the others' are one stream.
+        pipes = [(child.proc.stdout, sys.stdout if child.index == 0 else None)]
+        if child.index == 0:
+            pipes.append((child.proc.stderr, sys.stderr))
+        for pipe, echo in pipes:
+            thread = threading.Thread(target=_pump, args=(child, pipe, echo, [""]), daemon=True)
+            thread.start()
+            child.readers.append(thread)
+    return children
+
+
+def _watch_exits(children: list[Child], exits: queue.Queue) -> None:
+    """One waiter thread per child puts (index, returncode) on `exits` as it dies, so the
+    queue's order is the order of the deaths."""
+    for child in children:
+        threading.Thread(target=lambda c=child: exits.put((c.index, c.proc.wait())),
+                         daemon=True).start()
+
+
+# --- The launcher -------------------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(f"jaxpar.launch: {message}", file=sys.stderr, flush=True)
+
+
+def _stop_all(children: list[Child], grace: float) -> None:
+    """SIGTERM to every running child; SIGKILL to those still running after `grace` seconds."""
+    for child in children:
+        child.signal(signal.SIGTERM)
+    _wait_all(children, grace)
+    for child in children:
+        if child.running():
+            _say(f"process {child.index} (pid {child.proc.pid}) is still running; sending SIGKILL")
+            child.signal(signal.SIGKILL)
+    _wait_all(children, KILL_WAIT_S)
+
+
+def _wait_all(children: list[Child], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _report_failure(child: Child, returncode: int, tail_lines: int) -> None:
+    _say(f"process {child.index} (pid {child.proc.pid}) failed: {describe_exit(returncode)}")
+    for reader in child.readers:  # the pipe closes at exit; bounded in case a grandchild holds it
+        reader.join(timeout=2.0)
+    if child.index == 0:
+        _say("its output is above")
+    else:
+        _say(f"last {tail_lines} lines of process {child.index}:")
+        print(child.tail_text(), file=sys.stderr, flush=True)
+
+
+def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, grace: float = 30.0,
+           tail_lines: int = 40, command: list[str] | None = None) -> int:
+    """Runs `command` (default: `python -m jaxpar.train *train_args`) as `nproc` processes of
+    one distributed run on 127.0.0.1; returns the exit code: 0 when all exit 0, else the first
+    failed process's (128 + signal for a signal). See the module docstring."""
+    command = list(command or [sys.executable, "-m", "jaxpar.train", *train_args])
+    coordinator = f"127.0.0.1:{port or free_port()}"
+    requested: list[int] = []  # signals received, forwarded by the loop below
+
+    def on_signal(signum, frame):
+        requested.append(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED} if main_thread else {}
+    children = _start_children(command, nproc, coordinator, tail_lines)
+    _say(f"{nproc} processes, coordinator {coordinator}: "
+         + ", ".join(f"process {c.index} pid {c.proc.pid}" for c in children))
+    exits: queue.Queue = queue.Queue()
+    _watch_exits(children, exits)
+    failed: tuple[Child, int] | None = None
+    deadline = None  # set once a process has stopped or a stop was requested
+    done = 0
+    try:
+        while done < nproc:
+            while requested:
+                sig = requested.pop(0)
+                _say(f"forwarding {signal.Signals(sig).name} to the running processes")
+                for child in children:
+                    child.signal(sig)
+                deadline = deadline or time.monotonic() + grace
+            try:
+                index, returncode = exits.get(timeout=POLL_S)
+            except queue.Empty:
+                late = [c for c in children if c.running()]
+                if deadline is not None and time.monotonic() > deadline and late:
+                    _say(f"process {late[0].index} still running {grace:g} s after the first "
+                         "process stopped or a stop was requested; stopping all")
+                    _stop_all(late, 0.0)
+                    failed = (late[0], late[0].proc.poll() or -signal.SIGKILL)
+                    break
+                continue
+            done += 1
+            deadline = deadline or time.monotonic() + grace
+            if returncode != 0:
+                failed = (children[index], returncode)
+                _stop_all(children, grace)
+                break
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop_all([c for c in children if c.running()], grace)  # e.g. on KeyboardInterrupt
+    for child in children:
+        for reader in child.readers:
+            reader.join(timeout=2.0)
+    if failed is None:
+        return 0
+    child, returncode = failed
+    _report_failure(child, returncode, tail_lines)
+    return exit_code(returncode)
+
+
+USAGE_EPILOG = """examples:
+  python -m jaxpar.launch --nproc 2 runtime.cpu_devices=4 mesh.data=2 mesh.fsdp=2 mesh.tensor=2
+  python -m jaxpar.launch --nproc 4 configs/default.yaml runtime.cpu_devices=2 mesh.data=4 \\
+      mesh.fsdp=1 mesh.tensor=2"""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxpar.launch", epilog=USAGE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Starts N local processes of `python -m jaxpar.train` as one distributed run.")
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes (>= 1)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="seconds the others get to stop once one has stopped or a stop was "
+                             "requested, before SIGKILL (default 30)")
+    parser.add_argument("--tail", type=int, default=40,
+                        help="lines of a failed process's output to print (default 40)")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="[CONFIG.yaml] [dotted.key=value ...], as for jaxpar.train")
+    args = parser.parse_args(argv)
+    if args.train_args[:1] == ["--"]:
+        args.train_args = args.train_args[1:]
+    if args.nproc < 1:
+        parser.error(f"--nproc={args.nproc}: need at least 1 process")
+    if args.grace < 0:
+        parser.error(f"--grace={args.grace}: need a duration >= 0")
+    given = [a for a in args.train_args if a.startswith("distributed.")]
+    if given:
+        parser.error(f"{' '.join(given)}: the launcher sets the distributed settings itself "
+                     "(JAXPAR_COORDINATOR, JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID); drop them")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return launch(args.nproc, args.train_args, port=args.port, grace=args.grace,
+                  tail_lines=args.tail)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
