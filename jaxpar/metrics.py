@@ -72,8 +72,12 @@ class MetricsWriter:
             warnings.warn("tensorboardX is not installed: no TensorBoard event files", stacklevel=2)
         else:
             self._tb = SummaryWriter(run_dir)
-        self.steps: list[int] = []
+        self.steps: list[int] = []  # the whole run's curve, earlier sessions' records included
         self.losses: list[float] = []
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for record in map(json.loads, filter(str.strip, f)):
+                self.steps.append(record["step"])
+                self.losses.append(record["loss"])
 
     def write(self, record: dict) -> None:
         self._jsonl.write(json.dumps(record) + "\n")

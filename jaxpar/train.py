@@ -73,7 +73,6 @@ class Trainer:
     cfg: Config
     mesh: Mesh
     graphdef: Any  # the model's structure; params are plain nested dicts of arrays
-    param_logical: Any  # tree of logical-name tuples, one per parameter
     state_shape: Any  # tree of ShapeDtypeStructs of the train state
     state_shardings: Any
     grad_shardings: Any  # where the reduced gradients live (sharded over fsdp from ZeRO-2)
@@ -202,15 +201,14 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
 
     grads_of_sum = jax.grad(loss_sum, has_aux=True)  # -> (grads, statistics)
 
-    def summed_grads(params, batch):
+    def accumulated_grads(params, batch):
         """Gradient of the summed objective, accumulated over parallel.grad_accum microsteps,
         with the statistics summed likewise."""
         accum = cfg.parallel.grad_accum
         if accum == 1:
             return grads_of_sum(params, batch)
         # Microstep k takes rows k, k + accum, ...: every device keeps its own rows.
-        micro = jax.tree.map(
-            lambda x: jnp.swapaxes(x.reshape(x.shape[0] // accum, accum, *x.shape[1:]), 0, 1), batch)
+        micro = pipeline_lib.split_microbatches(batch, accum)
 
         def microstep(carry, mb):
             return jax.tree.map(jnp.add, carry, grads_of_sum(params, mb)), None
@@ -220,8 +218,8 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         total, _ = jax.lax.scan(microstep, zeros, micro)
         return total
 
-    if sizes["pipe"] > 1:
-        summed_grads = pipelined_grads_fn(cfg, mesh, graphdef, abstract_model)  # noqa: F811
+    summed_grads = (pipelined_grads_fn(cfg, mesh, graphdef, abstract_model) if sizes["pipe"] > 1
+                    else accumulated_grads)
 
     def train_step(state, batch):
         if sizes["context"] > 1:  # ring attention's layout, applied once to every token array
@@ -254,7 +252,7 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
 
     batch_sharding = sharding_lib.batch_sharding(mesh)
     return Trainer(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, param_logical=logical,
+        cfg=cfg, mesh=mesh, graphdef=graphdef,
         state_shape=state_shape, state_shardings=state_shardings,
         grad_shardings=shardings["grads"], batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),

@@ -53,10 +53,10 @@ def committed_steps(run_dir):
 
 
 def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
-    args = ["train.steps=20", "checkpoint.every=5", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    args = ["train.steps=12", "checkpoint.every=3", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     straight = cli(tmp_path / "straight", *args)
     killed = cli(tmp_path / "killed", *args)
-    wait_for(lambda: any(s >= 10 for s in committed_steps(tmp_path / "killed")), killed)
+    wait_for(lambda: any(s >= 6 for s in committed_steps(tmp_path / "killed")), killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert straight.wait(timeout=300) == 0
@@ -65,8 +65,8 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
     assert resumed.returncode == 0, err[-2000:]
     assert "resumed from step" in err
     want, got = losses(tmp_path / "straight"), losses(tmp_path / "killed")
-    assert sorted(got) == list(range(1, 21))
-    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]  # bit-identical
+    assert sorted(got) == list(range(1, 13))
+    assert [got[s] for s in range(7, 13)] == [want[s] for s in range(7, 13)]  # bit-identical
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
@@ -112,7 +112,7 @@ def test_checkpoint_of_another_shape_is_a_clear_error(reference_run, tmp_path):
 @pytest.mark.parametrize("on_nan", ["stop", "skip"])
 def test_a_non_finite_loss_stops_or_is_skipped(on_nan, tmp_path):
     cfg = config_lib.load_config(None, TINY + [
-        "train.steps=6", "checkpoint.every=1", f"train.run_dir={tmp_path}", f"train.on_nan={on_nan}",
+        "train.steps=4", "checkpoint.every=1", f"train.run_dir={tmp_path}", f"train.on_nan={on_nan}",
         "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=0",
         "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
     sizes = config_lib.validate(cfg, 8)
