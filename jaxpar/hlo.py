@@ -10,8 +10,9 @@ unscattered input of a reduce-scatter.
 XLA:CPU note. The SPMD partitioner writes a gradient reduce-scatter as an all-reduce whose result
 is immediately cut to the local shard by a dynamic-slice; GPU and TPU compilers rewrite that pair
 into one reduce-scatter, XLA:CPU runs it as it stands. An all-reduce whose every result feeds only
-dynamic-slices is therefore reported as a reduce-scatter, with `as_all_reduce` counting those
-pairs, so that one report describes the program on every backend.
+dynamic-slices (possibly through a dtype convert: XLA:CPU all-reduces bfloat16 gradients in
+float32 and converts back) is therefore reported as a reduce-scatter, with `as_all_reduce`
+counting those pairs, so that one report describes the program on every backend.
 """
 
 from __future__ import annotations
@@ -114,27 +115,39 @@ def _group_size(text: str) -> int:
     return len(found.group(1).split(",")) if found else 1
 
 
-def _feeds_only_slices(comp: Computation, fused: dict[str, Computation], name: str) -> bool:
-    """Whether every use of `name` (through tuple elements, bitcasts, copies) is a dynamic-slice,
-    directly or as the first thing a fusion does with that operand."""
+_PASS_THROUGH = ("get-tuple-element", "bitcast", "copy", "convert")
+
+
+def _is_pass_through(body: Computation) -> bool:
+    """A fusion that only converts / reshapes its single operand (a dtype cast of a gradient)."""
+    ops = [i.op for i in body.instrs]
+    return ops.count("parameter") == 1 and all(op == "parameter" or op in _PASS_THROUGH for op in ops)
+
+
+def _feeds_only_slices(comp: Computation, comps: dict[str, Computation], name: str) -> bool:
+    """Whether every use of `name` -- through tuple elements, bitcasts, copies and dtype
+    converts, fused or not -- is a dynamic-slice, directly or as the first thing a fusion does
+    with that operand."""
     users = [i for i in comp.instrs if name in i.operands]
     if not users:
         return False
     for user in users:
-        if user.op in ("get-tuple-element", "bitcast", "copy"):
-            if not _feeds_only_slices(comp, fused, user.name):
+        if user.op in _PASS_THROUGH:
+            if not _feeds_only_slices(comp, comps, user.name):
                 return False
         elif user.op == "dynamic-slice":
             continue
         elif user.op == "fusion":
             callee = re.search(r"calls=%([\w.\-]+)", user.text)
-            body = fused.get(callee.group(1)) if callee else None
+            body = comps.get(callee.group(1)) if callee else None
             if body is None:
                 return False
             index = user.operands.index(name)
             param = next((i.name for i in body.instrs if i.op == "parameter"
                           and re.search(rf"parameter\({index}\)", i.text)), None)
-            if param is None or not _feeds_only_slices(body, fused, param):
+            if param is not None and _feeds_only_slices(body, comps, param):
+                continue
+            if not (_is_pass_through(body) and _feeds_only_slices(comp, comps, user.name)):
                 return False
         else:
             return False

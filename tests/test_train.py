@@ -65,6 +65,10 @@ def test_inspect_cli_prints_the_report(flag):
     assert report["flops_per_step"] > 0
     assert report["collectives"]["all-gather"]["count"] > 0
     assert report["compare"]["ratio"] == pytest.approx(1.0, rel=0.1)
+    # bfloat16 matmuls (the default): the gradients are still reduce-scattered, not all-reduced.
+    param_bytes = 4 * report["params"]
+    assert report["collectives"]["reduce-scatter"]["bytes"] == pytest.approx(param_bytes, rel=0.1)
+    assert report["collectives"]["all-reduce"]["bytes"] < 0.01 * param_bytes
 
 
 def test_default_yaml_is_the_embedded_default():
