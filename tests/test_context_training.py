@@ -1,15 +1,12 @@
 """Context parallelism (ring attention over `context`) trains the single-device model."""
 
-import jax
 import numpy as np
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar.config import ConfigError, MESH_AXES
+from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
-from jaxpar.train import build_trainer
-
-STEPS = 5
+from tests.parity import STEPS, run_steps, trainer_on
 TINY = [
     "model.vocab_size=264", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
     "model.n_kv_heads=2", "model.d_ff=64", "model.dtype=float32", "train.batch_size=8",
@@ -32,15 +29,10 @@ def packed_batches(batch, seq):
 
 
 def run(mesh, extra=()):
-    cfg = config_lib.load_config(None, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES] + list(extra))
-    n = int(np.prod(list(mesh.values()) or [1]))
-    trainer = build_trainer(cfg, config_lib.validate(cfg, n), devices=jax.devices()[:n])
+    trainer = trainer_on(TINY + list(extra), mesh)
     compiled = compile_step(trainer)
-    state, losses = trainer.init(), []
-    for batch in packed_batches(cfg.train.batch_size, cfg.train.seq_len):
-        state, metrics = compiled(state, trainer.shard_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return losses, report(trainer, compiled)
+    batches = packed_batches(trainer.cfg.train.batch_size, trainer.cfg.train.seq_len)
+    return [h["loss"] for h in run_steps(trainer, compiled, batches)], report(trainer, compiled)
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,12 @@
 """MoE models train the same under expert parallelism as on one device (dropless routing)."""
 
-import jax
 import numpy as np
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar.config import ConfigError, MESH_AXES
+from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
-from jaxpar.train import build_trainer
-
-STEPS = 5
+from tests.parity import random_batches, run_steps, trainer_on
 TINY_MOE = [
     "model.vocab_size=264", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
     "model.n_kv_heads=2", "model.d_ff=64", "model.dtype=float32", "model.moe.num_experts=8",
@@ -25,29 +22,12 @@ LAYOUTS = {
 }
 
 
-def trainer_for(mesh, extra=()):
-    axes = [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
-    cfg = config_lib.load_config(None, TINY_MOE + axes + list(extra))
-    n = int(np.prod(list(mesh.values()) or [1]))
-    return build_trainer(cfg, config_lib.validate(cfg, n), devices=jax.devices()[:n])
-
-
-def random_batches(cfg):
-    rng = np.random.default_rng(0)
-    shape = (cfg.train.batch_size, cfg.train.seq_len)
-    for _ in range(STEPS):
-        tokens = rng.integers(0, 257, (shape[0], shape[1] + 1)).astype(np.int32)
-        yield {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-               "positions": np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy(),
-               "segment_ids": np.ones(shape, np.int32), "loss_mask": np.ones(shape, np.float32)}
+def trainer_for(mesh):
+    return trainer_on(TINY_MOE, mesh)
 
 
 def run(trainer, compiled):
-    state, history = trainer.init(), []
-    for batch in random_batches(trainer.cfg):
-        state, metrics = compiled(state, trainer.shard_batch(batch))
-        history.append({k: float(v) for k, v in metrics.items()})
-    return history
+    return run_steps(trainer, compiled, random_batches(trainer.cfg))
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,12 @@
 """Pipelined training (GPipe, 1F1B, interleaved over `pipe`) equals the single-device run."""
 
-import jax
 import numpy as np
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar.config import ConfigError, MESH_AXES
+from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
-from jaxpar.train import build_trainer
-from tests.test_moe_training import random_batches
+from tests.parity import random_batches, run_steps, trainer_on
 
 TINY = [
     "model.vocab_size=264", "model.d_model=32", "model.n_layers=8", "model.n_heads=4",
@@ -26,17 +24,11 @@ LAYOUTS = {
 
 
 def trainer_for(mesh, extra=()):
-    cfg = config_lib.load_config(None, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES] + list(extra))
-    n = int(np.prod(list(mesh.values()) or [1]))
-    return build_trainer(cfg, config_lib.validate(cfg, n), devices=jax.devices()[:n])
+    return trainer_on(TINY + list(extra), mesh)
 
 
 def losses(trainer, compiled):
-    state, out = trainer.init(), []
-    for batch in random_batches(trainer.cfg):
-        state, metrics = compiled(state, trainer.shard_batch(batch))
-        out.append(float(metrics["loss"]))
-    return out
+    return [h["loss"] for h in run_steps(trainer, compiled, random_batches(trainer.cfg))]
 
 
 @pytest.fixture(scope="module")

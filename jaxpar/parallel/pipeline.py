@@ -295,7 +295,7 @@ def _residual_layout(stage_fn, chunk_params, x, side):
         _, pullback = jax.vjp(lambda p_, h_: stage_fn(p_, h_, side), params, h)
         leaves, found["treedef"] = jax.tree.flatten(pullback)
         if not all(isinstance(leaf, jax.Array) for leaf in leaves):
-            raise NotImplementedError("jax.vjp's pullback is not a pytree of arrays in this jax "
+            raise RuntimeError("jax.vjp's pullback is not a pytree of arrays in this jax "
                                       f"{jax.__version__}; the pipeline stashes those arrays")
         found["source"] = _param_sources(leaves, params)
         return [leaf for leaf, src in zip(leaves, found["source"]) if src < 0]
