@@ -126,3 +126,16 @@ def test_a_non_finite_loss_stops_or_is_skipped(on_nan, tmp_path):
         records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
         assert sum(r["skipped"] for r in records) >= 1
         assert np.isfinite(summary["final_loss"])
+
+
+def test_a_second_sigint_stops_at_once():
+    from jaxpar.train import Preemption
+
+    with Preemption() as preemption:
+        os.kill(os.getpid(), signal.SIGINT)  # the first asks for a checkpoint and a clean stop
+        time.sleep(0.1)
+        assert preemption.requested == "SIGINT" and preemption.agreed() == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second interrupts
+            time.sleep(0.1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
