@@ -276,17 +276,20 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
+def user_settings(path: str | None = None, overrides: list[str] = ()) -> dict:
+    """What the user set: the YAML file (if any) with the overrides merged over it."""
+    values = load_yaml(path) if path else {}
+    return _merge(values, parse_overrides(list(overrides)))
+
+
+def build_config(settings: dict) -> Config:
+    """The defaults with `settings` (from `user_settings`) applied; type-checked, not validated."""
+    return _build(Config, settings)
+
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the YAML file (if any), then the overrides; type-checked, not yet validated."""
-    values = load_yaml(path) if path else {}
-    values = _merge(values, parse_overrides(list(overrides)))
-    return _build(Config, values)
-
-
-def sets_any(path: str | None, overrides: list[str], section: str) -> bool:
-    """Whether the YAML file or the overrides set any key of `section` (e.g. "mesh")."""
-    in_file = section in (load_yaml(path) if path else {})
-    return in_file or any(o.split("=", 1)[0].strip().split(".")[0] == section for o in overrides)
+    return build_config(user_settings(path, overrides))
 
 
 def fit_default_mesh(num_devices: int) -> MeshConfig:

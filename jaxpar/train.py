@@ -7,7 +7,6 @@ everything up to the compiled step and is shared with `python -m jaxpar.inspect`
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -461,13 +460,12 @@ def format_summary(s: dict) -> str:
 def load_and_validate(argv: list[str]) -> tuple[Config, dict[str, int]]:
     """Parses the command line, starts the backend with the emulated devices, validates."""
     path, overrides = config_lib.parse_cli(argv)
-    cfg = config_lib.load_config(path, overrides)
+    settings = config_lib.user_settings(path, overrides)
+    cfg = config_lib.build_config(settings)
     emulate_cpu_devices(cfg.runtime)
     start_distributed(cfg.distributed)
     num_devices = jax.device_count()
-    mesh_given = config_lib.sets_any(path, overrides, "mesh")
-    default_mesh = dataclasses.asdict(config_lib.MeshConfig())
-    if not mesh_given and dataclasses.asdict(cfg.mesh) == default_mesh:
+    if "mesh" not in settings:  # no layout asked for: the default one, or DP over what exists
         cfg.mesh = config_lib.fit_default_mesh(num_devices)
     return cfg, config_lib.validate(cfg, num_devices)
 
