@@ -1,5 +1,6 @@
 """`python -m benchmarks.bench CONFIG [dotted.key=value ...] [--steps N] [--warmup W] [--json PATH]
-[--tag NAME] [--xla-flag=FLAG ...] [--compare-reference]`: time jaxpar's train step.
+[--tag NAME] [--xla-flag=FLAG ...] [--compare-reference] [--target NAME[:N]]`: time jaxpar's
+train step, or (with --target) print the memory of its compiled program for GPUs not present.
 
 The config is loaded and validated exactly as `python -m jaxpar.train` does
 (`jaxpar.train.load_and_validate`), the trainer is built (`build_trainer`) and its step is
@@ -95,6 +96,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compare-reference", action="store_true",
                         help="print the H100 reference numbers of ../shared/REFERENCE.md next to "
                         "the result (GPT-2 124M shape only)")
+    parser.add_argument("--target", metavar="NAME[:N]",
+                        help="time nothing: compile for N GPUs of that type on this machine (no GPU "
+                        "needed; the gpu-compile extra) and print the memory table of the config "
+                        "given, or of every preset in TARGET_PRESETS")
     args = parser.parse_intermixed_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
@@ -339,9 +344,64 @@ def default_json_path(config_path: str | None, device: dict, tag: str) -> Path:
     return RESULTS_DIR / f"{name}.json"
 
 
+# --- Compiled memory on GPUs that are not here (--target) ------------------------------------
+
+# The presets whose compiled-H100 memory the README and benchmarks/RESULTS.md quote, each
+# (label, config, overrides, devices); --target h100 prints them all.
+TARGET_PRESETS = [
+    ("gpt2-124m, 1 GPU", "configs/gpt2-124m.yaml", [], 1),
+    ("llama-1b, 1 GPU", "configs/llama-1b.yaml", [], 1),
+    ("llama-1b, 8 GPUs, fsdp=8", "configs/llama-1b.yaml", [], 8),
+]
+
+
+def compiled_memory(config_and_overrides: list[str], target) -> dict:
+    """Compile the train step for `target` (a jaxpar.targets.Target) and summarise it."""
+    from jaxpar import targets as targets_lib
+
+    cfg, sizes = load_and_validate(config_and_overrides, num_devices=target.count)
+    trainer = build_trainer(cfg, sizes, devices=targets_lib.devices(target))
+    start = time.perf_counter()
+    compiled = compile_step(trainer)
+    r = report(trainer, compiled, target=target)
+    attention = sorted(k for k in r["kernels"] if k.startswith("__cudnn$fmha")) or ["XLA (no cuDNN)"]
+    return {"total_bytes": r["memory_per_device"]["total"], "temp_bytes": r["memory_per_device"]["temp"],
+            "fits": r["fits"], "attention": attention, "compile_seconds": time.perf_counter() - start}
+
+
+def target_table(args) -> int:
+    from jaxpar import targets as targets_lib
+
+    try:
+        base = targets_lib.resolve(args.target)
+        targets_lib.use_cpu_backend()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    cli = args.config_and_overrides
+    rows = ([(" ".join(cli), cli[:1] if cli and "=" not in cli[0] else [],
+              [a for a in cli if "=" in a], base.count)] if cli else
+            [(label, [path], extra, n) for label, path, extra, n in TARGET_PRESETS])
+    print(f"compiled for {base.description} (nothing ran); usable memory "
+          f"{base.usable_bytes / 2**30:.1f} GiB per device\n")
+    print(f"{'config':<34} {'total GiB':>10} {'temp GiB':>9}  fits  attention kernel")
+    for label, path, extra, count in rows:
+        target = dataclasses.replace(base, count=count)
+        try:
+            m = compiled_memory([*path, *extra], target)  # the presets fill the mesh with -1
+        except ConfigError as e:
+            print(f"config error: {label}: {e}", file=sys.stderr)
+            return 2
+        print(f"{label:<34} {m['total_bytes'] / 2**30:>10.2f} {m['temp_bytes'] / 2**30:>9.2f}  "
+              f"{'yes' if m['fits'] else 'NO':<4}  {', '.join(m['attention'])}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.target:
+        return target_table(args)
     flags_env, flags_added = apply_xla_flags(args.xla_flag)  # before the backend starts
     cli = args.config_and_overrides
     try:

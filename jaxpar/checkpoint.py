@@ -197,7 +197,7 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state: dict, data_state: dict | None, *, force: bool = False) -> bool:
-        """Starts saving `state` ({"params", "opt_state", "step"}) and the data iterator's state
+        """Starts saving `state` (params, opt_state, step counters) and the data iterator's state
         at `step` if `step % every == 0` or `force`; returns whether a save started.
 
         Returns once the arrays are copied off the devices (the state may then be donated to the

@@ -54,7 +54,8 @@ class ModelConfig:
     tie_embeddings: bool = False  # output head shares the embedding table
     dtype: str = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
     param_dtype: str = "float32"  # parameters and optimizer state
-    attention: str = "auto"  # auto | xla | cudnn: jax.nn.dot_product_attention implementation
+    attention: str = "auto"  # auto (cudnn on GPUs, else xla) | xla | cudnn: see models/attention.py
+    max_documents_per_row: int = 16  # cudnn: documents a packed row may hold (costs 4*B*N*T bytes each)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -115,6 +116,7 @@ class TrainConfig:
     progress: bool = True  # live progress bar on the terminal
     resume: str = "auto"  # auto (latest complete checkpoint in run_dir) | never | a step number
     on_nan: str = "stop"  # stop (error naming the step) | skip (drop that step's update)
+    loss_chunks: int = 0  # the loss computes logits for seq/loss_chunks positions at a time; 0 = auto
 
 
 @dataclass
@@ -421,6 +423,9 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         ("parallel.grad_accum", par.grad_accum != 1, "microbatches already accumulate; set it to 1"),
         ("model.moe.num_experts", cfg.model.moe.num_experts != 0, "MoE layers are not pipelined yet"),
         ("mesh.context", sizes["context"] != 1, "ring attention is not pipelined yet"),
+        ("model.attention=cudnn", cfg.model.attention == "cudnn",
+         "cuDNN's attention call does not compile inside the pipeline's shard_map (jax 0.12); "
+         "use auto (XLA attention when pipelined) or xla"),
     ]:
         if value:
             raise ConfigError(f"{key} with mesh.pipe={p}: {why}")
@@ -452,6 +457,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         "model.max_seq_len": m.max_seq_len, "train.steps": t.steps, "train.batch_size": t.batch_size,
         "train.seq_len": t.seq_len, "train.log_every": t.log_every,
         "parallel.grad_accum": p.grad_accum, "runtime.cpu_devices": cfg.runtime.cpu_devices,
+        "model.max_documents_per_row": m.max_documents_per_row,
     }
     if cfg.data.max_documents is not None:
         positive["data.max_documents"] = cfg.data.max_documents
@@ -502,6 +508,14 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
                 f"mesh.context={sizes['context']} and parallel.context_layout={p.context_layout} cuts "
                 f"the sequence into {pieces} chunks; try a multiple of {pieces}")
 
+    seq_shards = sizes["context"] * (tensor if p.sequence_parallel else 1)
+    if t.loss_chunks < 0 or (t.loss_chunks and (t.seq_len % t.loss_chunks
+                                                or (t.seq_len // t.loss_chunks) % seq_shards)):
+        fits = [c for c in _divisors(t.seq_len) if (t.seq_len // c) % seq_shards == 0]
+        raise ConfigError(
+            f"train.loss_chunks={t.loss_chunks} must divide train.seq_len={t.seq_len} into pieces "
+            f"that split evenly over the {seq_shards} devices holding the sequence; use 0 (auto) "
+            f"or one of {fits}")
     if cfg.data.source != "stdlib":
         data_files(cfg.data)
     if cfg.data.tokenizer != "byte" and not os.path.isfile(cfg.data.tokenizer):

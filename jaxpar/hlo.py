@@ -172,7 +172,8 @@ def _split_all_reduce(comp: Computation, comps: dict[str, Computation], ins: Ins
 
 
 def collectives(text: str) -> dict[str, dict[str, int]]:
-    """{kind: {"count", "bytes"}} for each collective kind found in compiled HLO `text`.
+    """{kind: {"count", "bytes", "dtypes"}} for each collective kind found in compiled HLO
+    `text`; `dtypes` lists the element types moved (e.g. ["bf16"] for FSDP's gathers).
 
     A reduce-scatter entry may carry `as_all_reduce`: how many of its count are all-reduce +
     dynamic-slice pairs (see the module docstring).
@@ -197,10 +198,32 @@ def collectives(text: str) -> dict[str, dict[str, int]]:
             parts = {kind: nbytes}
             if kind == "all-reduce":
                 parts = _split_all_reduce(comp, comps, ins, sizes)
+            dtypes = sorted({d for d, _ in _ARRAY.findall(ins.shape) if d in DTYPE_BYTES})
             for part, part_bytes in parts.items():
-                entry = stats.setdefault(part, {"count": 0, "bytes": 0})
+                entry = stats.setdefault(part, {"count": 0, "bytes": 0, "dtypes": []})
                 entry["count"] += n
                 entry["bytes"] += n * part_bytes
+                entry["dtypes"] = sorted(set(entry["dtypes"]) | set(dtypes))
                 if part != kind:
                     entry["as_all_reduce"] = entry.get("as_all_reduce", 0) + n
     return stats
+
+
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def kernels(text: str) -> dict[str, int]:
+    """{custom-call target: how many times it runs per call of the entry} in compiled HLO `text`:
+    the library kernels a program uses (`__cudnn$fmhaSoftmax` is cuDNN's flash attention,
+    `__cublas$lt$matmul` a cuBLASLt GEMM). Calls inside the layer loop count once per layer."""
+    comps = parse(text)
+    times = multiplicities(comps)
+    counts: dict[str, int] = defaultdict(int)
+    for comp in comps.values():
+        n = times.get(comp.name, 0)
+        for ins in comp.instrs:
+            if ins.op == "custom-call" and n:
+                found = _TARGET.search(ins.text)
+                if found:
+                    counts[found.group(1)] += n
+    return dict(sorted(counts.items()))

@@ -16,6 +16,12 @@ mesh.fsdp devices and divided by mesh.tensor (../shared/REFERENCE.md):
     stage 1: 4Ψ + 4Ψ + 8Ψ/N      stage 3: 4Ψ/N + 4Ψ/N + 8Ψ/N
 
 It also shows the paper's mixed-precision formula (2 + 2 + K with K = 12) for reference.
+
+`--target h100[:N]` compiles the same step for N GPUs of that type on a machine with none
+(`jaxpar.targets`; needs the `gpu-compile` extra) and adds what that program holds: `kernels`
+(the library calls it makes, e.g. cuDNN attention), the element types each collective moves,
+and `fits`: whether the compiled total stays within `targets.USABLE_FRACTION` of the device's
+memory. A config that does not fit exits with code 3.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxpar import hlo
+from jaxpar import targets as targets_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar.config import ConfigError
 from jaxpar.parallel import pipeline as pipeline_lib
@@ -36,7 +43,9 @@ from jaxpar.train import Trainer, build_trainer, load_and_validate
 
 def compile_step(trainer: Trainer):
     """The train step lowered on abstract state and batch, and compiled (nothing runs)."""
-    return trainer.step.lower(trainer.state_shape, trainer.batch_shape()).compile()
+    with targets_lib.lowering_context(trainer.mesh):
+        lowered = trainer.step.lower(trainer.state_shape, trainer.batch_shape())
+    return lowered.compile()
 
 
 def _cost(compiled) -> float | None:
@@ -58,7 +67,8 @@ def zero_formula(params: int, stage: int, fsdp: int, tensor: int) -> dict[str, f
             "total": (p + g + o) / tensor, "paper_mixed_precision_total": mixed / tensor}
 
 
-def report(trainer: Trainer, compiled, compare: bool = False) -> dict:
+def report(trainer: Trainer, compiled, compare: bool = False,
+           target: targets_lib.Target | None = None) -> dict:
     """The inspect JSON for a trainer and its compiled step."""
     cfg = trainer.cfg
     shapes, shardings = trainer.state_shape, trainer.state_shardings
@@ -85,8 +95,14 @@ def report(trainer: Trainer, compiled, compare: bool = False) -> dict:
         "flops_per_step": None if flops_device is None else flops_device * devices,
         "model_flops_per_step": metrics_lib.flops_per_token(cfg.model, cfg.train.seq_len)
         * cfg.train.batch_size * cfg.train.seq_len,
-        "collectives": hlo.collectives(compiled.as_text()),
+        "collectives": hlo.collectives(text := compiled.as_text()),
+        "kernels": hlo.kernels(text),
     }
+    if target is not None:
+        out["target"] = {"name": target.name, "device": target.description, "count": target.count,
+                         "device_memory": target.memory_bytes, "usable_memory": target.usable_bytes,
+                         "usable_fraction": targets_lib.USABLE_FRACTION}
+        out["fits"] = memory["total"] <= target.usable_bytes
     if compare:
         predicted = zero_formula(params, cfg.parallel.zero_stage, sizes["fsdp"], sizes["tensor"])
         measured = memory["params"] + memory["gradients"] + memory["optimizer"]
@@ -99,9 +115,19 @@ def format_human(r: dict) -> str:
     mb = 1 / 2**20
     mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
     lines = [f"devices {r['devices']}  mesh {mesh}  zero_stage {r['zero_stage']}  "
-             f"params {r['params']:,}", "", "memory per device (MiB)"]
+             f"params {r['params']:,}"]
+    if "target" in r:
+        t = r["target"]
+        lines.append(f"compiled for {t['count']} x {t['device']} (nothing ran)")
+    lines += ["", "memory per device (MiB)"]
     for key, value in r["memory_per_device"].items():
         lines.append(f"  {key:<10} {value * mb:>12.3f}")
+    if "target" in r:
+        t = r["target"]
+        verdict = "fits" if r["fits"] else "DOES NOT FIT"
+        lines.append(f"  {verdict}: total {r['memory_per_device']['total'] / 2**30:.2f} GiB of "
+                     f"{t['usable_memory'] / 2**30:.2f} GiB usable ({t['usable_fraction']:.0%} of "
+                     f"{t['device_memory'] / 2**30:.2f} GiB)")
     if "compare" in r:
         lines.append("")
         lines.append("ZeRO formula for jaxpar's dtypes (MiB)   predicted")
@@ -109,26 +135,59 @@ def format_human(r: dict) -> str:
             lines.append(f"  {key:<28} {value * mb:>12.3f}")
         lines.append(f"  measured params+grads+optimizer {r['compare']['measured_total'] * mb:>8.3f}"
                      f"  (ratio {r['compare']['ratio']:.3f})")
-    lines += ["", f"{'collective':<20} {'count':>8} {'MiB':>12}"]
+    lines += ["", f"{'collective':<20} {'count':>8} {'MiB':>12}  dtypes"]
     for kind, c in sorted(r["collectives"].items()):
         note = f"  ({c['as_all_reduce']} as all-reduce + dynamic-slice)" if "as_all_reduce" in c else ""
-        lines.append(f"{kind:<20} {c['count']:>8} {c['bytes'] * mb:>12.3f}{note}")
+        lines.append(f"{kind:<20} {c['count']:>8} {c['bytes'] * mb:>12.3f}  "
+                     f"{','.join(c['dtypes'])}{note}")
+    if r["kernels"]:
+        lines += ["", f"{'kernel (custom call)':<40} {'count':>8}"]
+        lines += [f"{name:<40} {count:>8}" for name, count in r["kernels"].items()]
     flops = r["flops_per_step"]
     lines += ["", f"FLOPs per step: XLA {flops:.3e}" if flops else "FLOPs per step: XLA n/a",
               f"                model (6N + 12LdT) {r['model_flops_per_step']:.3e}"]
     return "\n".join(lines)
 
 
+USAGE = """usage: python -m jaxpar.inspect [CONFIG.yaml] [dotted.key=value ...] [--compare] [--human]
+                                   [--schedule] [--target NAME[:N]]
+  --target h100:8   compile for 8 GPUs of that type without having them (gpu-compile extra);
+                    exit code 3 when the program does not fit"""
+
+
+def _split_flags(argv: list[str]) -> tuple[set[str], str | None, list[str]]:
+    flags, target, rest = set(), None, []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--target":
+            target = next(args, "")
+        elif arg.startswith("--target="):
+            target = arg.split("=", 1)[1]
+        elif arg.startswith("--"):
+            flags.add(arg)
+        else:
+            rest.append(arg)
+    unknown = flags - {"--compare", "--human", "--schedule", "--help"}
+    if unknown:
+        raise ConfigError(f"unknown flag(s) {sorted(unknown)}; known: --compare, --human, "
+                          "--schedule, --target NAME[:N]")
+    if target == "":
+        raise ConfigError(f"--target needs a GPU type, e.g. --target h100:8; known: {', '.join(targets_lib.TARGETS)}")
+    return flags, target, rest
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    flags = {a for a in argv if a.startswith("--")}
-    unknown = flags - {"--compare", "--human", "--schedule"}
-    if unknown:
-        print(f"error: unknown flag(s) {sorted(unknown)}; known: --compare, --human, --schedule",
-              file=sys.stderr)
-        return 2
+    if {"-h", "--help"} & set(argv):
+        print(USAGE)
+        return 0
     try:
-        cfg, sizes = load_and_validate([a for a in argv if not a.startswith("--")])
+        flags, target_text, rest = _split_flags(argv)
+        target = None
+        if target_text is not None:  # before JAX starts: the plugin must not look for a driver
+            target = targets_lib.resolve(target_text)
+            targets_lib.use_cpu_backend()
+        cfg, sizes = load_and_validate(rest, num_devices=target and target.count)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -137,9 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         print(pipeline_lib.format_schedule(pipeline_lib.build_schedule(
             p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)))
         return 0
-    trainer = build_trainer(cfg, sizes)
-    result = report(trainer, compile_step(trainer), compare="--compare" in flags)
+    trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
+    result = report(trainer, compile_step(trainer), compare="--compare" in flags, target=target)
     print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))
+    if target is not None and not result["fits"]:
+        total, usable = result["memory_per_device"]["total"], target.usable_bytes
+        print(f"does not fit: {total / 2**30:.2f} GiB per device, {usable / 2**30:.2f} GiB usable on "
+              f"{target.description} ({targets_lib.USABLE_FRACTION:.0%} of "
+              f"{target.memory_bytes / 2**30:.2f} GiB); try more devices, a higher "
+              "parallel.zero_stage, parallel.remat=dots or full, or a smaller train.batch_size",
+              file=sys.stderr)
+        return 3
     return 0
 
 

@@ -45,10 +45,8 @@ BASE_RULES: Rules = {
 }
 
 
-def make_rules(*, shard_embed: bool, sequence_parallel: bool, shard_vocab: bool = True) -> Rules:
+def make_rules(*, shard_embed: bool, sequence_parallel: bool) -> Rules:
     rules = dict(BASE_RULES)
-    if not shard_vocab:
-        rules["vocab"] = ()
     if shard_embed:
         rules["embed"] = ("fsdp",)
     if sequence_parallel:
@@ -87,15 +85,10 @@ def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
     )
 
 
-def state_rules(zero_stage: int, sequence_parallel: bool, pipelined: bool = False) -> dict[str, Rules]:
-    """Rules for params, grads and optimizer state at a ZeRO stage (table in the module doc).
-
-    Pipelined runs keep the embedding and the output head whole over `tensor` (`vocab` -> no
-    axis): XLA's SPMD partitioner (jax 0.10.2) fails a check on a vocab-split embedding next to
-    the pipeline's shard_map when data and tensor are both > 1."""
-    options = dict(sequence_parallel=sequence_parallel, shard_vocab=not pipelined)
-    replicated = make_rules(shard_embed=False, **options)
-    sharded = make_rules(shard_embed=True, **options)
+def state_rules(zero_stage: int, sequence_parallel: bool) -> dict[str, Rules]:
+    """Rules for params, grads and optimizer state at a ZeRO stage (table in the module doc)."""
+    replicated = make_rules(shard_embed=False, sequence_parallel=sequence_parallel)
+    sharded = make_rules(shard_embed=True, sequence_parallel=sequence_parallel)
     return {
         "params": sharded if zero_stage >= 3 else replicated,
         "grads": sharded if zero_stage >= 2 else replicated,

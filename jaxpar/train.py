@@ -7,6 +7,7 @@ everything up to the compiled step and is shared with `python -m jaxpar.inspect`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -30,7 +31,9 @@ from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import emulate_cpu_devices, make_mesh, start_distributed
 from jaxpar.models import Transformer
-from jaxpar.models.llama import logits_from, scan_layers
+from jaxpar.models.attention import documents_per_row
+from jaxpar.models.llama import scan_layers
+from jaxpar.models.loss import chunked_cross_entropy, pick_chunks
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.ring_attention import permute_to_layout
 
@@ -101,11 +104,17 @@ def _logical_names(abstract_state) -> Any:
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def cross_entropy(logits, targets, mask):
-    """Summed next-token negative log-likelihood over unmasked tokens, and their count."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * mask), jnp.sum(mask)
+def loss_chunks(cfg: Config, sizes: dict[str, int], rows: int | None = None) -> int:
+    """train.loss_chunks, or (0 = auto) the fewest sequence chunks whose float32 logits stay
+    within 256 MiB per device (jaxpar.models.loss.pick_chunks). `rows`: the batch rows the loss
+    sees at once (a pipeline microbatch), default the whole batch."""
+    t = cfg.train
+    if t.loss_chunks:
+        return t.loss_chunks
+    seq_shards = sizes["context"] * (sizes["tensor"] if cfg.parallel.sequence_parallel else 1)
+    rows = (rows or t.batch_size // cfg.parallel.grad_accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    return pick_chunks(t.seq_len, max(rows, 1) * t.seq_len // seq_shards,
+                       cfg.model.vocab_size // sizes["tensor"], seq_shards=seq_shards)
 
 
 def pipelined_grads_fn(cfg: Config, mesh: Mesh, graphdef, abstract_model: Transformer):
@@ -124,16 +133,16 @@ def pipelined_grads_fn(cfg: Config, mesh: Mesh, graphdef, abstract_model: Transf
                                  segment_ids, cfg.parallel.remat)
         return out.astype(h.dtype)
 
+    chunks = loss_chunks(cfg, dict(mesh.shape), rows=cfg.train.batch_size // m)
+
     def head_fn(head_params, h, targets):
         norm = nnx.merge(norm_graphdef, head_params["final_norm"])
-        with sharding_lib.unconstrained():
-            logits = logits_from(norm, head_params["output"], h, dtype)
-        return cross_entropy(logits, targets["targets"], targets["loss_mask"])[0]
+        return chunked_cross_entropy(norm(h.astype(dtype)), head_params["output"], targets["targets"],
+                                     targets["loss_mask"], dtype=dtype, chunks=chunks)[0]
 
     def grads(params, batch):
-        # Activations travel between stages in float32: with bfloat16 ones, XLA:CPU's SPMD
-        # partitioner fails a check (jax 0.10.2); the blocks still compute in model.dtype.
-        x, embed_vjp = jax.vjp(lambda e: e[batch["inputs"]], params["embedding"])
+        # Activations (and their gradients) travel between stages in model.dtype.
+        x, embed_vjp = jax.vjp(lambda e: e.astype(dtype)[batch["inputs"]], params["embedding"])
         output = params["embedding"].T if cfg.model.tie_embeddings else params["lm_head"]
         head_params = {"final_norm": params["final_norm"], "output": output}
         micro = pipeline_lib.split_microbatches(batch, m)
@@ -153,11 +162,21 @@ def pipelined_grads_fn(cfg: Config, mesh: Mesh, graphdef, abstract_model: Transf
     return grads
 
 
+def resolve_attention(cfg: Config, sizes: dict[str, int], platform: str) -> Config:
+    """`model.attention: auto` made concrete for the devices: cuDNN flash attention on GPUs,
+    XLA's attention elsewhere and inside the pipeline (cuDNN's call does not compile in its
+    shard_map, jax 0.12). The model reads the choice from its config."""
+    if cfg.model.attention != "auto":
+        return cfg
+    kernel = "cudnn" if platform in ("gpu", "cuda") and sizes["pipe"] == 1 else "xla"
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
+
+
 def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
     """Mesh, shardings, born-sharded init and the jitted train step for `cfg` (not compiled yet)."""
     mesh = make_mesh(sizes, devices)
-    rules = sharding_lib.state_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel,
-                                     pipelined=sizes["pipe"] > 1)
+    cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0].platform)
+    rules = sharding_lib.state_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
     optimizer = make_optimizer(cfg)
     schedule = lr_schedule(cfg)
 
@@ -172,22 +191,27 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
     opt_shape = jax.eval_shape(optimizer.init, param_shape)
     opt_shardings = sharding_lib.opt_state_shardings(opt_shape, logical, mesh, rules["opt_state"])
     replicated = NamedSharding(mesh, PartitionSpec())
-    state_shardings = {"params": shardings["params"], "opt_state": opt_shardings, "step": replicated}
+    counters = ("step", "skipped_steps", "first_bad_step")
+    state_shardings = {"params": shardings["params"], "opt_state": opt_shardings,
+                       **{k: replicated for k in counters}}
     state_shape = {"params": param_shape, "opt_state": opt_shape,
-                   "step": jax.ShapeDtypeStruct((), jnp.int32)}
+                   **{k: jax.ShapeDtypeStruct((), jnp.int32) for k in counters}}
 
     def init():
         params = nnx.to_pure_dict(nnx.state(_new_model(cfg)))
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+        return {"params": params, "opt_state": optimizer.init(params),
+                **{k: jnp.zeros((), jnp.int32) for k in counters}}
 
     moe = cfg.model.moe
+    dtype, chunks = jnp.dtype(cfg.model.dtype), loss_chunks(cfg, sizes)
 
     def loss_sum(params, batch):
         """The objective, scaled by the token count so that accumulated microsteps add up:
         summed NLL + count * (aux_loss_weight * aux + z_loss_weight * z) for MoE models."""
         model = nnx.merge(graphdef, params)
-        logits, moe_stats = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-        nll, count = cross_entropy(logits, batch["targets"], batch["loss_mask"])
+        h, moe_stats = model.features(batch["inputs"], batch["positions"], batch["segment_ids"])
+        nll, count = chunked_cross_entropy(h, model.output_weight(), batch["targets"],
+                                           batch["loss_mask"], dtype=dtype, chunks=chunks)
         aux = {"nll": nll, "count": count}
         objective = nll
         if moe_stats:
@@ -239,15 +263,20 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
             metrics.update({k: aux[k] / accum for k in ("aux_loss", "z_loss", "dropped_fraction")})
             metrics["expert_load_min"] = jnp.min(aux["expert_load"])
             metrics["expert_load_max"] = jnp.max(aux["expert_load"])
-        new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
-        if cfg.train.on_nan == "skip":  # a non-finite loss or gradient leaves the state as it was
-            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-            kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                {"params": params, "opt_state": opt_state},
-                                {"params": state["params"], "opt_state": state["opt_state"]})
-            new_state = {**kept, "step": state["step"] + 1}
-            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        return new_state, metrics
+        # The guard, on the device: an update from a non-finite loss or gradient never reaches
+        # the weights. Under on_nan=stop the first one also freezes the state until the host,
+        # which reads the counters only every log_every steps (no sync per step), stops the run.
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        step = state["step"] + 1
+        first_bad = jnp.where((state["first_bad_step"] == 0) & ~finite, step, state["first_bad_step"])
+        apply = finite & (state["first_bad_step"] == 0) if cfg.train.on_nan == "stop" else finite
+        kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old),
+                            {"params": params, "opt_state": opt_state},
+                            {"params": state["params"], "opt_state": state["opt_state"]})
+        skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
+        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        metrics["skipped_steps"], metrics["first_bad_step"] = skipped, first_bad
+        return {**kept, "step": step, "skipped_steps": skipped, "first_bad_step": first_bad}, metrics
 
     batch_sharding = sharding_lib.batch_sharding(mesh)
     return Trainer(
@@ -339,6 +368,17 @@ def _data_iterator(dataset, data_state: dict | None, start: int):
     return data_lib.make_iterator(dataset[start:])
 
 
+def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> None:
+    """cuDNN's packed attention describes at most `limit` documents per row; a row with more
+    would come out NaN (jaxpar.models.attention). Say so, with the numbers, before the step."""
+    most = int(documents_per_row(segment_ids).max())
+    if most > limit:
+        raise ConfigError(
+            f"the batch of step {step} has a row of {most} documents, more than "
+            f"model.max_documents_per_row={limit} (cuDNN attention takes each row's documents as "
+            f"offsets); set model.max_documents_per_row={most} or more, or model.attention=xla")
+
+
 def _keep_metrics_until(run_dir: str, step: int) -> None:
     """On resume, drop metrics.jsonl lines of steps after the checkpoint (they are rerun)."""
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -389,7 +429,10 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
     try:
         with Preemption() as preemption:
             for step in range(start + 1, t.steps + 1):
-                batch = trainer.shard_batch(next(iterator))
+                local = next(iterator)
+                if trainer.cfg.model.attention == "cudnn":
+                    _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
+                batch = trainer.shard_batch(local)
                 state, metrics = trainer.step(state, batch)
                 window_steps += 1
                 if compile_s is None:  # the first step holds the compilation: time the rest
@@ -397,12 +440,15 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
                     compile_s, window_start, window_steps = time.perf_counter() - clock, time.perf_counter(), 0
                 stop = preemption.agreed()  # read once: a signal arriving later waits a step
                 logged = step % t.log_every == 0 or step == t.steps
-                if logged or ckpt.should_save(step) or stop or t.on_nan == "stop":
-                    loss = float(metrics["loss"])
-                    if not np.isfinite(loss) and t.on_nan == "stop":
+                # The host reads the device only here (logging, saving, stopping), never per step.
+                if logged or ckpt.should_save(step) or stop:
+                    loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
+                    if first_bad and t.on_nan == "stop":  # the state is frozen since that step
                         raise NonFiniteLoss(
-                            f"the loss became {loss} at step {step} (train.on_nan=stop); the last "
-                            f"good checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}")
+                            f"the loss or a gradient became non-finite at step {first_bad} "
+                            f"(train.on_nan=stop; no update from it or later reached the weights); "
+                            f"the last good checkpoint is step {ckpt.latest_valid_step()} in "
+                            f"{ckpt.directory}")
                 save(step, state, force=step == t.steps or stop is not None)
                 if logged:
                     now = time.perf_counter()
@@ -413,7 +459,8 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
                         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
                         "step_time_s": step_time,
                         "memory_bytes": metrics_lib.device_memory_bytes(jax.local_devices()[0]),
-                        **{k: float(v) for k, v in metrics.items() if k not in ("loss", "tokens")},
+                        **{k: float(v) for k, v in metrics.items()
+                           if k not in ("loss", "tokens", "first_bad_step")},
                     }
                     first_loss = loss if first_loss is None else first_loss
                     last_loss = loss
@@ -457,14 +504,18 @@ def format_summary(s: dict) -> str:
             f" | {s['devices']} devices ({mesh}) | {s['run_dir']}")
 
 
-def load_and_validate(argv: list[str]) -> tuple[Config, dict[str, int]]:
-    """Parses the command line, starts the backend with the emulated devices, validates."""
+def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[Config, dict[str, int]]:
+    """Parses the command line, starts the backend with the emulated devices, validates.
+
+    `num_devices` validates for that many devices instead of the ones present (compiling for
+    GPUs that are not here: `python -m jaxpar.inspect --target h100:8`)."""
     path, overrides = config_lib.parse_cli(argv)
     settings = config_lib.user_settings(path, overrides)
     cfg = config_lib.build_config(settings)
-    emulate_cpu_devices(cfg.runtime)
-    start_distributed(cfg.distributed)
-    num_devices = jax.device_count()
+    if num_devices is None:
+        emulate_cpu_devices(cfg.runtime)
+        start_distributed(cfg.distributed)
+        num_devices = jax.device_count()
     if "mesh" not in settings:  # no layout asked for: the default one, or DP over what exists
         cfg.mesh = config_lib.fit_default_mesh(num_devices)
     return cfg, config_lib.validate(cfg, num_devices)

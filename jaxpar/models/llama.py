@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.models.attention import attend
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
@@ -76,6 +77,14 @@ def rotary(x, positions, theta: float):
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_kernel(cfg: ModelConfig) -> str:
+    """model.attention made concrete: "auto" is cuDNN's flash attention on a GPU, else XLA's.
+    (The trainer resolves it from its mesh's devices before the model is built.)"""
+    if cfg.attention != "auto":
+        return cfg.attention
+    return "cudnn" if jax.default_backend() in ("gpu", "cuda") else "xla"
 
 
 def attention_mask(segment_ids):
@@ -151,11 +160,9 @@ class Attention(nnx.Module):
         elif layout is not None:  # context parallel: the sequence is split over `context`
             out = ring_attention_permuted(q, k, v, mesh=current_mesh(), layout=layout,
                                           segment_ids=segment_ids)
-        else:
-            impl = None if self.cfg.attention == "auto" else self.cfg.attention
-            out = jax.nn.dot_product_attention(
-                q, k, v, mask=attention_mask(segment_ids), implementation=impl
-            )  # [batch, seq, heads, head_dim]
+        else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
+            out = attend(q, k, v, segment_ids, implementation=attention_kernel(self.cfg),
+                         max_segments=self.cfg.max_documents_per_row)
         out = constrain(out, ("batch", "seq", "heads", None))
         out = jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(dtype))
         return out if cache is None else (out, cache)
@@ -309,6 +316,13 @@ class Transformer(nnx.Module):
 
     def head(self, x):  # [batch, seq, embed] -> float32 logits [batch, seq, vocab]
         return logits_from(self.final_norm, self.output_weight(), x, jnp.dtype(self.cfg.dtype))
+
+    def features(self, tokens, positions, segment_ids):
+        """What the output head reads: the final-normed hidden states [batch, seq, embed] (in
+        model.dtype), and the MoE statistics. The training loss multiplies them by
+        `output_weight()` a chunk at a time (jaxpar.models.loss), never holding every logit."""
+        x, stats = self.apply_blocks(self.embed(tokens), positions, segment_ids)
+        return self.final_norm(x), stats
 
     def __call__(self, tokens, positions, segment_ids):
         """tokens, positions, segment_ids: int [batch, seq] ->

@@ -1,0 +1,156 @@
+"""Compile for GPUs that are not here: N devices of a named type, on a machine with no GPU.
+
+The CUDA plugin (`pip install -e ".[gpu-compile]"`) carries XLA's whole GPU compiler and, inside
+its shared library, the target descriptions (`GpuTargetConfigProto`, text form) of the GPUs its
+XLA build knows. Given one of them, `jax.experimental.topologies.get_topology_desc` returns
+compile-only devices: `Mesh(devices, ...)` and `jax.jit(f).lower(...).compile()` then build the
+real program (sm_90a code for an H100), whose `memory_analysis()` and HLO text are facts of what
+the GPU would run. Nothing executes; timings still need a real GPU.
+
+Two conditions, both handled here: the backend must be the CPU (otherwise the plugin calls
+`cuInit`, fails without a driver, and the topology call fails after it), so `use_cpu_backend()`
+runs before JAX starts; and the description must come from the installed plugin, because a file
+from a newer XLA may not parse.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import mmap
+import os
+import re
+from dataclasses import dataclass
+
+from jaxpar.config import ConfigError
+
+# Short name -> the `device_description_str` of the plugin's embedded description.
+TARGETS = {
+    "h100": "NVIDIA H100 80GB HBM3",
+    "h100-pcie": "NVIDIA H100 PCIe",
+    "h200": "NVIDIA H200 141GB HBM3e",
+    "a100": "NVIDIA A100-SXM4-80GB",
+    "a100-40gb": "NVIDIA A100-SXM4-40GB",
+    "b200": "NVIDIA B200",
+    "gb200": "NVIDIA GB200",
+}
+
+# The share of device memory a program may use and still be said to fit. The rest is kept for
+# the CUDA context, cuDNN/cuBLAS workspaces and allocator fragmentation. JAX preallocates 75% of
+# the device by default; a run that needs more sets XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.9).
+USABLE_FRACTION = 0.9
+
+INSTALL_HINT = 'pip install -e ".[gpu-compile]"'
+
+
+class MissingExtra(ConfigError):
+    """The CUDA plugin is not installed: compiling for a GPU needs the `gpu-compile` extra."""
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # short name, e.g. "h100"
+    description: str  # the plugin's device description, e.g. "NVIDIA H100 80GB HBM3"
+    count: int  # how many devices
+    memory_bytes: int  # memory of one device
+    spec: str  # GpuTargetConfigProto text
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory_bytes * USABLE_FRACTION)
+
+
+def parse_target(text: str) -> tuple[str, int]:
+    """`h100` -> ("h100", 1); `h100:8` -> ("h100", 8). Unknown names list the known ones."""
+    name, _, count = text.partition(":")
+    name = name.strip().lower()
+    if name not in TARGETS:
+        raise ConfigError(f"--target {text!r}: unknown GPU type {name!r}; known: {', '.join(TARGETS)} "
+                          "(optionally with :N devices, e.g. h100:8)")
+    if count and not (count.isdigit() and int(count) >= 1):
+        raise ConfigError(f"--target {text!r}: the device count after ':' must be a positive integer")
+    return name, int(count) if count else 1
+
+
+def plugin_library() -> str:
+    """Path of the CUDA plugin's shared library, or MissingExtra naming the extra to install."""
+    spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingExtra(f"compiling for a GPU needs the CUDA plugin: {INSTALL_HINT}")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "xla_cuda_plugin.so")
+        if os.path.isfile(path):
+            return path
+    raise MissingExtra(f"the CUDA plugin has no xla_cuda_plugin.so; reinstall it: {INSTALL_HINT}")
+
+
+def embedded_specs(library: str | None = None) -> dict[str, str]:
+    """{device description: GpuTargetConfigProto text} for every description the plugin embeds.
+
+    Each is a NUL-terminated string constant in the library that contains `gpu_device_info {`."""
+    specs = {}
+    with open(library or plugin_library(), "rb") as f, \
+            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        at = 0
+        while (found := data.find(b"gpu_device_info {", at)) >= 0:
+            start, end = data.rfind(b"\0", 0, found) + 1, data.find(b"\0", found)
+            text = data[start:end].decode("utf-8", "replace")
+            name = re.search(r'device_description_str: "([^"]*)"', text)
+            if name:
+                specs[name.group(1)] = text
+            at = end
+    return specs
+
+
+def available() -> dict[str, str]:
+    """{short name: description} of the targets the installed plugin can compile for."""
+    specs = embedded_specs()
+    return {name: desc for name, desc in TARGETS.items() if desc in specs}
+
+
+def resolve(text: str) -> Target:
+    """The Target for `--target` text such as `h100:8` (a ConfigError for bad input)."""
+    name, count = parse_target(text)
+    specs = embedded_specs()
+    spec = specs.get(TARGETS[name])
+    if spec is None:
+        have = [n for n, d in TARGETS.items() if d in specs]
+        raise ConfigError(f"--target {name}: the installed CUDA plugin has no description of "
+                          f"{TARGETS[name]!r}; it has {', '.join(have) or 'none'}")
+    memory = int(re.search(r"device_memory_size: (\d+)", spec).group(1))
+    return Target(name, TARGETS[name], count, memory, spec)
+
+
+def use_cpu_backend() -> None:
+    """Keeps JAX off the CUDA plugin's runtime (no driver here). Call before JAX starts."""
+    import jax
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if jax.config.jax_platforms != "cpu":
+        jax.config.update("jax_platforms", "cpu")
+
+
+def devices(target: Target) -> list:
+    """`target.count` compile-only devices of the target's type (hosts of 8 above 8 devices)."""
+    from jax.experimental import topologies
+
+    n = target.count
+    shape = f"1x{n // 8}x8" if n > 8 and n % 8 == 0 else f"1x1x{n}"
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target.spec, topology=shape)
+    return list(topology.devices)
+
+
+def lowering_context(mesh):
+    """What tracing for `mesh` needs: for compile-only GPU devices on a CPU-only host, jax's
+    cuDNN attention asks the (CPU) default backend for a compute capability; answer with the
+    target's own (jaxpar.models.attention.assume_compute_capability). Otherwise nothing."""
+    import contextlib
+
+    import jax
+
+    device = mesh.devices.flat[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or jax.default_backend() != "cpu" or not capability:
+        return contextlib.nullcontext()
+    from jaxpar.models.attention import assume_compute_capability
+
+    return assume_compute_capability(capability)

@@ -1,0 +1,152 @@
+"""The H100 program, compiled on this GPU-less machine (jaxpar.targets) and checked for structure.
+
+Nothing here runs on a GPU: XLA's GPU compiler builds the real sm_90a program from the CUDA
+plugin's embedded H100 description, and these tests read facts of that program: which library
+kernels it calls (cuDNN flash attention, with no dense mask), which element types its
+collectives move, whether the train state is donated, whether a float32 [tokens x vocab] logits
+buffer exists, and how much memory it needs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from jaxpar import hlo
+from jaxpar import targets as targets_lib
+from jaxpar.config import load_config, validate
+from jaxpar.inspect import compile_step, report
+from jaxpar.train import build_trainer
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
+
+# Small enough to compile in seconds, shaped like the real thing: head_dim 64 (cuDNN's flash
+# path wants 64 or 128), a vocabulary that dwarfs the model. The loss is split into 4 chunks
+# explicitly (its automatic choice keeps whole logits below 256 MiB, which these are).
+SMALL = {
+    "model.vocab_size": 8192, "model.d_model": 256, "model.n_layers": 2, "model.n_heads": 4,
+    "model.n_kv_heads": 2, "model.d_ff": 512, "train.batch_size": 8, "train.seq_len": 256,
+    "train.loss_chunks": 4,
+}
+GIB = 2**30
+
+
+def compiled_for(devices: int, **overrides):
+    """(trainer, compiled step, report) for `devices` H100s, as `inspect --target h100:N` does."""
+    settings = {**SMALL, "runtime.cpu_devices": devices, **overrides}
+    cfg = load_config(None, [f"{k}={v}" for k, v in settings.items()])
+    target = targets_lib.resolve(f"h100:{devices}")
+    trainer = build_trainer(cfg, validate(cfg, devices), devices=targets_lib.devices(target))
+    compiled = compile_step(trainer)
+    return trainer, compiled, report(trainer, compiled, target=target)
+
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    return compiled_for(1, **{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1,
+                              "parallel.zero_stage": 0})
+
+
+@pytest.fixture(scope="module")
+def fsdp4():
+    return compiled_for(4, **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 1,
+                              "parallel.zero_stage": 3})
+
+
+def _custom_calls(text: str, target_prefix: str) -> list[str]:
+    return [line for line in text.splitlines()
+            if "custom-call(" in line and f'custom_call_target="{target_prefix}' in line]
+
+
+def test_attention_is_cudnn_flash_without_a_dense_mask(one_gpu):
+    trainer, compiled, r = one_gpu
+    kernels = r["kernels"]
+    forward = [k for k in kernels if k.startswith("__cudnn$fmha") and "Backward" not in k]
+    backward = [k for k in kernels if k.startswith("__cudnn$fmha") and "Backward" in k]
+    layers = trainer.cfg.model.n_layers
+    assert sum(kernels[k] for k in forward) == layers, kernels
+    assert sum(kernels[k] for k in backward) == layers, kernels
+    assert not any("Bias" in k or "Mask" in k for k in kernels), kernels
+    # No operand of the attention calls is a [batch, 1 or heads, seq, seq] mask or bias.
+    t = trainer.cfg.train.seq_len
+    for line in _custom_calls(compiled.as_text(), "__cudnn$fmha"):
+        operands = line.split("custom-call(", 1)[1]
+        assert not re.search(rf"\[\d+,\d+,{t},{t}\]", line.split(" = ", 1)[1].split("custom-call(")[0] + operands)
+
+
+def test_no_float32_logits_for_every_token(one_gpu):
+    trainer, compiled, _ = one_gpu
+    t, m = trainer.cfg.train, trainer.cfg.model
+    tokens, vocab = t.batch_size * t.seq_len, m.vocab_size
+    for dtype, dims in hlo._ARRAY.findall(compiled.as_text()):
+        if dtype == "f32" and dims:
+            sizes = [int(d) for d in dims.split(",")]
+            count = 1
+            for d in sizes:
+                count *= d
+            assert not (vocab in sizes and count >= tokens * vocab), f"f32[{dims}]"
+
+
+def test_train_state_is_donated(one_gpu):
+    trainer, compiled, r = one_gpu
+    mem = compiled.memory_analysis()
+    state_bytes = r["memory_per_device"]["params"] + r["memory_per_device"]["optimizer"]
+    assert mem.alias_size_in_bytes >= state_bytes
+
+
+def test_fsdp_gathers_weights_in_bf16_and_reduce_scatters_grads(fsdp4):
+    trainer, compiled, r = fsdp4
+    gathers = [line for line in compiled.as_text().splitlines()
+               if re.search(r"= .* all-gather(-start)?\(", line)]
+    assert gathers
+    for line in gathers:
+        result = line.split(" = ", 1)[1].split(" all-gather", 1)[0]
+        for dtype, dims in hlo._ARRAY.findall(result):
+            if dims.count(",") >= 1:  # a weight matrix; the norm scales are float32 vectors
+                assert dtype == "bf16", line[:300]
+    assert r["collectives"]["reduce-scatter"]["count"] >= trainer.cfg.model.n_layers
+    assert "as_all_reduce" not in r["collectives"]["reduce-scatter"]  # a real reduce-scatter
+
+
+# --- The command line: `python -m jaxpar.inspect ... --target NAME[:N]` ----------------------
+
+
+def test_the_plugin_carries_the_h100_description():
+    have = targets_lib.available()
+    assert have["h100"] == "NVIDIA H100 80GB HBM3"
+    target = targets_lib.resolve("h100:8")
+    assert target.count == 8 and 79 * GIB < target.memory_bytes < 80 * GIB
+
+
+def test_unknown_target_lists_the_known_ones(capsys):
+    from jaxpar.inspect import main
+
+    assert main(["--target", "h1000:8"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown GPU type 'h1000'" in err and "h100, " in err and "Traceback" not in err
+
+
+def test_without_the_extra_one_line_names_it(monkeypatch, capsys):
+    import importlib.util
+
+    from jaxpar.inspect import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+    assert main(["--target", "h100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and 'pip install -e ".[gpu-compile]"' in err
+
+
+def test_a_model_too_big_for_one_h100_exits_3(capsys):
+    from jaxpar.inspect import main
+
+    # 5.3 B parameters: 16 bytes each (float32 params, grads, Adam) is 79 GiB > 90% of 79 GiB.
+    big = ["model.vocab_size=32768", "model.d_model=8192", "model.n_layers=5", "model.n_heads=64",
+           "model.n_kv_heads=8", "model.d_ff=32768", "train.batch_size=1", "train.seq_len=128",
+           "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "parallel.zero_stage=0"]
+    assert main([*big, "--target", "h100"]) == 3
+    out, err = capsys.readouterr()
+    assert '"fits": false' in out and "does not fit" in err and "GiB" in err

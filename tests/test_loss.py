@@ -1,0 +1,182 @@
+"""jaxpar.models.loss: the chunked cross-entropy against a full-logits reference, sharded, and
+its memory footprint."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxpar.mesh import make_mesh
+from jaxpar.models.loss import chunked_cross_entropy, pick_chunks
+
+
+def reference_loss(h, weight, targets, mask, dtype):
+    """The whole [batch, seq, vocab] float32 logits at once, log_softmax, gather the target."""
+    logits = jnp.matmul(h.astype(dtype), weight.astype(dtype), preferred_element_type=jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("dtype", "chunks"))
+def loss_and_grads(loss_fn, h, weight, targets, mask, **kw):
+    """(summed nll, count), (d nll / d h, d nll / d weight)."""
+    nll = lambda h, weight: loss_fn(h, weight, targets, mask, **kw)
+    return jax.value_and_grad(nll, argnums=(0, 1), has_aux=True)(h, weight)
+
+
+def rel_err(got, want):
+    """Largest absolute difference relative to the largest reference magnitude."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def make_inputs(batch=2, seq=8, embed=16, vocab=37, seed=0):
+    """Random inputs; vocab is not a power of two and about a third of the mask is zero."""
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((batch, seq, embed), np.float32)
+    weight = 0.5 * rng.standard_normal((embed, vocab), np.float32)
+    targets = rng.integers(0, vocab, (batch, seq), np.int32)
+    mask = (rng.random((batch, seq)) > 0.3).astype(np.float32)
+    assert 0 < mask.sum() < mask.size
+    return tuple(jnp.asarray(x) for x in (h, weight, targets, mask))
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_float32_matches_full_logits(chunks):
+    # Any misalignment of the strided split between h, targets and mask changes which logit is
+    # picked for which token, and a dropped mask or count shows in the sums.
+    args = make_inputs()
+    (want, want_count), (want_dh, want_dw) = loss_and_grads(reference_loss, *args, dtype=jnp.float32)
+    (got, count), (dh, dw) = loss_and_grads(chunked_cross_entropy, *args, dtype=jnp.float32,
+                                            chunks=chunks)
+    assert got.dtype == jnp.float32 and dh.dtype == jnp.float32 and dw.dtype == jnp.float32
+    assert float(count) == float(want_count)
+    assert rel_err(got, want) <= 1e-6
+    assert rel_err(dh, want_dh) <= 1e-6
+    assert rel_err(dw, want_dw) <= 1e-6
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_bfloat16_matmul_matches_full_logits(chunks):
+    """Tolerances: the forward and d/dh do per token exactly what the reference does (same bf16
+    inputs, float32 products), so they agree to float32 rounding. d/dweight is where chunking
+    shows: the cotangent of the bf16 copy of the weight is itself bf16, so each chunk's partial
+    weight gradient is rounded to bf16 (relative error up to 2^-9) before the float32 sum over
+    chunks, where the reference rounds the full sum once. The two results then differ by a few
+    bf16 roundings; what matters is that chunking is no less accurate than the reference, which
+    the comparison with the exact gradient (float32 math on the bf16-rounded inputs) checks."""
+    h, weight, targets, mask = make_inputs()
+    (want, _), (want_dh, want_dw) = loss_and_grads(reference_loss, h, weight, targets, mask,
+                                                   dtype=jnp.bfloat16)
+    (got, _), (dh, dw) = loss_and_grads(chunked_cross_entropy, h, weight, targets, mask,
+                                        dtype=jnp.bfloat16, chunks=chunks)
+    assert dh.dtype == jnp.float32 and dw.dtype == jnp.float32
+    assert rel_err(got, want) <= 1e-6
+    assert rel_err(dh, want_dh) <= 1e-6
+    assert rel_err(dw, want_dw) <= 1e-2  # measured about 4e-3 for 2-4 chunks
+
+    # Exact gradient of the same function: the rounding to bf16 taken out of the autodiff path.
+    rounded = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in (h, weight)]
+    _, (_, exact_dw) = loss_and_grads(reference_loss, *rounded, targets, mask, dtype=jnp.float32)
+    assert rel_err(dw, exact_dw) <= 1.5 * rel_err(want_dw, exact_dw)  # both about 2e-3
+
+
+def test_chunks_must_divide_seq():
+    args = make_inputs(seq=8)
+    for chunks in (3, 0, 16):
+        with pytest.raises(ValueError, match=f"chunks={chunks}.*8"):
+            chunked_cross_entropy(*args, dtype=jnp.float32, chunks=chunks)
+
+
+def _sharded_inputs(mesh):
+    args = make_inputs(batch=4, seq=16, embed=8, vocab=40)  # vocab even: 2 tensor shards
+    specs = (P("data", "context", None), P(None, "tensor"), P("data", "context"),
+             P("data", "context"))
+    return args, [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+
+
+def _check_sharded(mesh, chunks):
+    """Jitted on sharded inputs against the full-logits reference on one device."""
+    args, sharded = _sharded_inputs(mesh)
+    (want, want_count), (want_dh, want_dw) = loss_and_grads(reference_loss, *args,
+                                                            dtype=jnp.float32)
+    (got, count), (dh, dw) = loss_and_grads(chunked_cross_entropy, *sharded, dtype=jnp.float32,
+                                            chunks=chunks)
+    assert float(count) == float(want_count)
+    assert rel_err(got, want) <= 1e-5
+    assert rel_err(dh, want_dh) <= 1e-5
+    assert rel_err(dw, want_dw) <= 1e-5
+
+
+def project_mesh():
+    """data 2 x context 2 x tensor 2 with the project's own (auto-axis, GSPMD) mesh."""
+    return make_mesh(dict(pipe=1, data=2, fsdp=1, expert=1, context=2, tensor=2))
+
+
+@pytest.mark.parametrize("chunks", [4, 16])
+def test_sharded_matches_single_device(chunks):
+    # 16 chunks leave one token per row and chunk: fewer than the 2 context shards (correct, but
+    # GSPMD has to gather the inputs).
+    _check_sharded(project_mesh(), chunks)
+
+
+@pytest.mark.parametrize("chunks", [4, 16])
+def test_sharded_explicit_axes(chunks):
+    """On a mesh with explicit axes too; 16 chunks take the branch that regathers the inputs."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "context", "tensor"),
+                         axis_types=(AxisType.Explicit,) * 3)
+    _check_sharded(mesh, chunks)
+
+
+def test_strided_chunks_keep_every_device_busy():
+    """With seq / chunks a multiple of the context shards, the compiled step only sums partial
+    results (all-reduce): no device gathers another's hidden states. Cutting the sequence into
+    contiguous chunks instead puts each chunk on one context shard, and GSPMD gathers them."""
+    mesh = project_mesh()
+    _, sharded = _sharded_inputs(mesh)
+    lowered = loss_and_grads.lower(chunked_cross_entropy, *sharded, dtype=jnp.float32, chunks=4)
+    hlo = lowered.compile().as_text()
+    moves = re.findall(r"\b(all-gather|all-to-all|collective-permute)(?:-start)?\(", hlo)
+    assert not moves, moves
+    assert "all-reduce" in hlo  # the vocab-sharded logsumexp, the gradient sums
+
+
+def test_chunked_gradient_does_not_hold_full_logits():
+    """The temporary memory of the compiled gradient: the full version holds several float32
+    [batch, seq, vocab] buffers; with 8 checkpointed chunks, well under half of one. Dropping the
+    checkpoint (the scan then stores every chunk's softmax for the backward) or chunking nothing
+    would fail this."""
+    batch, seq, vocab, embed = 4, 512, 8192, 64
+    shapes = (jax.ShapeDtypeStruct((batch, seq, embed), jnp.float32),
+              jax.ShapeDtypeStruct((embed, vocab), jnp.float32),
+              jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+              jax.ShapeDtypeStruct((batch, seq), jnp.float32))
+    full_logits = batch * seq * vocab * 4
+
+    def temp_bytes(fn, **kw):
+        grad = jax.grad(lambda h, w, t, m: fn(h, w, t, m, **kw)[0], argnums=(0, 1))
+        return jax.jit(grad).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+    full = temp_bytes(reference_loss, dtype=jnp.float32)
+    chunked = temp_bytes(chunked_cross_entropy, dtype=jnp.float32, chunks=8)
+    assert full >= full_logits  # the measure does see the logits
+    assert chunked < full_logits / 2, (chunked, full_logits)
+
+
+def test_pick_chunks():
+    # 4 x 512 tokens x 8192 vocab in float32 = 64 MiB: 8 MiB needs 8 chunks, 24 MiB needs 4
+    # (3 would do but does not divide 512), the default 256 MiB needs 1.
+    assert pick_chunks(512, 4 * 512, 8192, budget_bytes=8 * 2**20) == 8
+    assert pick_chunks(512, 4 * 512, 8192, budget_bytes=24 * 2**20) == 4
+    assert pick_chunks(512, 4 * 512, 8192) == 1
+    # Sequence split over 4 context shards: seq / chunks must stay a multiple of 4.
+    assert pick_chunks(12, 100, 10**6, budget_bytes=1, seq_shards=4) == 3
+    # Nothing fits: the finest split.
+    assert pick_chunks(6, 6, 10**6, budget_bytes=1) == 6
+    result = pick_chunks(96, 2 * 96, 50_000, budget_bytes=2**20)
+    assert 96 % result == 0 and 2 * 96 * 50_000 * 4 / result <= 2**20
