@@ -268,11 +268,16 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         # which reads the counters only every log_every steps (no sync per step), stops the run.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         step = state["step"] + 1
-        first_bad = jnp.where((state["first_bad_step"] == 0) & ~finite, step, state["first_bad_step"])
         apply = finite & (state["first_bad_step"] == 0) if cfg.train.on_nan == "stop" else finite
         kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old),
                             {"params": params, "opt_state": opt_state},
                             {"params": state["params"], "opt_state": state["opt_state"]})
+        # Finite gradients can still overflow the weights (a huge lr). That is checked after the
+        # update: gating the update on it would keep two copies of the weights alive. The step is
+        # marked bad, so the host never saves these weights and `stop` stops.
+        weights_finite = jnp.isfinite(optax.tree.norm(kept["params"]))
+        first_bad = jnp.where((state["first_bad_step"] == 0) & ~(finite & weights_finite),
+                              step, state["first_bad_step"])
         skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         metrics["skipped_steps"], metrics["first_bad_step"] = skipped, first_bad
@@ -419,7 +424,7 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
     iterator = _data_iterator(dataset, data_state, start)
     clock = time.perf_counter()
     first_loss = last_loss = compile_s = window_start = None
-    window_steps, step, stopped_by = 0, start, None
+    window_steps, step, stopped_by, skipped_steps = 0, start, None, 0
 
     def save(at: int, state, force: bool = False) -> None:
         data = {"grain": iterator.get_state(), "process_count": jax.process_count(),
@@ -443,9 +448,11 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
                 # The host reads the device only here (logging, saving, stopping), never per step.
                 if logged or ckpt.should_save(step) or stop:
                     loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
+                    skipped_steps = int(metrics["skipped_steps"])
                     if first_bad and t.on_nan == "stop":  # the state is frozen since that step
                         raise NonFiniteLoss(
-                            f"the loss or a gradient became non-finite at step {first_bad} "
+                            f"the loss, a gradient or the updated weights became non-finite at "
+                            f"step {first_bad} "
                             f"(train.on_nan=stop; no update from it or later reached the weights); "
                             f"the last good checkpoint is step {ckpt.latest_valid_step()} in "
                             f"{ckpt.directory}")
@@ -487,7 +494,7 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
         "seconds": total_s, "compile_seconds": compile_s or 0.0, "tokens_per_sec": tokens_per_sec,
         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
         "devices": len(devices), "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
-        "run_dir": t.run_dir, "stopped_by": stopped_by,
+        "run_dir": t.run_dir, "stopped_by": stopped_by, "skipped_steps": skipped_steps,
     }
 
 
@@ -501,7 +508,8 @@ def format_summary(s: dict) -> str:
     rate = metrics_lib.format_rate(s["tokens_per_sec"], s["mfu"])
     return (f"done: {s['steps']} steps in {s['seconds']:.1f} s (compile {s['compile_seconds']:.1f} s)"
             f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} | {rate}"
-            f" | {s['devices']} devices ({mesh}) | {s['run_dir']}")
+            f" | {s['devices']} devices ({mesh}) | {s['run_dir']}"
+            + (f" | {s['skipped_steps']} non-finite steps skipped" if s.get("skipped_steps") else ""))
 
 
 def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[Config, dict[str, int]]:

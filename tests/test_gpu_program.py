@@ -9,6 +9,7 @@ buffer exists, and how much memory it needs.
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -150,3 +151,18 @@ def test_a_model_too_big_for_one_h100_exits_3(capsys):
     assert main([*big, "--target", "h100"]) == 3
     out, err = capsys.readouterr()
     assert '"fits": false' in out and "does not fit" in err and "GiB" in err
+
+
+# --- Memory targets of the presets on one H100 (compiled; plain-JAX steps of the same shapes
+# compile to 9.0 GiB for GPT-2 124M with a chunked loss and 31.6 GiB for the 1B with dots remat)
+
+
+@pytest.mark.parametrize("preset, limit_gib", [("gpt2-124m", 9.0), ("llama-1b", 32.0)])
+def test_preset_fits_its_memory_target_on_one_h100(preset, limit_gib):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", f"{preset}.yaml"))
+    target = targets_lib.resolve("h100")
+    trainer = build_trainer(cfg, validate(cfg, 1), devices=targets_lib.devices(target))
+    r = report(trainer, compile_step(trainer), target=target)
+    assert r["memory_per_device"]["total"] <= limit_gib * GIB, r["memory_per_device"]
+    assert any(k.startswith("__cudnn$fmha") for k in r["kernels"])

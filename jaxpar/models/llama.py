@@ -38,6 +38,7 @@ slice of the cache.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -64,11 +65,21 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(scale, out_sharding=("embed",), eager_sharding=False)
 
     def __call__(self, x):  # [batch, seq, embed]
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
 
 
+# The norm and the rotation compute in float32 from model.dtype inputs. Rematerialised, their
+# backward recomputes those float32 intermediates from the (model.dtype) input instead of keeping
+# them for every layer: the compiled H100 program of configs/gpt2-124m.yaml went from 9.08 to
+# 7.77 GiB per device with this (jax 0.12.0.1).
+@functools.partial(jax.checkpoint, static_argnums=(2,))
+def rms_norm(x, scale, eps: float):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2,))
 def rotary(x, positions, theta: float):
     """Rotates pairs (i, i + H/2) of x [batch, seq, heads, H] by angle position * theta^(-2i/H)."""
     half = x.shape[-1] // 2

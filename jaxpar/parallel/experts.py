@@ -25,7 +25,7 @@ local `[batch, seq]` block. Dropless mode (`capacity_factor=None`) uses capacity
 the worst case since a token picks `top_k` distinct experts, so nothing is ever dropped.
 
 `jax.lax.ragged_all_to_all` would avoid the padding in dropless mode, but XLA:CPU does not
-implement it (jax 0.10), so only the padded path is provided.
+implement it (checked on jax 0.10.2), so only the padded path is provided.
 """
 
 from __future__ import annotations

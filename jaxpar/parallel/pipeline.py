@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -369,7 +369,22 @@ def pipeline_value_and_grad(
         # The carried buffers start equal on every stage and become per-stage after the first
         # ppermute; skipping the replication check avoids pvary/pcast, whose API moves in 0.10-0.12.
         check_vma=False)
-    return mapped(stage_params, head_params, inputs, targets, side)
+    return mapped(_split_over(stage_params, mesh, axis_name), head_params, inputs, targets, side)
+
+
+def _split_over(tree, mesh, axis_name: str):
+    """On a mesh whose `axis_name` is Explicit, shard_map wants its inputs already laid out as
+    its in_specs say: put dim 0 of every leaf on that axis, other dims as they were. (On an Auto
+    axis the shard_map's in_specs place them.)"""
+    explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == jax.sharding.AxisType.Explicit
+    if not explicit:
+        return tree
+
+    def put(leaf):
+        spec = list(jax.typeof(leaf).sharding.spec) + [None] * leaf.ndim
+        return jax.sharding.reshard(leaf, NamedSharding(mesh, P(axis_name, *spec[1:leaf.ndim])))
+
+    return jax.tree.map(put, tree)
 
 
 def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
