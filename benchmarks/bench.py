@@ -355,7 +355,7 @@ TARGET_PRESETS = [
 ]
 
 
-def compiled_memory(config_and_overrides: list[str], target) -> dict:
+def target_memory(config_and_overrides: list[str], target) -> dict:
     """Compile the train step for `target` (a jaxpar.targets.Target) and summarise it."""
     from jaxpar import targets as targets_lib
 
@@ -388,7 +388,7 @@ def target_table(args) -> int:
     for label, path, extra, count in rows:
         target = dataclasses.replace(base, count=count)
         try:
-            m = compiled_memory([*path, *extra], target)  # the presets fill the mesh with -1
+            m = target_memory([*path, *extra], target)  # the presets fill the mesh with -1
         except ConfigError as e:
             print(f"config error: {label}: {e}", file=sys.stderr)
             return 2

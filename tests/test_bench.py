@@ -87,3 +87,19 @@ def test_default_json_path_names_config_device_and_tag():
     cpus = {"kind": "cpu", "count": 8}
     assert default_json_path("configs/gpt2-124m.yaml", h100, "").name == "gpt2-124m-nvidia-h100-80gb-hbm3.json"
     assert default_json_path(None, cpus, "remat dots") == RESULTS_DIR / "default-cpu-x8-remat-dots.json"
+
+
+def test_target_prints_the_compiled_memory_without_timing(capsys):
+    import pytest
+
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
+    from benchmarks.bench import main
+
+    small = [a for a in TINY if not a.startswith(("runtime.", "mesh.data"))] + ["mesh.data=2"]
+    assert main([*small, "model.d_model=128", "model.n_heads=2", "--target", "h100:2"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H100 80GB HBM3" in out
+    row = out.strip().splitlines()[-1]
+    assert "yes" in row and "__cudnn$fmhaSoftmax" in row  # head_dim 64: cuDNN's flash path
+    assert main([*small, "--target", "v100"]) == 2
+    assert "unknown GPU type 'v100'" in capsys.readouterr().err
