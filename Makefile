@@ -27,6 +27,8 @@ PYTHON ?= $(shell \
 python:
 	@if [ -z "$(PYTHON)" ]; then \
 	  echo "error: jaxpar needs Python >= 3.12 (jax >= 0.12); none on PATH or under pyenv. Install one, or run make PYTHON=/path/to/python3.12" >&2; exit 2; fi
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 12))' || { \
+	  echo "error: PYTHON=$(PYTHON) is $$($(PYTHON) --version 2>&1); jaxpar needs Python >= 3.12 (jax >= 0.12)" >&2; exit 2; }
 	@echo "make: using $(PYTHON) ($$($(PYTHON) --version 2>&1))"
 
 $(STAMP): pyproject.toml | python

@@ -49,9 +49,9 @@ def compile_step(trainer: Trainer):
 
 
 def _cost(compiled) -> float | None:
+    """XLA's FLOP count of the compiled program; None where the backend gives none (GPU
+    programs compiled without a GPU)."""
     cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
-        cost = cost[0] if cost else None
     return None if not cost or "flops" not in cost else float(cost["flops"])
 
 

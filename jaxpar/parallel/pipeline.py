@@ -471,5 +471,8 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
 
     carry, _ = jax.lax.scan(tick, carry, jnp.asarray(lowered.table))
     total = lambda x: jax.lax.psum(x, axis_name)  # noqa: E731
+    # Summed in float32: a bfloat16 all-reduce here aborts XLA:CPU's AllReducePromotion pass
+    # ("Invalid binary instruction opcode copy", jax 0.12.0.1) once data and tensor are > 1.
+    input_grads = total(carry["input_grads"].astype(jnp.float32)).astype(inputs.dtype)
     return total(carry["loss"]), (carry["stage_grads"], jax.tree.map(total, carry["head_grads"]),
-                                  total(carry["input_grads"]))
+                                  input_grads)
