@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-import os
-
 from jaxpar.config import MESH_AXES, ConfigError, DistributedConfig, RuntimeConfig
 
 
 def emulate_cpu_devices(runtime: RuntimeConfig) -> None:
     """On a CPU-only machine, present `runtime.cpu_devices` devices. Must run before the backend
-    starts (before the first `jax.devices()`); it has no effect on GPUs."""
+    starts (before the first `jax.devices()`); it has no effect on GPUs.
+
+    With the CUDA plugin installed but no NVIDIA driver (the `gpu-compile` extra on a CPU
+    machine), JAX would try the plugin first, log a long cuInit traceback and fall back to the
+    CPU; start on the CPU directly instead. A JAX_PLATFORMS the user set wins."""
+    no_driver = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia"))
+    if (no_driver and not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms
+            and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None):
+        jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", runtime.cpu_devices)
 
 

@@ -272,9 +272,11 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old),
                             {"params": params, "opt_state": opt_state},
                             {"params": state["params"], "opt_state": state["opt_state"]})
-        # Finite gradients can still overflow the weights (a huge lr). That is checked after the
-        # update: gating the update on it would keep two copies of the weights alive. The step is
-        # marked bad, so the host never saves these weights and `stop` stops.
+        # Finite gradients can still blow the weights up (a huge lr): their float32 norm stops
+        # being finite (a weight is inf or NaN, or beyond ~1e19 so that its square overflows).
+        # That is checked after the update: gating the update on it would keep two copies of the
+        # weights alive. The step is marked bad, so the host never saves these weights and
+        # `stop` stops.
         weights_finite = jnp.isfinite(optax.tree.norm(kept["params"]))
         first_bad = jnp.where((state["first_bad_step"] == 0) & ~(finite & weights_finite),
                               step, state["first_bad_step"])
@@ -451,9 +453,9 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
                     skipped_steps = int(metrics["skipped_steps"])
                     if first_bad and t.on_nan == "stop":  # the state is frozen since that step
                         raise NonFiniteLoss(
-                            f"the loss, a gradient or the updated weights became non-finite at "
-                            f"step {first_bad} "
-                            f"(train.on_nan=stop; no update from it or later reached the weights); "
+                            f"the loss, a gradient or the updated weights' norm became "
+                            f"non-finite at step {first_bad} (train.on_nan=stop; seen at step {step}, the first "
+                            f"read of the device since; no later update reached the weights); "
                             f"the last good checkpoint is step {ckpt.latest_valid_step()} in "
                             f"{ckpt.directory}")
                 save(step, state, force=step == t.steps or stop is not None)

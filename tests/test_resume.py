@@ -116,7 +116,7 @@ def test_a_non_finite_loss_stops_or_is_skipped(on_nan, tmp_path):
         "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=0",
         "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
     sizes = config_lib.validate(cfg, 8)
-    if on_nan == "stop":  # lr 1e30 makes step 1's update overflow the weights: caught there
+    if on_nan == "stop":  # lr 1e30 blows step 1's weights up to ~1e30: their norm overflows
         with pytest.raises(NonFiniteLoss, match=r"at step (\d+)") as info:
             train(cfg, sizes)
         assert int(info.value.args[0].split("at step ")[1].split(" ")[0]) == 1
@@ -127,6 +127,20 @@ def test_a_non_finite_loss_stops_or_is_skipped(on_nan, tmp_path):
         assert sum(r["skipped"] for r in records) >= 1
         assert summary["skipped_steps"] == records[-1]["skipped_steps"] >= 1
         assert np.isfinite(summary["final_loss"])
+
+
+def test_the_host_reads_the_guard_every_log_every_steps_not_every_step(tmp_path):
+    """Warmup makes step 1's lr 0 and step 2's 5e29: step 2 overflows the weights. The device
+    records that; the host, reading only at step 5 (log_every, no checkpoint before), stops then
+    and names step 2."""
+    cfg = config_lib.load_config(None, TINY + [
+        "train.steps=8", "train.log_every=5", "checkpoint.every=0", f"train.run_dir={tmp_path}",
+        "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=2",
+        "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    with pytest.raises(NonFiniteLoss, match=r"at step 2 \(train.on_nan=stop; seen at step 5,"):
+        train(cfg, config_lib.validate(cfg, 8))
+    metrics = tmp_path / "metrics.jsonl"
+    assert committed_steps(tmp_path) == [] and (not metrics.exists() or not metrics.read_text())
 
 
 def test_a_second_sigint_stops_at_once():

@@ -81,3 +81,17 @@ def test_presets_load_and_validate(preset):
     devices = cfg.runtime.cpu_devices
     sizes = config_lib.validate(cfg, devices)
     assert sizes["pipe"] * sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["expert"] * sizes["context"] == devices
+
+
+def test_no_cuda_plugin_traceback_on_a_machine_without_a_driver():
+    """The gpu-compile extra installs the CUDA plugin; without a driver the CLIs start on the CPU
+    instead of letting JAX log a cuInit traceback first."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("this machine has an NVIDIA driver")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.inspect", *TINY, "runtime.cpu_devices=1",
+                           "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "cuInit" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
