@@ -4,7 +4,7 @@ One checkpoint is one directory `<checkpoint dir>/<step>/` (`checkpoint_dir(run_
 `<run_dir>/checkpoints`) holding the train state in two orbax items, and the data iterator's place:
 
     params/                        the train state's "params", an orbax PyTree (OCDBT + zarr3)
-    train_state/                   the rest of the train state ("opt_state", "step"), likewise.
+    train_state/                   the rest of the train state (opt_state and the step counters), likewise.
                                    Every process writes the shards it owns; nothing is gathered.
     data/                          JSON: {"step": step, "data": the grain iterator's get_state()}
     jaxpar_manifest.json           every file of the items above with its size and CRC-32
@@ -49,7 +49,7 @@ import orbax.checkpoint as ocp
 from jaxpar.config import ConfigError
 
 PARAMS_ITEM = "params"  # state["params"]
-REST_ITEM = "train_state"  # every other entry of the state: {"opt_state": ..., "step": ...}
+REST_ITEM = "train_state"  # every other entry: opt_state, step, skipped_steps, first_bad_step
 DATA_ITEM = "data"  # JSON: {"step": int, "data": the data iterator's state}
 MANIFEST = "jaxpar_manifest.json"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's temporary directory, renamed on commit
