@@ -3,24 +3,27 @@
 # that the tests compile real H100 programs on this GPU-less machine), then the whole suite on 8
 # emulated CPU devices.
 #
-# jax >= 0.12 needs Python >= 3.12. PYTHON picks the interpreter: set it to override; otherwise
-# the first of python3.13, python3.12, python3 on PATH that is >= 3.12, else the newest >= 3.12
-# that pyenv has installed.
+# jax >= 0.12 needs Python >= 3.12; the project is tested on 3.12. PYTHON picks the interpreter:
+# set it to override; otherwise python3.12 on PATH, else the newest 3.12.x that pyenv has, else
+# any Python >= 3.12 (python3.13, python3 on PATH, then pyenv's newest).
+ifndef PYTHON
+PYTHON := $(shell \
+  ok() { "$$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }; \
+  root=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); \
+  newest() { ls -1 $$root/versions 2>/dev/null | grep -E "$$1" | sort -t. -k1,1nr -k2,2nr -k3,3nr; }; \
+  for p in python3.12 \
+           $$(newest '^3\.12\.[0-9]+$$' | sed "s|.*|$$root/versions/&/bin/python3|") \
+           python3.13 python3 \
+           $$(newest '^3\.(1[3-9]|[2-9][0-9])\.[0-9]+$$' | sed "s|.*|$$root/versions/&/bin/python3|"); do \
+    if ok $$p; then command -v $$p; exit 0; fi; \
+  done)
+endif
+
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 GPU_STAMP := $(VENV)/.installed-gpu-compile
 ARGS ?=
-
-PYTHON ?= $(shell \
-  for p in python3.13 python3.12 python3; do \
-    command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
-      && { command -v $$p; exit 0; }; \
-  done; \
-  root=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); \
-  for v in $$(ls -1 $$root/versions 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])\.[0-9]+$$' | sort -t. -k1,1n -k2,2n -k3,3n -r); do \
-    [ -x $$root/versions/$$v/bin/python3 ] && { echo $$root/versions/$$v/bin/python3; exit 0; }; \
-  done)
 
 .PHONY: install install-gpu-compile train test inspect clean python
 

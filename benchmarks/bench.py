@@ -11,7 +11,7 @@ state and the metrics, so every step time is one step's device time plus one hos
 
 Reported (table on stdout, JSON in benchmarks/results/<config-stem>-<device>[-xN][-TAG].json):
 median / mean / min / max / p90 step time; tokens/s from the median; MFU from
-`jaxpar.metrics.flops_per_token` (6·N_matmul + 12·L·d·T, the formula of ../shared/REFERENCE.md)
+`jaxpar.metrics.flops_per_token` (6·N_matmul + 12·L·d·T, PaLM appendix B / nanoGPT)
 and the device's peak bf16 FLOP/s (null where jaxpar.metrics has no peak: CPUs); compile and
 init seconds; peak device memory from `device.memory_stats()` (null on CPU); the compiled
 program's memory analysis and XLA's FLOP count (`jaxpar.inspect.report`); device kind and count,
@@ -50,9 +50,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_STEPS = 20
 DEFAULT_WARMUP = 3
 
-# Measured on one NVIDIA H100 80GB HBM3 (SXM): ../shared/REFERENCE.md, "Reference numbers and
-# formulas", table "Measured on one NVIDIA H100 80GB HBM3 (SXM), 2026-11-22" (one run each, mean
-# of 20 steps after warm-up, random tokens, bf16 compute, seq 1024). MFU against 989 TFLOP/s.
+# Reference runs measured on one NVIDIA H100 80GB HBM3 (SXM), 2026-11-22 (one run each, mean of
+# 20 steps after warm-up, random tokens, bf16 compute, seq 1024). MFU against 989 TFLOP/s.
 GPT2_124M_REFERENCE = [
     # (what, batch, step ms, tokens/s, MFU)
     ("nanoGPT (torch.compile, bf16 autocast, fused AdamW)", 12, 28.2, 436e3, 0.38),
@@ -94,7 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="append FLAG to XLA_FLAGS before the backend starts; repeatable; "
                         "write it as --xla-flag=--xla_gpu_...=true")
     parser.add_argument("--compare-reference", action="store_true",
-                        help="print the H100 reference numbers of ../shared/REFERENCE.md next to "
+                        help="print the H100 reference runs (GPT2_124M_REFERENCE) next to "
                         "the result (GPT-2 124M shape only)")
     parser.add_argument("--target", metavar="NAME[:N]",
                         help="time nothing: compile for N GPUs of that type on this machine (no GPU "
@@ -258,8 +257,8 @@ def run_benchmark(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -
 
 
 def reference_for(cfg: Config) -> list[dict] | None:
-    """REFERENCE.md's H100 rows for this config, or None unless the model is GPT-2 124M-shaped
-    at seq 1024 (configs/gpt2-124m.yaml, any batch size, any overrides that keep the shape)."""
+    """The H100 reference rows (GPT2_124M_REFERENCE) for this config, or None unless the model
+    is GPT-2 124M-shaped at seq 1024 (configs/gpt2-124m.yaml, any batch size, any overrides that keep the shape)."""
     shape = {k: getattr(cfg.model, k) for k in GPT2_124M_SHAPE}
     if shape != GPT2_124M_SHAPE or cfg.train.seq_len != GPT2_124M_SEQ_LEN or cfg.model.moe.num_experts:
         return None
@@ -269,10 +268,10 @@ def reference_for(cfg: Config) -> list[dict] | None:
 
 def format_reference(result: dict, rows: list[dict] | None) -> str:
     if rows is None:
-        return ("--compare-reference: ../shared/REFERENCE.md has numbers only for the GPT-2 124M "
+        return ("--compare-reference: the H100 reference runs cover only the GPT-2 124M "
                 "shape at seq 1024 (configs/gpt2-124m.yaml); none for this config")
     ours = result["tokens_per_sec"]
-    lines = ["", f"H100 reference (../shared/REFERENCE.md; mean of 20 steps) vs this run "
+    lines = ["", f"H100 reference runs (mean of 20 steps) vs this run "
              f"({result['device']['kind']} x{result['device']['count']}, batch {result['batch_size']}, "
              f"median {1e3 * result['step_time_s']['median']:.1f} ms, {ours:,.0f} tok/s)",
              f"  {'reference':<74} {'batch':>5} {'ms':>7} {'tok/s':>9} {'MFU':>5} {'ours/ref':>8}"]
@@ -386,7 +385,8 @@ def target_table(args) -> int:
           f"{base.usable_bytes / 2**30:.1f} GiB per device\n")
     print(f"{'config':<34} {'total GiB':>10} {'temp GiB':>9}  fits  attention kernel")
     for label, path, extra, count in rows:
-        target = dataclasses.replace(base, count=count)
+        # An explicit :N applies to every row; otherwise each preset row has its own count.
+        target = base if ":" in args.target else dataclasses.replace(base, count=count)
         try:
             m = target_memory([*path, *extra], target)  # the presets fill the mesh with -1
         except ConfigError as e:

@@ -439,6 +439,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     for key, value in [("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)]:
         _check_choice(key, value, ("float32", "bfloat16", "float16"))
     _check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
+    if m.attention == "cudnn" and m.dtype == "float32":
+        raise ConfigError("model.attention=cudnn takes bfloat16 or float16 activations, but "
+                          "model.dtype=float32; use model.dtype=bfloat16, or attention auto or xla")
     _check_choice("parallel.remat", p.remat, ("none", "dots", "full"))
     _check_choice("parallel.context_layout", p.context_layout, ("zigzag", "contiguous"))
     _check_choice("parallel.pipeline_schedule", p.pipeline_schedule, ("gpipe", "1f1b", "interleaved"))

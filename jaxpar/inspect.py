@@ -10,7 +10,7 @@ the FLOPs XLA counts, and the collectives in the compiled HLO (see `jaxpar.hlo`)
 
 `--compare` puts the ZeRO formula's prediction for jaxpar's own dtypes next to the measured bytes:
 float32 parameters (4 bytes), float32 gradients (4) and Adam's two float32 moments (8), over N =
-mesh.fsdp devices and divided by mesh.tensor (../shared/REFERENCE.md):
+mesh.fsdp devices and divided by mesh.tensor (Rajbhandari et al. 2020):
 
     stage 0: 4Ψ + 4Ψ + 8Ψ        stage 2: 4Ψ + 4Ψ/N + 8Ψ/N
     stage 1: 4Ψ + 4Ψ + 8Ψ/N      stage 3: 4Ψ/N + 4Ψ/N + 8Ψ/N
@@ -161,6 +161,8 @@ def _split_flags(argv: list[str]) -> tuple[set[str], str | None, list[str]]:
     for arg in args:
         if arg == "--target":
             target = next(args, "")
+            if target.startswith("--"):  # `--target --human`: the type is missing
+                raise ConfigError(f"--target needs a GPU type before {target}, e.g. --target h100:8")
         elif arg.startswith("--target="):
             target = arg.split("=", 1)[1]
         elif arg.startswith("--"):

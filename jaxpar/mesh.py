@@ -20,7 +20,8 @@ def emulate_cpu_devices(runtime: RuntimeConfig) -> None:
     With the CUDA plugin installed but no NVIDIA driver (the `gpu-compile` extra on a CPU
     machine), JAX would try the plugin first, log a long cuInit traceback and fall back to the
     CPU; start on the CPU directly instead. A JAX_PLATFORMS the user set wins."""
-    no_driver = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia"))
+    no_driver = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia",
+                                                    "/dev/dxg"))  # dxg: WSL2's GPU
     if (no_driver and not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms
             and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None):
         jax.config.update("jax_platforms", "cpu")

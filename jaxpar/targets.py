@@ -116,8 +116,14 @@ def resolve(text: str) -> Target:
         have = [n for n, d in TARGETS.items() if d in specs]
         raise ConfigError(f"--target {name}: the installed CUDA plugin has no description of "
                           f"{TARGETS[name]!r}; it has {', '.join(have) or 'none'}")
-    memory = int(re.search(r"device_memory_size: (\d+)", spec).group(1))
-    return Target(name, TARGETS[name], count, memory, spec)
+    memory = re.search(r"device_memory_size: (\d+)", spec)
+    if memory is None:
+        raise ConfigError(f"--target {name}: the plugin's description of {TARGETS[name]!r} "
+                          "gives no device_memory_size")
+    if count > 8 and count % 8:
+        raise ConfigError(f"--target {text!r}: above 8, GPUs come in hosts of 8; use a multiple "
+                          f"of 8 (e.g. {name}:{count + 8 - count % 8})")
+    return Target(name, TARGETS[name], count, int(memory.group(1)), spec)
 
 
 def use_cpu_backend() -> None:
@@ -134,7 +140,7 @@ def devices(target: Target) -> list:
     from jax.experimental import topologies
 
     n = target.count
-    shape = f"1x{n // 8}x8" if n > 8 and n % 8 == 0 else f"1x1x{n}"
+    shape = f"1x{n // 8}x8" if n > 8 else f"1x1x{n}"  # resolve() keeps n > 8 a multiple of 8
     topology = topologies.get_topology_desc(platform="cuda", target_config=target.spec, topology=shape)
     return list(topology.devices)
 
@@ -149,7 +155,7 @@ def lowering_context(mesh):
 
     device = mesh.devices.flat[0]
     capability = getattr(device, "compute_capability", None)
-    if device.platform != "gpu" or jax.default_backend() != "cpu" or not capability:
+    if device.platform not in ("gpu", "cuda") or jax.default_backend() != "cpu" or not capability:
         return contextlib.nullcontext()
     from jaxpar.models.attention import assume_compute_capability
 

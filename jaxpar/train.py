@@ -111,9 +111,12 @@ def loss_chunks(cfg: Config, sizes: dict[str, int], rows: int | None = None) -> 
     t = cfg.train
     if t.loss_chunks:
         return t.loss_chunks
+    # The hidden states' sequence is split over context (and tensor with sequence parallelism),
+    # the output weight's vocabulary over tensor; one axis cannot split both dims of the logits,
+    # so a device holds at least tokens / context by vocab / tensor of them.
     seq_shards = sizes["context"] * (sizes["tensor"] if cfg.parallel.sequence_parallel else 1)
     rows = (rows or t.batch_size // cfg.parallel.grad_accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
-    return pick_chunks(t.seq_len, max(rows, 1) * t.seq_len // seq_shards,
+    return pick_chunks(t.seq_len, max(rows, 1) * t.seq_len // sizes["context"],
                        cfg.model.vocab_size // sizes["tensor"], seq_shards=seq_shards)
 
 
@@ -162,20 +165,27 @@ def pipelined_grads_fn(cfg: Config, mesh: Mesh, graphdef, abstract_model: Transf
     return grads
 
 
-def resolve_attention(cfg: Config, sizes: dict[str, int], platform: str) -> Config:
-    """`model.attention: auto` made concrete for the devices: cuDNN flash attention on GPUs,
-    XLA's attention elsewhere and inside the pipeline (cuDNN's call does not compile in its
-    shard_map, jax 0.12). The model reads the choice from its config."""
+def resolve_attention(cfg: Config, sizes: dict[str, int], device) -> Config:
+    """`model.attention: auto` made concrete for the devices: cuDNN flash attention in its
+    packed-document form where it applies -- a Hopper or newer GPU (compute capability >= 9.0),
+    bfloat16 or float16 activations, head_dim a multiple of 8 up to 256, no pipeline (the call
+    does not compile inside its shard_map, jax 0.12) and no ring attention -- XLA's attention
+    otherwise. The model reads the choice from its config."""
     if cfg.model.attention != "auto":
         return cfg
-    kernel = "cudnn" if platform in ("gpu", "cuda") and sizes["pipe"] == 1 else "xla"
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
+    m = cfg.model
+    head_dim = m.d_model // m.n_heads
+    capability = getattr(device, "compute_capability", None) or "0"
+    fits = (device.platform in ("gpu", "cuda") and float(capability) >= 9.0
+            and m.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 256
+            and sizes["pipe"] == 1 and sizes["context"] == 1)
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention="cudnn" if fits else "xla"))
 
 
 def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
     """Mesh, shardings, born-sharded init and the jitted train step for `cfg` (not compiled yet)."""
     mesh = make_mesh(sizes, devices)
-    cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0].platform)
+    cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0])
     rules = sharding_lib.state_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
     optimizer = make_optimizer(cfg)
     schedule = lr_schedule(cfg)
@@ -263,23 +273,23 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
             metrics.update({k: aux[k] / accum for k in ("aux_loss", "z_loss", "dropped_fraction")})
             metrics["expert_load_min"] = jnp.min(aux["expert_load"])
             metrics["expert_load_max"] = jnp.max(aux["expert_load"])
-        # The guard, on the device: an update from a non-finite loss or gradient never reaches
-        # the weights. Under on_nan=stop the first one also freezes the state until the host,
-        # which reads the counters only every log_every steps (no sync per step), stops the run.
+        # The guard, on the device. A step with a non-finite loss or gradient never reaches the
+        # weights: `skip` counts it and goes on, `stop` marks it (first_bad_step). Finite
+        # gradients can still blow the weights up (a huge lr): their float32 norm stops being
+        # finite (a weight inf or NaN, or beyond ~1e19 so that its square overflows). That is
+        # checked after the update -- gating the update on it would keep two copies of the weights
+        # alive -- and marks the step under both settings, since no later step can undo it.
+        # Once a step is marked the state stays frozen; the host, which reads the counters only
+        # when it logs, saves or stops (no sync per step), stops before saving anything after it.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         step = state["step"] + 1
-        apply = finite & (state["first_bad_step"] == 0) if cfg.train.on_nan == "stop" else finite
+        apply = finite & (state["first_bad_step"] == 0)
         kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old),
                             {"params": params, "opt_state": opt_state},
                             {"params": state["params"], "opt_state": state["opt_state"]})
-        # Finite gradients can still blow the weights up (a huge lr): their float32 norm stops
-        # being finite (a weight is inf or NaN, or beyond ~1e19 so that its square overflows).
-        # That is checked after the update: gating the update on it would keep two copies of the
-        # weights alive. The step is marked bad, so the host never saves these weights and
-        # `stop` stops.
         weights_finite = jnp.isfinite(optax.tree.norm(kept["params"]))
-        first_bad = jnp.where((state["first_bad_step"] == 0) & ~(finite & weights_finite),
-                              step, state["first_bad_step"])
+        bad = ~weights_finite | (~finite if cfg.train.on_nan == "stop" else False)
+        first_bad = jnp.where((state["first_bad_step"] == 0) & bad, step, state["first_bad_step"])
         skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         metrics["skipped_steps"], metrics["first_bad_step"] = skipped, first_bad
@@ -379,6 +389,10 @@ def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> 
     """cuDNN's packed attention describes at most `limit` documents per row; a row with more
     would come out NaN (jaxpar.models.attention). Say so, with the numbers, before the step."""
     most = int(documents_per_row(segment_ids).max())
+    if jax.process_count() > 1:  # every process must stop, not only the one holding the row
+        from jax.experimental import multihost_utils
+
+        most = int(multihost_utils.process_allgather(np.int32(most)).max())
     if most > limit:
         raise ConfigError(
             f"the batch of step {step} has a row of {most} documents, more than "
@@ -437,7 +451,7 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
         with Preemption() as preemption:
             for step in range(start + 1, t.steps + 1):
                 local = next(iterator)
-                if trainer.cfg.model.attention == "cudnn":
+                if trainer.cfg.model.attention == "cudnn" and sizes["context"] == 1:
                     _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
                 batch = trainer.shard_batch(local)
                 state, metrics = trainer.step(state, batch)
@@ -451,13 +465,14 @@ def train(cfg: Config, sizes: dict[str, int]) -> dict:
                 if logged or ckpt.should_save(step) or stop:
                     loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
                     skipped_steps = int(metrics["skipped_steps"])
-                    if first_bad and t.on_nan == "stop":  # the state is frozen since that step
+                    if first_bad:  # the state is frozen since that step
+                        what = ("the loss, a gradient or the updated weights' norm" if
+                                t.on_nan == "stop" else "the updated weights' norm")
                         raise NonFiniteLoss(
-                            f"the loss, a gradient or the updated weights' norm became "
-                            f"non-finite at step {first_bad} (train.on_nan=stop; seen at step {step}, the first "
-                            f"read of the device since; no later update reached the weights); "
-                            f"the last good checkpoint is step {ckpt.latest_valid_step()} in "
-                            f"{ckpt.directory}")
+                            f"{what} became non-finite at step {first_bad} (train.on_nan="
+                            f"{t.on_nan}; seen at step {step}, the first read of the device "
+                            f"since; no later update reached the weights); the last good "
+                            f"checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}")
                 save(step, state, force=step == t.steps or stop is not None)
                 if logged:
                     now = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The benchmark CLI: runs without grain, writes a complete JSON, quotes REFERENCE.md correctly.
+"""The benchmark CLI: runs without grain, writes a complete JSON, quotes the H100 reference runs correctly.
 
 No timing thresholds: the numbers depend on the machine; only their sanity is checked."""
 
@@ -64,7 +64,7 @@ def test_bench_runs_without_grain_and_writes_sane_json(tmp_path):
 
 
 def test_reference_numbers_agree_with_the_flops_formula():
-    """The hardcoded REFERENCE.md rows are self-consistent: step = batch * 1024 / (tokens/s), and
+    """The hardcoded H100 reference rows are self-consistent: step = batch * 1024 / (tokens/s), and
     MFU = (6·N_matmul + 12·L·d·T) * tokens/s / 989e12 for configs/gpt2-124m.yaml's model."""
     from benchmarks.bench import reference_for
 

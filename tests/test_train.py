@@ -95,3 +95,67 @@ def test_no_cuda_plugin_traceback_on_a_machine_without_a_driver():
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "cuInit" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("on_nan", ["skip", "stop"])
+def test_the_guard_keeps_a_non_finite_step_out_of_the_weights(on_nan):
+    """Step 2's batch has a NaN loss weight, so its loss and gradients are NaN. `skip`: the
+    weights after step 2 are those after step 1 and step 3 trains again; `stop`: the state
+    stays frozen from step 2 on and first_bad_step says 2."""
+    import jax
+    import numpy as np
+
+    from tests.parity import random_batches, trainer_on
+
+    trainer = trainer_on(TINY + ["model.dtype=float32", f"train.on_nan={on_nan}"], {})
+    batches = list(random_batches(trainer.cfg, steps=3))
+    batches[1]["loss_mask"] = batches[1]["loss_mask"].copy()
+    batches[1]["loss_mask"][0, 0] = np.nan
+    state, seen = trainer.init(), []
+    for batch in batches:
+        state, metrics = trainer.step(state, trainer.shard_batch(batch))
+        seen.append((jax.device_get(state["params"]), jax.device_get(metrics)))
+    flat = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)]) for p, _ in seen]
+    assert np.array_equal(flat[1], flat[0]) and np.isfinite(flat[1]).all()
+    assert [float(m["skipped"]) for _, m in seen] == [0.0, 1.0, 0.0]
+    if on_nan == "skip":
+        assert not np.array_equal(flat[2], flat[1])
+        assert int(seen[2][1]["first_bad_step"]) == 0 and int(seen[2][1]["skipped_steps"]) == 1
+    else:
+        assert np.array_equal(flat[2], flat[1])  # frozen until the host stops the run
+        assert int(seen[2][1]["first_bad_step"]) == 2
+
+
+def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
+    from types import SimpleNamespace
+
+    from jaxpar.train import resolve_attention
+
+    sizes = {a: 1 for a in config_lib.MESH_AXES}
+    h100, a100 = (SimpleNamespace(platform="gpu", compute_capability=c) for c in ("9.0", "8.0"))
+    cpu = SimpleNamespace(platform="cpu")
+
+    def kernel(device, overrides=(), **mesh):
+        cfg = config_lib.load_config(None, TINY + list(overrides))
+        return resolve_attention(cfg, {**sizes, **mesh}, device).model.attention
+
+    assert kernel(h100) == "cudnn"
+    assert kernel(a100) == "xla"  # packed documents need Hopper
+    assert kernel(cpu) == "xla"
+    assert kernel(h100, ["model.dtype=float32"]) == "xla"
+    assert kernel(h100, pipe=2) == "xla" and kernel(h100, context=2) == "xla"
+    assert kernel(a100, ["model.attention=cudnn"]) == "cudnn"  # an explicit choice stands
+
+
+def test_automatic_loss_chunks_keep_float32_logits_within_256_mib():
+    from jaxpar.train import loss_chunks
+
+    gpt2 = os.path.join(ROOT, "configs", "gpt2-124m.yaml")
+    sizes = {a: 1 for a in config_lib.MESH_AXES}
+    cfg = config_lib.load_config(gpt2)
+    # 12 x 1024 tokens x 50304 x 4 bytes = 2.47 GB: 9.2 x 256 MiB -> 16, the next divisor of 1024
+    assert loss_chunks(cfg, sizes) == 16
+    # tensor=2 with sequence parallelism halves the vocabulary per device, not the tokens too
+    sp = config_lib.load_config(gpt2, ["parallel.sequence_parallel=true"])
+    assert loss_chunks(sp, {**sizes, "tensor": 2}) == 8
+    assert loss_chunks(config_lib.load_config(gpt2, ["train.loss_chunks=4"]), sizes) == 4

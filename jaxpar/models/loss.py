@@ -54,9 +54,9 @@ def chunked_cross_entropy(h, weight, targets, mask, *, dtype, chunks: int):
     chunks: how many pieces the sequence is split into; must divide seq. 1 means one piece (the
         whole sequence at once, still through the same code path).
 
-    Returns (sum over tokens of mask * nll, float32 scalar; sum(mask)), the same as
-    `jaxpar.train.cross_entropy(logits, targets, mask)` with
-    logits = float32(h.astype(dtype) @ weight.astype(dtype)) accumulated in float32.
+    Returns (sum over tokens of mask * nll, float32 scalar; sum(mask)): the summed next-token
+    negative log-likelihood of logits = h.astype(dtype) @ weight.astype(dtype), accumulated in
+    float32, as a log_softmax over all the logits at once would give it.
 
     Gradients with respect to h and weight come from autodiff through the scan. The weight is
     cast to `dtype` inside each checkpointed piece, so the weight gradient is summed over the
@@ -100,7 +100,8 @@ def pick_chunks(seq: int, tokens_per_device: int, vocab_per_device: int,
     seq: the (global) sequence length; the result always divides it.
     tokens_per_device: batch * seq tokens that one device holds (after data/fsdp/context splits).
     vocab_per_device: vocabulary columns per device (vocab / tensor when vocab is sharded).
-    seq_shards: how many devices split the sequence axis (context parallelism); the count is
+    seq_shards: how many devices split the sequence axis of h (context, times tensor with
+        sequence parallelism); the count is
         chosen so that seq / chunks stays a multiple of it, keeping each chunk evenly split.
 
     One chunk's logits take tokens_per_device / chunks * vocab_per_device * 4 bytes; the backward

@@ -14,7 +14,7 @@ run), so 1F1B stashes at most `stages` microbatches per device whatever `microba
 GPipe stashes all of them. What a stash holds is whatever `jax.vjp(stage_fn)` saves: wrap
 `stage_fn` (or its layers) in `jax.checkpoint` to stash less and recompute more.
 
-Bubble (REFERENCE.md, "Pipeline bubble"): one slot is one chunk forward or one chunk backward on
+Bubble (GPipe, Huang et al. 2019; Megatron-LM, Narayanan et al. 2021): one slot is one chunk forward or one chunk backward on
 one stage, forward and backward counted as equal. GPipe and 1F1B then idle (p-1)/(m+p-1) of all
 slots; interleaved with v virtual stages idles about (p-1)/(v*m+p-1).
 """
