@@ -44,6 +44,7 @@ import zlib
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpar.config import ConfigError
@@ -334,6 +335,13 @@ class Checkpointer:
         elif (problem := self.problem(step)) is not None:
             raise FileNotFoundError(
                 f"checkpoint step {step} in {self.directory} is unusable: {problem}")
+        # Checkpoints from before the train state carried the guard's counters (skipped_steps,
+        # first_bad_step) lack them: those scalars start at 0 instead.
+        missing = self._missing_counters(step, state_shape)
+        missing_shardings = {k: (state_shardings or {}).get(k) for k in missing}
+        state_shape = {k: v for k, v in state_shape.items() if k not in missing}
+        if state_shardings is not None:
+            state_shardings = {k: v for k, v in state_shardings.items() if k not in missing}
         self.check_shapes(step, state_shape)
         if state_shardings is None:
             target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), state_shape)
@@ -347,8 +355,20 @@ class Checkpointer:
         state = dict(restored.get(REST_ITEM) or {})
         if PARAMS_ITEM in restored.keys():
             state[PARAMS_ITEM] = restored[PARAMS_ITEM]
+        for key, like in missing.items():
+            zero, sharding = np.zeros(like.shape, like.dtype), missing_shardings[key]
+            state[key] = zero if sharding is None else jax.make_array_from_callback(
+                zero.shape, sharding, lambda index: zero[index])
         meta = restored[DATA_ITEM]
         return state, meta["data"], int(meta["step"])
+
+    def _missing_counters(self, step: int, state_shape: dict) -> dict:
+        """Scalar integer entries of `state_shape` (besides params) that checkpoint `step` lacks."""
+        saved = self._manager.item_metadata(step).get(REST_ITEM)
+        saved = getattr(saved, "tree", saved) or {}
+        return {k: v for k, v in state_shape.items()
+                if k != PARAMS_ITEM and k not in saved and getattr(v, "shape", None) == ()
+                and np.issubdtype(np.dtype(v.dtype), np.integer)}
 
 
 def _split(state: dict) -> dict[str, Any]:

@@ -316,3 +316,22 @@ def test_export_fits_one_file_when_small(saved, tmp_path):
     assert not (tmp_path / "model.safetensors.index.json").exists()
     loaded = load_file(str(tmp_path / "model.safetensors"))
     assert all(np.array_equal(loaded[name], tensors[name]) for name in tensors)
+
+
+def test_a_checkpoint_without_the_guard_counters_restores_them_as_zero(tmp_path):
+    """Checkpoints written before the train state carried skipped_steps and first_bad_step."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    old = {"params": {"w": jnp.arange(4.0)}, "opt_state": {"m": jnp.ones(4)},
+           "step": jnp.int32(7)}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(7, old, {"position": 7}, force=True)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    shape = {**jax.eval_shape(lambda: old), "skipped_steps": scalar, "first_bad_step": scalar}
+    replicated = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",)), PartitionSpec())
+    state, data, step = Checkpointer(str(tmp_path)).restore(
+        shape, jax.tree.map(lambda _: replicated, shape))
+    assert step == 7 and data == {"position": 7} and int(state["step"]) == 7
+    assert int(state["skipped_steps"]) == 0 and int(state["first_bad_step"]) == 0
+    np.testing.assert_array_equal(state["params"]["w"], np.arange(4.0))
