@@ -31,7 +31,7 @@ from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import emulate_cpu_devices, make_mesh, start_distributed
 from jaxpar.models import Transformer
-from jaxpar.models.attention import documents_per_row
+from jaxpar.models.attention import documents_per_row, kernel_for
 from jaxpar.models.llama import scan_layers
 from jaxpar.models.loss import chunked_cross_entropy, pick_chunks
 from jaxpar.parallel import pipeline as pipeline_lib
@@ -166,20 +166,10 @@ def pipelined_grads_fn(cfg: Config, mesh: Mesh, graphdef, abstract_model: Transf
 
 
 def resolve_attention(cfg: Config, sizes: dict[str, int], device) -> Config:
-    """`model.attention: auto` made concrete for the devices: cuDNN flash attention in its
-    packed-document form where it applies -- a Hopper or newer GPU (compute capability >= 9.0),
-    bfloat16 or float16 activations, head_dim a multiple of 8 up to 256, no pipeline (the call
-    does not compile inside its shard_map, jax 0.12) and no ring attention -- XLA's attention
-    otherwise. The model reads the choice from its config."""
-    if cfg.model.attention != "auto":
-        return cfg
-    m = cfg.model
-    head_dim = m.d_model // m.n_heads
-    capability = getattr(device, "compute_capability", None) or "0"
-    fits = (device.platform in ("gpu", "cuda") and float(capability) >= 9.0
-            and m.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 256
-            and sizes["pipe"] == 1 and sizes["context"] == 1)
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attention="cudnn" if fits else "xla"))
+    """The config with `model.attention: auto` made concrete for the mesh's devices
+    (`jaxpar.models.attention.kernel_for`); the model reads the choice from its config."""
+    kernel = kernel_for(cfg.model, device, pipelined=sizes["pipe"] > 1, ring=sizes["context"] > 1)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
 
 
 def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:

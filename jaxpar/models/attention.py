@@ -115,6 +115,22 @@ def segment_offsets(segment_ids, max_segments: int):
 # --- Attention ----------------------------------------------------------------------------------
 
 
+def kernel_for(cfg, device, *, pipelined: bool = False, ring: bool = False) -> str:
+    """`model.attention` (a ModelConfig's) made concrete for `device`: an explicit choice stands;
+    "auto" is "cudnn" where its packed form runs -- a Hopper or newer GPU (compute capability
+    >= 9.0), bfloat16 or float16 activations, head_dim a multiple of 8 up to 256, not inside the
+    pipeline (the call does not compile in its shard_map, jax 0.12) and not under ring attention
+    -- and "xla" everywhere else."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    head_dim = cfg.d_model // cfg.n_heads
+    capability = getattr(device, "compute_capability", None) or "0"
+    fits = (device.platform in ("gpu", "cuda") and float(capability) >= 9.0
+            and cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 256
+            and not pipelined and not ring)
+    return "cudnn" if fits else "xla"
+
+
 def attend(q, k, v, segment_ids, *, implementation: str, max_segments: int | None = None):
     """Causal attention of each token to the earlier tokens of its own document.
 

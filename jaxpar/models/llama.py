@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.models.attention import attend
+from jaxpar.models.attention import attend, kernel_for
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
@@ -91,11 +91,9 @@ def rotary(x, positions, theta: float):
 
 
 def attention_kernel(cfg: ModelConfig) -> str:
-    """model.attention made concrete: "auto" is cuDNN's flash attention on a GPU, else XLA's.
-    (The trainer resolves it from its mesh's devices before the model is built.)"""
-    if cfg.attention != "auto":
-        return cfg.attention
-    return "cudnn" if jax.default_backend() in ("gpu", "cuda") else "xla"
+    """model.attention made concrete (`attention.kernel_for`) for the default device, when the
+    model runs outside a trainer (which resolves it from its mesh's devices beforehand)."""
+    return kernel_for(cfg, jax.devices()[0])
 
 
 def attention_mask(segment_ids):
