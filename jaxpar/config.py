@@ -2,8 +2,20 @@
 
 A run's config is built in three layers: the dataclass defaults (the embedded default job), an
 optional YAML file, then `dotted.key=value` overrides whose values are parsed as YAML scalars.
-All checks that can be made without compiling anything live here, so bad input stops early with
-a `ConfigError` that names the key, the numbers and what would work.
+Every setting is annotated with its type; a setting with a fixed set of values is a `Literal`,
+and loading checks each value against its annotation (`_coerce`), so a wrong type or an unknown
+choice stops with a `ConfigError` that names the key, the value and the choices.
+
+`validate` then checks the config against itself and the device count, before anything is
+compiled: it re-checks the types (for configs built or changed in Python), the mesh, the
+divisibility of every split dimension, MoE routing, ring attention's sequence cut and the loss
+chunks, that the data and tokenizer files exist, and the pipeline, whose schedule rules live
+with the schedules in `jaxpar.parallel.pipeline.validate_pipeline` and are called from here.
+Some checks cannot be made here and raise the same `ConfigError` later: the distributed keys
+when the processes start (`jaxpar.mesh.start_distributed`), what only the data shows (the
+tokenizer's vocabulary against model.vocab_size, a corpus shorter than one sequence, malformed
+JSONL, documents per packed row for cuDNN attention) when the trainer reads it, and a resume step
+whose checkpoint is unusable when the trainer opens it.
 """
 
 from __future__ import annotations
@@ -16,11 +28,23 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 MESH_AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
+
+# The settings with a fixed set of values: each a Literal, checked by `_coerce` when loaded and
+# again by `validate`; these annotations are the config's only list of the choices.
+Dtype = Literal["float32", "bfloat16", "float16"]
+Attention = Literal["auto", "xla", "cudnn"]
+Remat = Literal["none", "dots", "full"]
+ContextLayout = Literal["zigzag", "contiguous"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+ZeroStage = Literal[0, 1, 2, 3]
+DataFormat = Literal["auto", "text", "jsonl"]
+OptimizerName = Literal["adamw", "sgd"]
+OnNaN = Literal["stop", "skip"]
 
 
 class ConfigError(ValueError):
@@ -42,43 +66,45 @@ class MoEConfig:
 @dataclass
 class ModelConfig:
     vocab_size: int = 512  # >= the tokenizer's vocabulary; divisible by mesh.tensor
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
+    d_model: int = 128  # residual stream width; divisible by model.n_heads (head_dim even)
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # query heads; divisible by mesh.tensor
     n_kv_heads: int = 2  # grouped-query attention: n_heads % n_kv_heads == 0
     d_ff: int = 384  # SwiGLU hidden size
     max_seq_len: int = 2048  # longest train.seq_len the model accepts
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # weights ~ N(0, init_std^2); output projections / sqrt(2 * n_layers)
     tie_embeddings: bool = False  # output head shares the embedding table
-    dtype: str = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
-    param_dtype: str = "float32"  # parameters and optimizer state
-    attention: str = "auto"  # auto (cudnn on GPUs, else xla) | xla | cudnn: see models/attention.py
+    dtype: Dtype = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
+    param_dtype: Dtype = "float32"  # parameters and optimizer state
+    # auto: cudnn where its packed kernel runs (Hopper+ GPU, 16-bit, not pipelined, no ring), else
+    # xla; models/attention.py (kernel_for) has the rule.
+    attention: Attention = "auto"  # auto | xla | cudnn
     max_documents_per_row: int = 16  # cudnn: documents a packed row may hold (costs 4*B*N*T bytes each)
-    moe: MoEConfig = field(default_factory=MoEConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (off by default)
 
 
 @dataclass
 class MeshConfig:
     """Device mesh, outermost axis first. One axis may be -1: it takes the remaining devices."""
 
-    pipe: int = 1
-    data: int = 2
-    fsdp: int = 2
-    expert: int = 1
-    context: int = 1
-    tensor: int = 2
+    pipe: int = 1  # pipeline stages, each holding a contiguous run of layers
+    data: int = 2  # data-parallel replicas: whole batch rows, gradients all-reduced
+    fsdp: int = 2  # data parallelism that also shards training state (parallel.zero_stage)
+    expert: int = 1  # MoE experts split over this axis; it also splits the batch
+    context: int = 1  # ring attention: the sequence split into chunks (parallel.context_layout)
+    tensor: int = 2  # Megatron tensor parallelism: heads, d_ff and vocab split
 
 
 @dataclass
 class ParallelConfig:
-    zero_stage: int = 3  # 0 DDP | 1 optimizer state | 2 + gradients | 3 + parameters, over fsdp
+    zero_stage: ZeroStage = 3  # 0 DDP | 1 optimizer state | 2 + grads | 3 + params, over fsdp
     sequence_parallel: bool = False  # shard activations between blocks along seq over tensor
-    remat: str = "none"  # none | dots | full: what each block keeps for the backward pass
+    remat: Remat = "none"  # none | dots | full: what each block keeps for the backward pass
     grad_accum: int = 1  # microsteps per optimizer step (the global batch is split into these)
-    context_layout: str = "zigzag"  # zigzag | contiguous: sequence split for ring attention
-    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (when mesh.pipe > 1)
+    context_layout: ContextLayout = "zigzag"  # ring attention's sequence cut; zigzag evens causal work
+    pipeline_schedule: PipelineSchedule = "1f1b"  # gpipe | 1f1b | interleaved (when mesh.pipe > 1)
     microbatches: int = 4  # pipeline microbatches per step (when mesh.pipe > 1)
     virtual_stages: int = 1  # chunks per pipeline stage (interleaved schedule)
 
@@ -86,36 +112,40 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # stdlib (this Python's own .py files) | a path or glob of text/JSONL
-    format: str = "auto"  # auto (by extension) | text | jsonl
+    format: DataFormat = "auto"  # auto (by extension) | text | jsonl
     text_field: str = "text"  # the JSONL field that holds a document
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
     max_documents: int | None = None  # read at most this many documents (None = all)
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the packed sequences with train.seed (a new order every epoch)
 
 
 @dataclass
 class OptimizerConfig:
+    # adamw: AdamW (b1, b2, eps; weight_decay, not on norm scales). sgd: plain SGD (no momentum,
+    # no weight decay, no clipping unless clip_norm > 0): what parity tests use to see gradient
+    # scale errors, which AdamW's normalisation hides.
+    name: OptimizerName = "adamw"  # the update rule: adamw | sgd (see above)
     lr: float = 3e-3  # peak learning rate
     warmup_steps: int = 20  # linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay (norm scales excluded)
+    b1: float = 0.9  # AdamW first-moment decay
+    b2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
     clip_norm: float = 1.0  # global-norm gradient clipping (0 = off)
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    seed: int = 0
+    steps: int = 300  # optimizer steps; the learning-rate schedule ends here
+    seed: int = 0  # fixes the initial parameters and the data order
     batch_size: int = 16  # global batch, in sequences
-    seq_len: int = 256
-    log_every: int = 10
-    run_dir: str = "runs/default"
+    seq_len: int = 256  # tokens per sequence (packed documents)
+    log_every: int = 10  # a metrics.jsonl / TensorBoard record every n steps (and the last)
+    run_dir: str = "runs/default"  # config.yaml, metrics, checkpoints and plots go here
     progress: bool = True  # live progress bar on the terminal
     resume: str = "auto"  # auto (latest complete checkpoint in run_dir) | never | a step number
-    on_nan: str = "stop"  # stop (error naming the step) | skip (drop that step's update)
+    on_nan: OnNaN = "stop"  # stop (error naming the step) | skip (drop that step's update)
     loss_chunks: int = 0  # the loss computes logits for seq/loss_chunks positions at a time; 0 = auto
 
 
@@ -131,8 +161,8 @@ class DistributedConfig:
     JAXPAR_COORDINATOR, JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID (set by `python -m jaxpar.launch`)."""
 
     coordinator: str | None = None  # host:port of process 0; None = single process
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = None  # processes in the run (with coordinator)
+    process_id: int | None = None  # this process's index, 0 .. num_processes - 1
     auto: bool = False  # let JAX detect the cluster (SLURM, Kubernetes, Cloud TPU, MPI)
 
 
@@ -143,15 +173,15 @@ class RuntimeConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the network
+    mesh: MeshConfig = field(default_factory=MeshConfig)  # device mesh axis sizes
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the axes are used
+    data: DataConfig = field(default_factory=DataConfig)  # corpus and tokenizer
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # update rule and schedule
+    train: TrainConfig = field(default_factory=TrainConfig)  # the loop
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # multi-process
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # the local machine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,17 +217,32 @@ class _Override:
     value: Any
 
 
+def _keeps_text(hint: Any) -> bool:
+    """Whether a command-line value for `hint` stays as typed ("on", "2024", "1f1b") instead of
+    being read as a YAML scalar: str settings, and Literals whose choices are all strings."""
+    if typing.get_origin(hint) is Literal:
+        return all(isinstance(choice, str) for choice in typing.get_args(hint))
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_keeps_text(option) for option in typing.get_args(hint))
+    return hint is str
+
+
 def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """Checks `value` against the annotation `hint` (int, float, str, bool, X | None)."""
-    if isinstance(value, _Override):  # a str setting keeps the text as typed ("on", "2024")
-        wants_str = hint is str or str in typing.get_args(hint)
-        value = value.text if wants_str and value.value is not None else value.value
+    """Checks `value` against the annotation `hint`: int, float, str, bool, Literal, X | None."""
+    if isinstance(value, _Override):
+        value = value.text if _keeps_text(hint) and value.value is not None else value.value
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
         (inner,) = [t for t in options if t is not type(None)]
         return _coerce(key, value, inner)
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        # Compared with the type: True == 1 and 1.0 == 1, but neither is the choice 1.
+        if any(type(value) is type(choice) and value == choice for choice in choices):
+            return value
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, choices))}")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):
@@ -210,6 +255,20 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise ConfigError(
         f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__})"
     )
+
+
+def check_types(obj: Any, prefix: str = "") -> None:
+    """Every setting of `obj` (a Config or one of its sections) against its annotation, as
+    loading checks them: for configs built or changed in Python rather than loaded."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            if not isinstance(value, hints[f.name]):
+                raise ConfigError(f"{key}: expected {hints[f.name].__name__}, got {value!r}")
+            check_types(value, key + ".")
+        else:
+            _coerce(key, value, hints[f.name])
 
 
 def _build(cls, values: dict, prefix: str = ""):
@@ -368,11 +427,6 @@ def _require_divides(axis_key: str, axis: int, dim_key: str, dim: int) -> None:
         )
 
 
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}")
-
-
 def data_files(data: DataConfig) -> list[str]:
     """The files a non-stdlib source names (a path or a glob), sorted; error if there are none."""
     files = sorted(p for p in glob.glob(os.path.expanduser(data.source), recursive=True)
@@ -406,7 +460,8 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     p, par, t = sizes["pipe"], cfg.parallel, cfg.train
     if p == 1:
         return
-    from jaxpar.parallel.pipeline import validate_pipeline  # jax-free schedule checks
+    # The schedule's own rules live beside the schedules (plain Python; the module imports jax).
+    from jaxpar.parallel.pipeline import validate_pipeline
 
     try:
         validate_pipeline(par.pipeline_schedule, p, par.microbatches, par.virtual_stages,
@@ -434,25 +489,16 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks the whole config against itself and the device count; returns the mesh sizes."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    check_types(cfg)  # the Literal choices included: the annotations are their only list
     sizes = resolve_mesh(cfg.mesh, num_devices)
 
-    for key, value in [("model.dtype", m.dtype), ("model.param_dtype", m.param_dtype)]:
-        _check_choice(key, value, ("float32", "bfloat16", "float16"))
-    _check_choice("model.attention", m.attention, ("auto", "xla", "cudnn"))
     if m.attention == "cudnn" and m.dtype == "float32":
         raise ConfigError("model.attention=cudnn takes bfloat16 or float16 activations, but "
                           "model.dtype=float32; use model.dtype=bfloat16, or attention auto or xla")
-    _check_choice("parallel.remat", p.remat, ("none", "dots", "full"))
-    _check_choice("parallel.context_layout", p.context_layout, ("zigzag", "contiguous"))
-    _check_choice("parallel.pipeline_schedule", p.pipeline_schedule, ("gpipe", "1f1b", "interleaved"))
-    _check_choice("data.format", cfg.data.format, ("auto", "text", "jsonl"))
-    _check_choice("train.on_nan", t.on_nan, ("stop", "skip"))
     if t.resume not in ("auto", "never") and not t.resume.isdigit():
         raise ConfigError(f"train.resume={t.resume!r}: use auto, never, or a checkpoint step number")
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: use 0 (never) or a step count")
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: choose 0, 1, 2 or 3")
 
     positive = {
         "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,

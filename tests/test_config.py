@@ -4,9 +4,14 @@ Every bad input stops with a `ConfigError` whose message names the key and the n
 prints that message as one line and exits with code 2. Nothing here compiles a model.
 """
 
+import ast
+import dataclasses
+import io
 import os
 import subprocess
 import sys
+import tokenize
+import typing
 from pathlib import Path
 
 import pytest
@@ -159,6 +164,120 @@ def test_unknown_key_in_a_yaml_file_is_named_with_its_section(tmp_path):
     assert "'optimizer.learning_rate'" in error_of(config.load_config, str(path))
 
 
+# --- Settings with a fixed set of values (Literal) and the comment on every setting ----------
+
+
+def sections(cls=Config, prefix: str = ""):
+    """(key prefix, dataclass) of Config and of every section below it."""
+    yield prefix, cls
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from sections(hints[f.name], prefix + f.name + ".")
+
+
+def literal_settings() -> dict[str, tuple]:
+    """Every Literal setting, read from the dataclasses: dotted key -> its choices."""
+    found = {}
+    for prefix, cls in sections():
+        for name, hint in typing.get_type_hints(cls).items():
+            if typing.get_origin(hint) is typing.Literal:
+                found[prefix + name] = typing.get_args(hint)
+    return found
+
+
+LITERALS = literal_settings()
+
+
+def test_the_fixed_choice_settings_are_literals():
+    """The walk finds them (so the tests below, generated from it, cover them)."""
+    expected = {"model.dtype", "model.param_dtype", "model.attention", "parallel.remat",
+                "parallel.context_layout", "parallel.pipeline_schedule", "parallel.zero_stage",
+                "data.format", "optimizer.name", "train.on_nan"}
+    assert expected <= set(LITERALS), expected - set(LITERALS)
+
+
+def not_a_choice(choices: tuple):
+    return 7 if isinstance(choices[0], int) else "bogus"
+
+
+@pytest.mark.parametrize("key", sorted(LITERALS))
+def test_a_value_outside_a_literal_names_the_key_the_value_and_the_choices(key):
+    choices = LITERALS[key]
+    bad = not_a_choice(choices)
+    message = error_of(load, f"{key}={bad}")
+    assert_names_all(message, (f"{key}={bad!r}", "choose one of",
+                               ", ".join(str(c) for c in choices)))
+
+
+@pytest.mark.parametrize("key", sorted(LITERALS))
+def test_a_value_outside_a_literal_in_a_yaml_file_is_rejected(key, tmp_path):
+    section, name = key.rsplit(".", 1)
+    path = tmp_path / "run.yaml"
+    nested = f"{name}: {not_a_choice(LITERALS[key])}"
+    for part in reversed(section.split(".")):
+        nested = f"{part}:\n  " + nested.replace("\n", "\n  ")
+    path.write_text(nested + "\n")
+    assert f"{key}=" in error_of(config.load_config, str(path))
+
+
+@pytest.mark.parametrize("key, choice", [(k, c) for k in sorted(LITERALS) for c in LITERALS[k]])
+def test_every_literal_choice_loads(key, choice):
+    value = load(f"{key}={choice}")
+    for name in key.split("."):
+        value = getattr(value, name)
+    assert value == choice and type(value) is type(choice)
+
+
+@pytest.mark.parametrize("override", ["parallel.zero_stage=true", "parallel.zero_stage=1.0",
+                                      "parallel.zero_stage='1'"])
+def test_zero_stage_takes_only_the_integers(override):
+    """True == 1 and 1.0 == 1 in Python; neither is the stage 1."""
+    assert "parallel.zero_stage=" in error_of(load, override)
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("model", "attention", "flash"), ("parallel", "zero_stage", 5), ("train", "on_nan", "ignore"),
+])
+def test_validate_checks_the_literals_of_a_config_built_in_python(section, key, value):
+    cfg = Config()
+    setattr(getattr(cfg, section), key, value)
+    message = error_of(config.validate, cfg, DEVICES)
+    assert_names_all(message, (f"{section}.{key}={value!r}", "choose one of"))
+
+
+def test_the_pipeline_schedules_agree_with_the_config_choices():
+    from jaxpar.parallel.pipeline import SCHEDULES
+
+    assert set(SCHEDULES) == set(LITERALS["parallel.pipeline_schedule"])
+
+
+def test_the_attention_kernels_agree_with_the_config_choices():
+    from jaxpar.models.attention import IMPLEMENTATIONS
+
+    assert set(IMPLEMENTATIONS) | {"auto"} == set(LITERALS["model.attention"])
+
+
+def test_every_setting_has_a_comment_on_its_line():
+    """Each field of each config dataclass, read from config.py's source: its line (all of its
+    lines, if it spans several) carries a `#` comment."""
+    source = Path(config.__file__).read_text()
+    commented = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                 if tok.type == tokenize.COMMENT}
+    classes = {node.name: node for node in ast.walk(ast.parse(source))
+               if isinstance(node, ast.ClassDef)}
+    checked, missing = 0, []
+    for prefix, cls in sections():
+        lines = {stmt.target.id: range(stmt.lineno, stmt.end_lineno + 1)
+                 for stmt in classes[cls.__name__].body if isinstance(stmt, ast.AnnAssign)}
+        for f in dataclasses.fields(cls):
+            checked += 1
+            if not commented.intersection(lines[f.name]):
+                missing.append(f"{prefix}{f.name} (config.py line {lines[f.name][0]})")
+    assert checked == len(config._all_keys(Config))
+    assert not missing, f"settings without a comment: {missing}"
+
+
 # --- Mesh --------------------------------------------------------------------------------
 
 
@@ -229,7 +348,7 @@ def test_default_mesh_fits_any_device_count(devices, expected):
          ("model.d_model/model.n_heads = 3", "even")),
         (("parallel.remat=sometimes",),
          ("parallel.remat='sometimes'", "none, dots, full")),
-        (("parallel.zero_stage=4",), ("parallel.zero_stage=4",)),
+        (("parallel.zero_stage=4",), ("parallel.zero_stage=4", "0, 1, 2, 3")),
         (("train.steps=0",), ("train.steps=0", "at least 1")),
     ],
     ids=["heads-kv", "batch-dp", "batch-accum", "seq-len", "heads-d_model",
