@@ -1,7 +1,12 @@
 """Writes the example notebooks (examples/*.ipynb) from the cells below, without outputs.
 
-    python examples/make_notebooks.py          # rewrite examples/*.ipynb
-    python examples/make_notebooks.py OUT_DIR  # write them somewhere else
+    python examples/make_notebooks.py                   # rewrite examples/*.ipynb
+    python examples/make_notebooks.py OUT_DIR           # write them somewhere else
+    python examples/make_notebooks.py --repo-url URL    # badge and install cell point at URL
+
+The repository the notebooks name (their Colab badge opens the notebook from it, their first cell
+pip-installs jaxpar from it on Colab) is one setting, REPO_URL below; --repo-url or the
+JAXPAR_REPO_URL environment variable override it for one run (the flag wins).
 
 The notebooks are generated so that a review reads Python, not JSON; edit the cells here and
 rerun. `tests/test_notebooks.py` checks that the committed notebooks equal this script's output,
@@ -10,18 +15,35 @@ carry no outputs, and run top to bottom with JAXPAR_NOTEBOOK_SMALL=1.
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
+import re
 import textwrap
 
 import nbformat
 
-REPO = "jaxpar/jaxpar"
+# The GitHub repository the notebooks open from and install from. A PLACEHOLDER: no public
+# repository is known to exist at this address. For a fork, regenerate the notebooks with
+#     python examples/make_notebooks.py --repo-url https://github.com/OWNER/NAME
+# and commit them (or change the value here). Colab opens notebooks from github.com only.
+REPO_URL = "https://github.com/jaxpar/jaxpar"
+BRANCH = "main"  # the branch the Colab badge opens
+REPO_URL_ENV = "JAXPAR_REPO_URL"  # overrides REPO_URL when set (and --repo-url is not given)
 HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = "<<OWNER/NAME>>"  # in the cells below; build() puts the repository's owner/name there
+
+
+def github_path(repo_url: str) -> str:
+    """"https://github.com/OWNER/NAME" (a trailing ".git" or "/" allowed) -> "OWNER/NAME"."""
+    match = re.fullmatch(r"https://github\.com/([\w.-]+)/([\w.-]+?)(?:\.git)?/?", repo_url)
+    if not match:
+        raise ValueError(f"repository URL {repo_url!r} is not of the form "
+                         "https://github.com/OWNER/NAME (Colab opens notebooks from GitHub only)")
+    return f"{match[1]}/{match[2]}"
 
 
 def badge(name: str) -> str:
-    url = f"https://colab.research.google.com/github/{REPO}/blob/main/examples/{name}.ipynb"
+    url = f"https://colab.research.google.com/github/{_REPO}/blob/{BRANCH}/examples/{name}.ipynb"
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 
 
@@ -30,11 +52,11 @@ SETUP = """\
 import os
 import sys
 
-if "google.colab" in sys.modules:  # on Colab: install jaxpar from the repository
+if "google.colab" in sys.modules:  # on Colab: install jaxpar (REPO_URL of make_notebooks.py)
     import subprocess
 
     subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "jaxpar @ git+https://github.com/jaxpar/jaxpar"], check=True)
+                    "jaxpar @ git+https://github.com/<<OWNER/NAME>>"], check=True)
 
 SMALL = os.environ.get("JAXPAR_NOTEBOOK_SMALL") == "1"  # CI: fewer steps, smaller sizes
 
@@ -854,12 +876,15 @@ NOTEBOOKS = {
 }
 
 
-def build(name: str) -> nbformat.NotebookNode:
-    """The notebook `name`, without outputs, with stable cell ids (reruns give the same file)."""
+def build(name: str, repo_url: str = REPO_URL) -> nbformat.NotebookNode:
+    """The notebook `name`, without outputs, with stable cell ids (reruns give the same file),
+    its Colab badge and install cell pointing at `repo_url`."""
+    repo = github_path(repo_url)
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.from_dict(dict(cell)) for cell in NOTEBOOKS[name]]
     for index, cell in enumerate(nb.cells):
         cell["id"] = f"cell-{index:02d}"
+        cell["source"] = cell["source"].replace(_REPO, repo)
     nb.metadata = {
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
@@ -869,13 +894,23 @@ def build(name: str) -> nbformat.NotebookNode:
     return nb
 
 
-def main(out_dir: str = HERE) -> None:
-    os.makedirs(out_dir, exist_ok=True)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", nargs="?", default=HERE, help="where to write (default: here)")
+    parser.add_argument("--repo-url", default=os.environ.get(REPO_URL_ENV) or REPO_URL,
+                        help=f"https://github.com/OWNER/NAME (default: ${REPO_URL_ENV}, else "
+                             f"{REPO_URL})")
+    args = parser.parse_args(argv)
+    try:
+        github_path(args.repo_url)
+    except ValueError as e:
+        parser.error(str(e))
+    os.makedirs(args.out_dir, exist_ok=True)
     for name in NOTEBOOKS:
-        path = os.path.join(out_dir, f"{name}.ipynb")
-        nbformat.write(build(name), path)
+        path = os.path.join(args.out_dir, f"{name}.ipynb")
+        nbformat.write(build(name, args.repo_url), path)
         print(path)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()

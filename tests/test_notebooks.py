@@ -9,6 +9,7 @@ it does on Colab.
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -84,30 +85,87 @@ def test_notebook_is_committed_without_outputs(name):
             assert cell.execution_count is None, f"{name}: cell {cell.id} has an execution count"
 
 
+def load_generator():
+    spec = importlib.util.spec_from_file_location("make_notebooks",
+                                                  os.path.join(EXAMPLES, "make_notebooks.py"))
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    return generator
+
+
+INSTALL = re.compile(r'"jaxpar @ git\+(https://github\.com/([\w.-]+/[\w.-]+))"')
+
+
+def installed_from(name: str) -> re.Match:
+    """The install line of the notebook's first code cell: (repository URL, OWNER/NAME)."""
+    setup = next(cell.source for cell in read(name).cells if cell.cell_type == "code")
+    match = INSTALL.search(setup)
+    assert match, f"{name}: no 'jaxpar @ git+https://github.com/OWNER/NAME' in the first code cell"
+    return match
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_opens_with_a_colab_badge_and_the_device_setup(name):
     cells = read(name).cells
     assert cells[0].cell_type == "markdown"
-    assert (f"https://colab.research.google.com/github/jaxpar/jaxpar/blob/main/examples/{name}.ipynb"
+    repo = installed_from(name)[2]  # the badge opens the notebook from the repository it installs
+    assert (f"https://colab.research.google.com/github/{repo}/blob/main/examples/{name}.ipynb"
             in cells[0].source)
     setup = next(cell.source for cell in cells if cell.cell_type == "code")
     assert 'if "google.colab" in sys.modules' in setup
-    assert "git+https://github.com/jaxpar/jaxpar" in setup
     assert 'jax.config.update("jax_num_cpu_devices", 8)' in setup
     assert setup.index("xla_force_host_platform_device_count=8") < setup.index("import jax")
     assert 'os.environ.get("JAXPAR_NOTEBOOK_SMALL") == "1"' in setup
 
 
 def test_notebooks_equal_their_generator():
-    """examples/make_notebooks.py writes exactly the committed files (edit it, then rerun it)."""
-    spec = importlib.util.spec_from_file_location("make_notebooks",
-                                                  os.path.join(EXAMPLES, "make_notebooks.py"))
-    generator = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generator)
+    """examples/make_notebooks.py writes exactly the committed files (edit it, then rerun it),
+    all of them for one repository URL: its REPO_URL, or the --repo-url they were written with."""
+    generator = load_generator()
     assert sorted(generator.NOTEBOOKS) == NOTEBOOKS
+    urls = {installed_from(name)[1] for name in NOTEBOOKS}
+    assert len(urls) == 1, f"the notebooks name different repositories: {sorted(urls)}"
+    (url,) = urls
     for name in NOTEBOOKS:
         with open(os.path.join(EXAMPLES, f"{name}.ipynb")) as f:
             committed = f.read()
-        assert nbformat.writes(generator.build(name)).rstrip() == committed.rstrip(), (
+        assert nbformat.writes(generator.build(name, url)).rstrip() == committed.rstrip(), (
             f"examples/{name}.ipynb differs from examples/make_notebooks.py; run "
-            "python examples/make_notebooks.py")
+            f"python examples/make_notebooks.py --repo-url {url}")
+
+
+FORK = "https://github.com/someone/jaxpar-fork"
+
+
+def assert_written_for_fork(out_dir, generator) -> None:
+    for name in NOTEBOOKS:
+        written = nbformat.read(os.path.join(out_dir, f"{name}.ipynb"), as_version=4)
+        setup = next(cell.source for cell in written.cells if cell.cell_type == "code")
+        assert INSTALL.search(setup)[1] == FORK
+        assert (f"https://colab.research.google.com/github/someone/jaxpar-fork/blob/main/examples/"
+                f"{name}.ipynb") in written.cells[0].source
+        text = nbformat.writes(written)
+        assert generator.github_path(generator.REPO_URL) not in text  # the setting's one use
+        assert generator._REPO not in text
+
+
+@pytest.mark.parametrize("url", [FORK, FORK + ".git", FORK + "/"])
+def test_the_repository_url_flag_reaches_the_badge_and_the_install_cell(url, tmp_path):
+    generator = load_generator()
+    generator.main([str(tmp_path), "--repo-url", url])
+    assert_written_for_fork(tmp_path, generator)
+
+
+def test_the_repository_url_comes_from_the_environment_too(tmp_path, monkeypatch):
+    generator = load_generator()
+    monkeypatch.setenv(generator.REPO_URL_ENV, FORK)
+    generator.main([str(tmp_path)])
+    assert_written_for_fork(tmp_path, generator)
+
+
+def test_the_generator_refuses_a_repository_colab_cannot_open(tmp_path):
+    generator = load_generator()
+    with pytest.raises(SystemExit) as info:
+        generator.main([str(tmp_path), "--repo-url", "https://gitlab.com/someone/jaxpar"])
+    assert info.value.code == 2
+    assert not list(tmp_path.iterdir())
