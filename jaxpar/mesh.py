@@ -1,4 +1,4 @@
-"""The device mesh: six named axes from the config, outermost first (DESIGN.md)."""
+"""The device mesh: six named axes from the config, outermost first (docs/design.md says why)."""
 
 from __future__ import annotations
 

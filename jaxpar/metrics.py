@@ -124,7 +124,6 @@ class Progress:
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         from tqdm import tqdm
 
-        self.enabled = enabled
         self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                          disable=not enabled, file=sys.stderr)
 
