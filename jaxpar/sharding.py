@@ -1,8 +1,9 @@
-"""Logical axis names -> mesh axes: the only place where the model's names meet the devices.
+"""Logical axis names -> mesh axes, and the `Layout` that carries them through a run.
 
 Parameters and activations carry logical names (`embed`, `heads`, `mlp`, ...). A rules table maps
-each name to zero or more mesh axes. The ZeRO stage picks between two tables for the three kinds
-of training state (DESIGN.md):
+each name to zero or more mesh axes; the explicit techniques (ring attention over `context`, the
+expert all-to-all, the pipeline over `layers`) take their mesh axes from the same table. The ZeRO
+stage picks between two tables for the three kinds of training state:
 
 | stage | params      | grads       | optimizer state |
 | ----- | ----------- | ----------- | --------------- |
@@ -12,18 +13,20 @@ of training state (DESIGN.md):
 | 3     | sharded     | reduce-scattered (sharded) | sharded |
 
 "Replicated" means: not split over `data`/`fsdp`; tensor parallelism (`heads`, `mlp`, `vocab`
-over `tensor`) applies at every stage.
+over `tensor`) applies at every stage. On XLA:CPU a "reduce-scatter" is compiled as an
+all-reduce followed by a slice (see `jaxpar.hlo`); GPU compilers emit a real reduce-scatter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import dataclasses
 from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from flax.core import spmd as flax_spmd
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.config import MESH_AXES
 
@@ -57,15 +60,15 @@ def make_rules(*, shard_embed: bool, sequence_parallel: bool) -> Rules:
 def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh | None = None) -> PartitionSpec:
     """(`batch`, `seq`, `embed`) -> PartitionSpec(('data','fsdp','expert'), 'context', None).
 
-    Mesh axes of size 1 are dropped, and a mesh axis is used at most once (first name wins), so
-    one table serves every mesh shape.
+    With a mesh, its axes of size 1 (and axes it lacks) are dropped; a mesh axis is used at most
+    once (first name wins), so one table serves every mesh shape.
     """
     used: set[str] = set()
     out = []
     for name in names:
         axes = []
         for axis in rules.get(name, ()) if name is not None else ():
-            if axis in used or (mesh is not None and mesh.shape[axis] == 1):
+            if axis in used or (mesh is not None and mesh.shape.get(axis, 1) == 1):
                 continue
             used.add(axis)
             axes.append(axis)
@@ -124,62 +127,87 @@ def opt_state_shardings(opt_state_shape: Any, params_logical: Any, mesh: Mesh, r
     return jax.tree_util.tree_map_with_path(pick, opt_state_shape)
 
 
-# --- Activation constraints, used by the model through logical names only -------------------
-
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
-    "jaxpar_sharding", default=None
-)
-_CONTEXT_LAYOUT = contextvars.ContextVar("jaxpar_context_layout", default="zigzag")
-
-
-@contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: Rules, context_layout: str = "zigzag"):
-    """Within this block, `constrain` pins activations onto `mesh` with `rules`, and attention
-    runs as a ring over `context` (sequence in `context_layout` order) when that axis is > 1."""
-    layout_token = _CONTEXT_LAYOUT.set(context_layout)
-    token = _ACTIVE.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-        _CONTEXT_LAYOUT.reset(layout_token)
+# --- Activation constraints: JAX's mesh context and Flax's logical-axis rules ---------------
+#
+# The model pins activations by logical name only (`constrain(x, ("batch", "seq", "embed"))`).
+# What those names mean comes from two contexts that belong to the libraries, not to jaxpar:
+# the mesh from `jax.sharding.use_abstract_mesh` (what `jax.set_mesh` sets outside `jit`), and
+# the name -> axes table from Flax's `nnx.logical_axis_rules`. `Layout.scope()` enters both; a
+# model called with neither (one device, `python -m jaxpar.sample`) runs unconstrained.
 
 
-@contextlib.contextmanager
-def unconstrained():
-    """Within this block `constrain` does nothing: for code traced inside a shard_map, where the
-    mesh's manual axes cannot appear in sharding constraints (GSPMD propagates from the inputs)."""
-    token = _ACTIVE.set(None)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+def rule_pairs(rules: Rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Our table in Flax's format for `nnx.logical_axis_rules`: ((name, mesh axes), ...)."""
+    return tuple(rules.items())
 
 
-def current_mesh() -> Mesh | None:
-    active = _ACTIVE.get()
-    return None if active is None else active[0]
+def active_rules() -> Rules:
+    """The rules Flax's `logical_axis_rules` context holds, as a table ({} when none)."""
+    rules = {}
+    for name, axes in flax_spmd.get_logical_axis_rules():
+        rules[name] = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return rules
 
 
-def ring_layout() -> str | None:
-    """The sequence layout ring attention should assume, or None when `context` is 1 (or no mesh
-    is active): then attention is ordinary attention."""
-    mesh = current_mesh()
-    return _CONTEXT_LAYOUT.get() if mesh is not None and mesh.shape["context"] > 1 else None
-
-
-def single_device_mesh() -> Mesh:
-    """All six axes of size 1 on the first device: for shard_map code called without a mesh."""
-    return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(MESH_AXES)), MESH_AXES)
+def _free_auto_axes(mesh) -> set[str]:
+    """Axes a sharding constraint may name: Auto axes of size > 1 (not Manual inside a
+    shard_map, not Explicit, whose arrays carry their sharding in their type)."""
+    return {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+            if kind == AxisType.Auto and mesh.shape[name] > 1}
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """`with_sharding_constraint` by logical names; a no-op outside `use_mesh` (single device)."""
-    active = _ACTIVE.get()
-    if active is None:
+    """`with_sharding_constraint` of x by logical names under the current mesh and rules; x as
+    it is when either is missing or no Auto axis of the mesh applies."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), active_rules()
+    if mesh.empty or not rules:
         return x
-    mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh)))
+    free = _free_auto_axes(mesh)
+    usable = {name: tuple(a for a in axes if a in free) for name, axes in rules.items()}
+    spec = logical_to_spec(names, usable)
+    if all(dim is None for dim in spec):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# --- The layout: one value that says where everything lives ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The mesh, its axis sizes, and the rules of every kind of array: built once per run
+    (`Layout.build`) and passed wherever placement matters. `scope()` is the one place a traced
+    step learns the mesh and the activation rules."""
+
+    mesh: Mesh
+    rules: dict[str, Rules]  # params, grads, opt_state, activations (see `state_rules`)
+
+    @classmethod
+    def build(cls, sizes: dict[str, int], *, zero_stage: int, sequence_parallel: bool,
+              devices: Sequence[jax.Device] | None = None) -> "Layout":
+        from jaxpar.mesh import make_mesh
+
+        return cls(make_mesh(sizes, devices), state_rules(zero_stage, sequence_parallel))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+    def shardings(self, logical_tree: Any, kind: str) -> Any:
+        """NamedShardings of a tree of logical-name tuples, for `kind` (params, grads, ...)."""
+        return tree_shardings(logical_tree, self.mesh, self.rules[kind])
+
+    def batch_sharding(self) -> NamedSharding:
+        return batch_sharding(self.mesh)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Inside a traced function: the mesh (JAX's abstract-mesh context) and the activation
+        rules (Flax's logical-axis rules) that `constrain`, ring attention and the MoE
+        all-to-all read."""
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), \
+                flax_spmd.logical_axis_rules(rule_pairs(self.rules["activations"])):
+            yield
 
 
 def shard_bytes(shape_tree: Any, sharding_tree: Any) -> int:

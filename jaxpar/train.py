@@ -8,6 +8,7 @@ everything up to the compiled step and is shared with `python -m jaxpar.inspect`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -29,11 +30,10 @@ from jaxpar import config as config_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
-from jaxpar.mesh import emulate_cpu_devices, make_mesh, start_distributed
+from jaxpar.mesh import emulate_cpu_devices, start_distributed
 from jaxpar.models import Transformer
 from jaxpar.models.attention import documents_per_row, kernel_for
-from jaxpar.models.llama import scan_layers
-from jaxpar.models.loss import chunked_cross_entropy, pick_chunks
+from jaxpar.models.loss import pick_chunks
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.ring_attention import permute_to_layout
 
@@ -44,25 +44,41 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
-    """Linear warmup to optimizer.lr, then cosine decay to lr * min_lr_ratio at train.steps."""
+    """The learning rate of each update, from optax's count of updates already applied (0 for
+    the first): update n = count + 1 warms up linearly to optimizer.lr at n = warmup_steps (the
+    first update already moves, at lr / warmup_steps), then decays along a cosine to
+    lr * min_lr_ratio at n = train.steps."""
     o = cfg.optimizer
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=max(cfg.train.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio,
-    )
+    warmup = max(o.warmup_steps, 0)
+    decay = max(cfg.train.steps - warmup, 1)
+    end = o.lr * o.min_lr_ratio
+
+    def schedule(count):
+        n = jnp.asarray(count, jnp.float32) + 1.0
+        rising = o.lr * n / max(warmup, 1)
+        progress = jnp.clip((n - warmup) / decay, 0.0, 1.0)
+        falling = end + (o.lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(n <= warmup, rising, falling)
+
+    return schedule
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """AdamW (no weight decay on norm scales) after global-norm clipping."""
+    """optimizer.name: AdamW (no weight decay on norm scales), or plain SGD (what parity tests
+    use: its update is the gradient times the learning rate, so a wrong gradient scale shows in
+    the loss); either after global-norm clipping when clip_norm > 0."""
     o = cfg.optimizer
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(
             lambda path, _: not any("norm" in str(k) for k in path), params)
 
-    adamw = optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                        weight_decay=o.weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm > 0 else adamw
+    if o.name == "sgd":
+        update = optax.sgd(lr_schedule(cfg))
+    else:
+        update = optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
+                             weight_decay=o.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm), update) if o.clip_norm > 0 else update
 
 
 # --- Building the sharded state and the step ----------------------------------------------
@@ -72,8 +88,8 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 class Trainer:
     """Everything needed to run (or only compile) training on one mesh."""
 
-    cfg: Config
-    mesh: Mesh
+    cfg: Config  # resolved: model.attention is concrete for the layout's devices
+    layout: sharding_lib.Layout  # the mesh and the rules of params, grads, optimizer state, activations
     graphdef: Any  # the model's structure; params are plain nested dicts of arrays
     state_shape: Any  # tree of ShapeDtypeStructs of the train state
     state_shardings: Any
@@ -81,6 +97,11 @@ class Trainer:
     batch_sharding: NamedSharding
     init: Callable[[], Any]  # () -> state, born sharded
     step: Callable[[Any, dict], tuple[Any, dict]]  # jitted (state, batch) -> (state, metrics)
+    # (with_grads=True: (state, metrics, the step's averaged gradients, laid out as grad_shardings))
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.layout.mesh
 
     def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays split over (data, fsdp, expert)."""
@@ -94,8 +115,9 @@ class Trainer:
                                         sharding=self.batch_sharding) for k in BATCH_KEYS}
 
 
-def _new_model(cfg: Config) -> Transformer:
-    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat)
+def _new_model(cfg: Config, context_layout: str | None) -> Transformer:
+    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat,
+                       context_layout=context_layout)
 
 
 def _logical_names(abstract_state) -> Any:
@@ -120,51 +142,6 @@ def loss_chunks(cfg: Config, sizes: dict[str, int], rows: int | None = None) -> 
                        cfg.model.vocab_size // sizes["tensor"], seq_shards=seq_shards)
 
 
-def pipelined_grads_fn(cfg: Config, mesh: Mesh, graphdef, abstract_model: Transformer):
-    """(params, batch) -> (grads of the summed NLL, {"nll", "count"}) with the blocks pipelined
-    over `pipe` (jaxpar.parallel.pipeline); the embedding and the head stay outside the stages."""
-    p, m, v = mesh.shape["pipe"], cfg.parallel.microbatches, cfg.parallel.virtual_stages
-    schedule = pipeline_lib.build_schedule(cfg.parallel.pipeline_schedule, p, m, v)
-    blocks_graphdef = nnx.split(abstract_model.blocks)[0]
-    norm_graphdef = nnx.split(abstract_model.final_norm)[0]
-    dtype = jnp.dtype(cfg.model.dtype)
-
-    def stage_fn(chunk_params, h, side):
-        positions, segment_ids = side
-        with sharding_lib.unconstrained():  # inside the pipeline's shard_map
-            out, _ = scan_layers(blocks_graphdef, chunk_params, h.astype(dtype), positions,
-                                 segment_ids, cfg.parallel.remat)
-        return out.astype(h.dtype)
-
-    chunks = loss_chunks(cfg, dict(mesh.shape), rows=cfg.train.batch_size // m)
-
-    def head_fn(head_params, h, targets):
-        norm = nnx.merge(norm_graphdef, head_params["final_norm"])
-        return chunked_cross_entropy(norm(h.astype(dtype)), head_params["output"], targets["targets"],
-                                     targets["loss_mask"], dtype=dtype, chunks=chunks)[0]
-
-    def grads(params, batch):
-        # Activations (and their gradients) travel between stages in model.dtype.
-        x, embed_vjp = jax.vjp(lambda e: e.astype(dtype)[batch["inputs"]], params["embedding"])
-        output = params["embedding"].T if cfg.model.tie_embeddings else params["lm_head"]
-        head_params = {"final_norm": params["final_norm"], "output": output}
-        micro = pipeline_lib.split_microbatches(batch, m)
-        nll, (stage_grads, head_grads, input_grads) = pipeline_lib.pipeline_value_and_grad(
-            stage_fn, head_fn, pipeline_lib.stack_stages(params["blocks"], p, v), head_params,
-            pipeline_lib.split_microbatches(x, m), {k: micro[k] for k in ("targets", "loss_mask")},
-            schedule=schedule, mesh=mesh, side=(micro["positions"], micro["segment_ids"]))
-        (embedding_grad,) = embed_vjp(pipeline_lib.merge_microbatches(input_grads))
-        out = {"blocks": pipeline_lib.unstack_stages(stage_grads, p, v),
-               "final_norm": head_grads["final_norm"]}
-        if cfg.model.tie_embeddings:
-            out["embedding"] = embedding_grad + head_grads["output"].T
-        else:
-            out["embedding"], out["lm_head"] = embedding_grad, head_grads["output"]
-        return out, {"nll": nll, "count": jnp.sum(batch["loss_mask"])}
-
-    return grads
-
-
 def resolve_attention(cfg: Config, sizes: dict[str, int], device) -> Config:
     """The config with `model.attention: auto` made concrete for the mesh's devices
     (`jaxpar.models.attention.kernel_for`); the model reads the choice from its config."""
@@ -172,24 +149,30 @@ def resolve_attention(cfg: Config, sizes: dict[str, int], device) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
 
 
-def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
-    """Mesh, shardings, born-sharded init and the jitted train step for `cfg` (not compiled yet)."""
-    mesh = make_mesh(sizes, devices)
+def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
+                  with_grads: bool = False) -> Trainer:
+    """Layout, shardings, born-sharded init and the jitted train step for `cfg` (not compiled).
+
+    with_grads: the step also returns the gradients it applied (averaged over tokens, laid out
+    as the ZeRO stage keeps them) -- what the parity tests compare leaf by leaf."""
+    p = cfg.parallel
+    layout = sharding_lib.Layout.build(sizes, zero_stage=p.zero_stage,
+                                       sequence_parallel=p.sequence_parallel, devices=devices)
+    mesh = layout.mesh
     cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0])
-    rules = sharding_lib.state_rules(cfg.parallel.zero_stage, cfg.parallel.sequence_parallel)
+    # Ring attention's sequence order; the batch is permuted into it once per step (below).
+    context_layout = p.context_layout if sizes["context"] > 1 else None
     optimizer = make_optimizer(cfg)
     schedule = lr_schedule(cfg)
 
-    abstract_model = nnx.eval_shape(lambda: _new_model(cfg))
+    abstract_model = nnx.eval_shape(lambda: _new_model(cfg, context_layout))
     graphdef, abstract_state = nnx.split(abstract_model)
     logical = _logical_names(abstract_state)
     param_shape = nnx.to_pure_dict(abstract_state)
-    shardings = {
-        kind: sharding_lib.tree_shardings(logical, mesh, rules[kind])
-        for kind in ("params", "grads")
-    }
+    shardings = {kind: layout.shardings(logical, kind) for kind in ("params", "grads")}
     opt_shape = jax.eval_shape(optimizer.init, param_shape)
-    opt_shardings = sharding_lib.opt_state_shardings(opt_shape, logical, mesh, rules["opt_state"])
+    opt_shardings = sharding_lib.opt_state_shardings(opt_shape, logical, mesh,
+                                                     layout.rules["opt_state"])
     replicated = NamedSharding(mesh, PartitionSpec())
     counters = ("step", "skipped_steps", "first_bad_step")
     state_shardings = {"params": shardings["params"], "opt_state": opt_shardings,
@@ -198,20 +181,17 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
                    **{k: jax.ShapeDtypeStruct((), jnp.int32) for k in counters}}
 
     def init():
-        params = nnx.to_pure_dict(nnx.state(_new_model(cfg)))
+        params = nnx.to_pure_dict(nnx.state(_new_model(cfg, context_layout)))
         return {"params": params, "opt_state": optimizer.init(params),
                 **{k: jnp.zeros((), jnp.int32) for k in counters}}
 
     moe = cfg.model.moe
-    dtype, chunks = jnp.dtype(cfg.model.dtype), loss_chunks(cfg, sizes)
+    chunks = loss_chunks(cfg, sizes)
 
     def loss_sum(params, batch):
         """The objective, scaled by the token count so that accumulated microsteps add up:
         summed NLL + count * (aux_loss_weight * aux + z_loss_weight * z) for MoE models."""
-        model = nnx.merge(graphdef, params)
-        h, moe_stats = model.features(batch["inputs"], batch["positions"], batch["segment_ids"])
-        nll, count = chunked_cross_entropy(h, model.output_weight(), batch["targets"],
-                                           batch["loss_mask"], dtype=dtype, chunks=chunks)
+        nll, count, moe_stats = nnx.merge(graphdef, params).loss(batch, chunks=chunks)
         aux = {"nll": nll, "count": count}
         objective = nll
         if moe_stats:
@@ -227,7 +207,7 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
     def accumulated_grads(params, batch):
         """Gradient of the summed objective, accumulated over parallel.grad_accum microsteps,
         with the statistics summed likewise."""
-        accum = cfg.parallel.grad_accum
+        accum = p.grad_accum
         if accum == 1:
             return grads_of_sum(params, batch)
         # Microstep k takes rows k, k + accum, ...: every device keeps its own rows.
@@ -241,14 +221,20 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         total, _ = jax.lax.scan(microstep, zeros, micro)
         return total
 
-    summed_grads = (pipelined_grads_fn(cfg, mesh, graphdef, abstract_model) if sizes["pipe"] > 1
-                    else accumulated_grads)
+    if sizes["pipe"] > 1:
+        pipeline_schedule = pipeline_lib.build_schedule(
+            p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
+        summed_grads = functools.partial(
+            pipeline_lib.model_value_and_grad, abstract_model, schedule=pipeline_schedule,
+            mesh=mesh, loss_chunks=loss_chunks(cfg, sizes, rows=cfg.train.batch_size // p.microbatches))
+    else:
+        summed_grads = accumulated_grads
 
     def train_step(state, batch):
-        if sizes["context"] > 1:  # ring attention's layout, applied once to every token array
-            batch = {k: permute_to_layout(x, context=sizes["context"], layout=cfg.parallel.context_layout)
+        if context_layout is not None:  # ring attention's layout, applied once to every token array
+            batch = {k: permute_to_layout(x, context=sizes["context"], layout=context_layout)
                      for k, x in batch.items()}
-        with sharding_lib.use_mesh(mesh, rules["activations"], cfg.parallel.context_layout):
+        with layout.scope():  # the mesh and activation rules the model's names resolve against
             grads, aux = summed_grads(state["params"], batch)
         count = jnp.maximum(aux["count"], 1.0)
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -259,7 +245,7 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         metrics = {"loss": aux["nll"] / count, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state["step"]), "tokens": count}
         if "expert_load" in aux:
-            accum = cfg.parallel.grad_accum
+            accum = p.grad_accum
             metrics.update({k: aux[k] / accum for k in ("aux_loss", "z_loss", "dropped_fraction")})
             metrics["expert_load_min"] = jnp.min(aux["expert_load"])
             metrics["expert_load_max"] = jnp.max(aux["expert_load"])
@@ -283,16 +269,18 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         metrics["skipped_steps"], metrics["first_bad_step"] = skipped, first_bad
-        return {**kept, "step": step, "skipped_steps": skipped, "first_bad_step": first_bad}, metrics
+        new_state = {**kept, "step": step, "skipped_steps": skipped, "first_bad_step": first_bad}
+        return (new_state, metrics, grads) if with_grads else (new_state, metrics)
 
-    batch_sharding = sharding_lib.batch_sharding(mesh)
+    batch_sharding = layout.batch_sharding()
+    out_shardings = (state_shardings, replicated) + ((shardings["grads"],) if with_grads else ())
     return Trainer(
-        cfg=cfg, mesh=mesh, graphdef=graphdef,
+        cfg=cfg, layout=layout, graphdef=graphdef,
         state_shape=state_shape, state_shardings=state_shardings,
         grad_shardings=shardings["grads"], batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, replicated), donate_argnums=0),
+                     out_shardings=out_shardings, donate_argnums=0),
     )
 
 
@@ -532,7 +520,7 @@ def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[
         start_distributed(cfg.distributed)
         num_devices = jax.device_count()
     if "mesh" not in settings:  # no layout asked for: the default one, or DP over what exists
-        cfg.mesh = config_lib.fit_default_mesh(num_devices)
+        cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(num_devices))
     return cfg, config_lib.validate(cfg, num_devices)
 
 

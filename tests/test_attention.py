@@ -15,7 +15,7 @@ from jaxpar.config import MESH_AXES
 from jaxpar.models.attention import (assume_compute_capability, attend, documents_per_row,
                                      poison_overflow, segment_offsets)
 from jaxpar.models.llama import attention_mask
-from jaxpar.sharding import make_rules, use_mesh
+from jaxpar.sharding import Layout, make_rules
 
 # --- References ---------------------------------------------------------------------------
 
@@ -170,10 +170,10 @@ def _mesh(devices, **sizes):
 
 def _compile_grad(mesh, shapes, specs, segmented, max_segments):
     """HLO text of jit(grad(sum(attend(..., "cudnn")))) for q, k, v (and segment ids)."""
-    rules = make_rules(shard_embed=False, sequence_parallel=False)
+    layout = Layout(mesh, {"activations": make_rules(shard_embed=False, sequence_parallel=False)})
 
     def loss(q, k, v, ids):
-        with use_mesh(mesh, rules):
+        with layout.scope():
             out = attend(q, k, v, ids if segmented else None, implementation="cudnn",
                          max_segments=max_segments)
         return out.astype(jnp.float32).sum()

@@ -3,10 +3,16 @@
     tokens -> embedding -> [RMSNorm -> GQA attention (RoPE) -> + -> RMSNorm -> SwiGLU -> +] x L
            -> RMSNorm -> output head (optionally the embedding, transposed) -> logits
 
-Every parameter carries logical axis names (`sharding_names`), and the activations that matter
-are pinned with `constrain(x, names)`; `jaxpar.sharding` turns names into mesh axes. The model
-never sees the mesh. Blocks are stacked along a leading `layers` axis and run with `lax.scan`, so
-compile time does not grow with depth.
+Every parameter carries logical axis names, and the activations that matter are pinned with
+`constrain(x, names)`; `jaxpar.sharding` turns names into mesh axes under the mesh and rules of
+the step (`Layout.scope`). The model names no mesh axis and builds no sharding. Two techniques
+need the mesh itself and read it from JAX's mesh context: ring attention (when the model was
+built with a `context_layout`, i.e. mesh.context > 1) and the MoE all-to-all. Blocks are stacked
+along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth.
+
+Pieces, for callers that run the model in parts (the pipeline, jaxpar.parallel.pipeline):
+`embed(tokens)`, `run_blocks(layer_params, x, ...)` for any run of the stacked layers, and
+`head_loss(head_params(params), h, ...)` for the final norm, output projection and loss.
 
 Parameter names and their Hugging Face Llama (`LlamaForCausalLM`) counterparts, with shapes
 (E = d_model, N = n_heads, K = n_kv_heads, H = head_dim, F = d_ff, V = vocab_size, l = layer):
@@ -50,7 +56,8 @@ from jaxpar.models.attention import attend, kernel_for
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
-from jaxpar.sharding import constrain, current_mesh, ring_layout
+from jaxpar.models.loss import chunked_cross_entropy
+from jaxpar.sharding import constrain
 
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -139,8 +146,12 @@ class KVCache(NamedTuple):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """GQA attention with RoPE. `context_layout` (zigzag | contiguous) makes it ring attention
+    over the mesh's `context` axis, on sequences already in that layout; None: ordinary."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None):
         self.cfg = cfg
+        self.context_layout = context_layout
         e, n, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         h = e // n
         self.wq = _param(rngs, (e, n, h), ("embed", "heads", "head_dim"), cfg)
@@ -160,15 +171,14 @@ class Attention(nnx.Module):
         q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "seq", "heads", None))
         k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "seq", "kv_heads", None))
         v = constrain(v, ("batch", "seq", "kv_heads", None))
-        layout = ring_layout()
         if cache is not None:  # generation: attend to the cached tokens and these
             cache = cache.append(k, v)
             # "auto" rather than model.attention: cuDNN may not take this mask, XLA always does.
             mask = cache.causal_mask(q.shape[1])
             out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask)
-        elif layout is not None:  # context parallel: the sequence is split over `context`
-            out = ring_attention_permuted(q, k, v, mesh=current_mesh(), layout=layout,
-                                          segment_ids=segment_ids)
+        elif self.context_layout is not None:  # context parallel: the sequence is split over `context`
+            out = ring_attention_permuted(q, k, v, mesh=jax.sharding.get_abstract_mesh(),
+                                          layout=self.context_layout, segment_ids=segment_ids)
         else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
             out = attend(q, k, v, segment_ids, implementation=attention_kernel(self.cfg),
                          max_segments=self.cfg.max_documents_per_row)
@@ -198,9 +208,10 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block; `moe=True` swaps the dense MLP for a mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False,
+                 context_layout: str | None = None):
         self.attn_norm = RMSNorm(cfg)
-        self.attn = Attention(cfg, rngs)
+        self.attn = Attention(cfg, rngs, context_layout)
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MoEMLP(cfg, rngs) if moe else MLP(cfg, rngs)
 
@@ -222,9 +233,10 @@ class BlockGroup(nnx.Module):
     """`model.moe.every` blocks, the last with an MoE MLP: the unit the layer scan repeats when
     MoE layers are interleaved with dense ones."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None):
         every = cfg.moe.every
-        self.blocks = nnx.List([Block(cfg, rngs, moe=i == every - 1) for i in range(every)])
+        self.blocks = nnx.List([Block(cfg, rngs, moe=i == every - 1, context_layout=context_layout)
+                                for i in range(every)])
 
     def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
         """Like `Block`; a cache holds the group's layers: k, v [every, batch, max_len, ...]."""
@@ -245,11 +257,13 @@ class BlockGroup(nnx.Module):
         return x, KVCache(jnp.stack(keys), jnp.stack(values), layer.length)
 
 
-def scan_unit(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+def scan_unit(cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None) -> nnx.Module:
     """What one step of the layer scan applies: a block, or a group with one MoE block."""
     if cfg.moe.num_experts == 0:
-        return Block(cfg, rngs)
-    return Block(cfg, rngs, moe=True) if cfg.moe.every == 1 else BlockGroup(cfg, rngs)
+        return Block(cfg, rngs, context_layout=context_layout)
+    if cfg.moe.every == 1:
+        return Block(cfg, rngs, moe=True, context_layout=context_layout)
+    return BlockGroup(cfg, rngs, context_layout)
 
 
 def scan_length(cfg: ModelConfig) -> int:
@@ -294,7 +308,12 @@ def logits_from(final_norm: RMSNorm, weight, x, dtype):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none"):
+    """The decoder. `remat` (none | dots | full) is what each block keeps for the backward;
+    `context_layout` (zigzag | contiguous, or None) makes attention a ring over the mesh's
+    `context` axis on inputs already in that layout (the trainer permutes the batch once)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none",
+                 context_layout: str | None = None):
         self.cfg = cfg
         self.remat = remat
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
@@ -302,7 +321,7 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=scan_length(cfg))
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs):
-            return scan_unit(cfg, rngs)
+            return scan_unit(cfg, rngs, context_layout)
 
         self.blocks = stacked_blocks(rngs)  # every parameter has a leading [layers] axis
         self.final_norm = RMSNorm(cfg)
@@ -315,10 +334,16 @@ class Transformer(nnx.Module):
         x = table[tokens]
         return constrain(x, ("batch", "act_seq", "embed"))
 
+    def run_blocks(self, layer_params, x, positions, segment_ids):
+        """Runs a stack of layers with this model's block structure: `layer_params` is the
+        blocks' state as a pure dict, leaves [layers, ...] (all layers, or a pipeline stage's
+        run of them). Returns (x, MoE statistics stacked over those layers, or {})."""
+        return scan_layers(nnx.graphdef(self.blocks), layer_params, x, positions, segment_ids,
+                           self.remat)
+
     def apply_blocks(self, x, positions, segment_ids):
         """Runs the stacked blocks; returns (x, MoE statistics stacked over layers, or {})."""
-        graphdef, layer_params = nnx.split(self.blocks)
-        return scan_layers(graphdef, layer_params, x, positions, segment_ids, self.remat)
+        return self.run_blocks(nnx.to_pure_dict(nnx.state(self.blocks)), x, positions, segment_ids)
 
     def output_weight(self):
         return self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
@@ -326,12 +351,33 @@ class Transformer(nnx.Module):
     def head(self, x):  # [batch, seq, embed] -> float32 logits [batch, seq, vocab]
         return logits_from(self.final_norm, self.output_weight(), x, jnp.dtype(self.cfg.dtype))
 
-    def features(self, tokens, positions, segment_ids):
-        """What the output head reads: the final-normed hidden states [batch, seq, embed] (in
-        model.dtype), and the MoE statistics. The training loss multiplies them by
-        `output_weight()` a chunk at a time (jaxpar.models.loss), never holding every logit."""
-        x, stats = self.apply_blocks(self.embed(tokens), positions, segment_ids)
-        return self.final_norm(x), stats
+    def head_params(self, params: dict) -> dict:
+        """The part of a pure-dict params tree that `head_loss` reads: the final norm and the
+        output projection's weight (the embedding when tied)."""
+        out = "embedding" if self.cfg.tie_embeddings else "lm_head"
+        return {"final_norm": params["final_norm"], out: params[out]}
+
+    def head_loss(self, head_params: dict, h, targets, loss_mask, *, chunks: int):
+        """Final norm, output projection and summed next-token NLL of hidden states h [batch,
+        seq, embed], computed in model.dtype with float32 accumulation (jaxpar.models.loss), a
+        sequence chunk at a time. Returns (summed NLL, token count)."""
+        norm = nnx.merge(nnx.graphdef(self.final_norm), head_params["final_norm"])
+        weight = (head_params["embedding"].T if self.cfg.tie_embeddings
+                  else head_params["lm_head"])
+        return chunked_cross_entropy(norm(h), weight, targets, loss_mask,
+                                     dtype=jnp.dtype(self.cfg.dtype), chunks=chunks)
+
+    def loss(self, batch: dict, *, chunks: int):
+        """The whole model on a batch (inputs, targets, positions, segment_ids, loss_mask):
+        (summed NLL, token count, MoE statistics stacked over layers or {}). Never holds every
+        logit at once."""
+        x, stats = self.apply_blocks(self.embed(batch["inputs"]), batch["positions"],
+                                     batch["segment_ids"])
+        own = self.head_params({"final_norm": nnx.to_pure_dict(nnx.state(self.final_norm)),
+                                "embedding": self.embedding[...],
+                                "lm_head": None if self.cfg.tie_embeddings else self.lm_head[...]})
+        nll, count = self.head_loss(own, x, batch["targets"], batch["loss_mask"], chunks=chunks)
+        return nll, count, stats
 
     def __call__(self, tokens, positions, segment_ids):
         """tokens, positions, segment_ids: int [batch, seq] ->

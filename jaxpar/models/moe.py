@@ -10,7 +10,7 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.models.params import param
 from jaxpar.parallel.experts import moe_mlp
-from jaxpar.sharding import constrain, current_mesh, single_device_mesh
+from jaxpar.sharding import constrain
 
 
 def expert_d_ff(cfg: ModelConfig) -> int:
@@ -26,7 +26,8 @@ def moe_matmul_params(cfg: ModelConfig) -> int:
 class MoEMLP(nnx.Module):
     """Top-k routed SwiGLU experts (+ optional always-on shared experts, DeepSeek-MoE style).
 
-    Weights: router [embed, experts] (replicated: every device routes its own tokens), experts
+    Weights: router [embed, experts] (stored like any `embed` weight, sharded over fsdp under
+    ZeRO-3, and handed whole to every device inside the all-to-all: each routes its own tokens), experts
     gate/up [experts, embed, mlp] and down [experts, mlp, embed], split over `expert` along the
     experts dim (and over `tensor` / `fsdp` like a dense MLP)."""
 
@@ -49,9 +50,9 @@ class MoEMLP(nnx.Module):
         dtype = jnp.dtype(self.cfg.dtype)
         weights = {"router": self.router[...], "gate": self.gate[...], "up": self.up[...],
                    "down": self.down[...]}
-        y, stats = moe_mlp(x, weights, mesh=current_mesh() or single_device_mesh(),
-                           top_k=self.cfg.moe.top_k, capacity_factor=self.cfg.moe.capacity_factor,
-                           compute_dtype=dtype)
+        # The mesh is the one the step runs under (`Layout.scope`); none: one device.
+        y, stats = moe_mlp(x, weights, top_k=self.cfg.moe.top_k,
+                           capacity_factor=self.cfg.moe.capacity_factor, compute_dtype=dtype)
         if self.cfg.moe.shared_experts:
             hidden = jax.nn.silu(x @ self.shared_gate[...].astype(dtype)) * (x @ self.shared_up[...].astype(dtype))
             y = y + constrain(hidden, ("batch", "seq", "mlp")) @ self.shared_down[...].astype(dtype)

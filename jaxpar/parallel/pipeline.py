@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -476,3 +477,47 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
     input_grads = total(carry["input_grads"].astype(jnp.float32)).astype(inputs.dtype)
     return total(carry["loss"]), (carry["stage_grads"], jax.tree.map(total, carry["head_grads"]),
                                   input_grads)
+
+
+# ----------------------------------------------------------------------------- a model, pipelined
+
+
+def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.sharding.Mesh,
+                         loss_chunks: int, axis_name: str = "pipe"):
+    """The language-model loss of `model` with its blocks pipelined over `axis_name`.
+
+    model: a jaxpar Transformer (abstract is enough: only its structure and config are read);
+        its pieces do the work -- `embed` before the pipeline, `run_blocks` for a stage's chunk
+        of layers, `head_loss` (final norm, output projection, loss in model.dtype) on the last
+        stage.
+    params: the model's parameters as a pure dict; batch: {inputs, targets, positions,
+        segment_ids, loss_mask}, each [batch, seq].
+
+    Returns (gradients of the summed NLL, shaped like params; {"nll": summed NLL, "count":
+    tokens}). Activations and their gradients travel between stages in model.dtype.
+    """
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    graphdef = nnx.graphdef(model)
+
+    def stage_fn(chunk_params, h, side):
+        positions, segment_ids = side
+        return model.run_blocks(chunk_params, h, positions, segment_ids)[0]
+
+    def head_fn(head_params, h, targets):
+        return model.head_loss(head_params, h, targets["targets"], targets["loss_mask"],
+                               chunks=loss_chunks)[0]
+
+    def embed(table):
+        return nnx.merge(graphdef, {**params, "embedding": table}).embed(batch["inputs"])
+
+    x, embed_vjp = jax.vjp(embed, params["embedding"])
+    micro = split_microbatches(batch, m)
+    nll, (stage_grads, head_grads, input_grads) = pipeline_value_and_grad(
+        stage_fn, head_fn, stack_stages(params["blocks"], p, v), model.head_params(params),
+        split_microbatches(x, m), {k: micro[k] for k in ("targets", "loss_mask")},
+        schedule=schedule, mesh=mesh, axis_name=axis_name,
+        side=(micro["positions"], micro["segment_ids"]))
+    (embedding_grad,) = embed_vjp(merge_microbatches(input_grads))
+    grads = {**head_grads, "blocks": unstack_stages(stage_grads, p, v)}
+    grads["embedding"] = embedding_grad + head_grads.get("embedding", 0.0)  # tied: both uses
+    return grads, {"nll": nll, "count": jnp.sum(batch["loss_mask"])}
