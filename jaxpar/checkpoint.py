@@ -250,12 +250,6 @@ class Checkpointer:
         self._finish_pending()
         self._manager.close()
 
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # Finding and checking ------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:

@@ -8,9 +8,11 @@ parameter count, the bytes each device holds (parameters, optimizer state and gr
 their shardings; temporaries and the total from XLA's memory analysis of the compiled program),
 the FLOPs XLA counts, and the collectives in the compiled HLO (see `jaxpar.hlo`).
 
-`--compare` puts the ZeRO formula's prediction for jaxpar's own dtypes next to the measured bytes:
-float32 parameters (4 bytes), float32 gradients (4) and Adam's two float32 moments (8), over N =
-mesh.fsdp devices and divided by mesh.tensor (Rajbhandari et al. 2020):
+`--compare` puts the ZeRO formula's prediction for jaxpar's own dtypes next to what XLA's
+memory analysis of the compiled step measures (the state's argument bytes; gradients live among
+the temporaries): float32 parameters (4 bytes), float32 gradients (4) and Adam's two float32
+moments (8; 0 for optimizer.name=sgd), over N = mesh.fsdp devices and divided by mesh.tensor
+(Rajbhandari et al. 2020):
 
     stage 0: 4Ψ + 4Ψ + 8Ψ        stage 2: 4Ψ + 4Ψ/N + 8Ψ/N
     stage 1: 4Ψ + 4Ψ + 8Ψ/N      stage 3: 4Ψ/N + 4Ψ/N + 8Ψ/N
@@ -55,16 +57,26 @@ def _cost(compiled) -> float | None:
     return None if not cost or "flops" not in cost else float(cost["flops"])
 
 
-def zero_formula(params: int, stage: int, fsdp: int, tensor: int) -> dict[str, float]:
-    """Bytes per device that the ZeRO paper's accounting predicts for jaxpar's dtypes."""
+def zero_formula(params: int, stage: int, fsdp: int, tensor: int,
+                 optimizer_bytes: int = 8) -> dict[str, float]:
+    """Bytes per device that the ZeRO paper's accounting predicts for jaxpar's dtypes: float32
+    parameters and gradients, `optimizer_bytes` of state per parameter (8: Adam's two float32
+    moments; 0: plain SGD)."""
     n = fsdp
     p = 4 * params / (n if stage >= 3 else 1)
     g = 4 * params / (n if stage >= 2 else 1)
-    o = 8 * params / (n if stage >= 1 else 1)
+    o = optimizer_bytes * params / (n if stage >= 1 else 1)
     mixed = {0: 16 * params, 1: 4 * params + 12 * params / n, 2: 2 * params + 14 * params / n,
              3: 16 * params / n}[stage]
     return {"params": p / tensor, "gradients": g / tensor, "optimizer": o / tensor,
             "total": (p + g + o) / tensor, "paper_mixed_precision_total": mixed / tensor}
+
+
+def batch_bytes_per_device(trainer: Trainer) -> int:
+    """Bytes of one device's share of the batch (the step's other argument besides the state)."""
+    shapes = trainer.batch_shape()
+    return int(sum(np.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
+                   for s in shapes.values()))
 
 
 def report(trainer: Trainer, compiled, compare: bool = False,
@@ -104,10 +116,16 @@ def report(trainer: Trainer, compiled, compare: bool = False,
                          "usable_fraction": targets_lib.USABLE_FRACTION}
         out["fits"] = memory["total"] <= target.usable_bytes
     if compare:
-        predicted = zero_formula(params, cfg.parallel.zero_stage, sizes["fsdp"], sizes["tensor"])
-        measured = memory["params"] + memory["gradients"] + memory["optimizer"]
-        out["compare"] = {"predicted": predicted, "measured_total": measured,
-                          "ratio": measured / predicted["total"]}
+        # Measured by XLA, not from the shardings jaxpar declares (which agree by construction):
+        # the compiled step's arguments are the train state and the batch, so the state's bytes
+        # are XLA's argument bytes less the batch's (and the three int32 step counters).
+        optimizer_bytes = 8 if cfg.optimizer.name == "adamw" else 0
+        predicted = zero_formula(params, cfg.parallel.zero_stage, sizes["fsdp"], sizes["tensor"],
+                                 optimizer_bytes)
+        state = int(mem.argument_size_in_bytes) - batch_bytes_per_device(trainer) - 3 * 4
+        out["compare"] = {"predicted": predicted,
+                          "measured": {"params_and_optimizer": state, "temp": memory["temp"]},
+                          "ratio": state / (predicted["params"] + predicted["optimizer"])}
     return out
 
 
@@ -133,8 +151,9 @@ def format_human(r: dict) -> str:
         lines.append("ZeRO formula for jaxpar's dtypes (MiB)   predicted")
         for key, value in r["compare"]["predicted"].items():
             lines.append(f"  {key:<28} {value * mb:>12.3f}")
-        lines.append(f"  measured params+grads+optimizer {r['compare']['measured_total'] * mb:>8.3f}"
-                     f"  (ratio {r['compare']['ratio']:.3f})")
+        measured = r["compare"]["measured"]["params_and_optimizer"]
+        lines.append(f"  XLA's state arguments (params+optimizer) {measured * mb:>8.3f}"
+                     f"  (ratio to params+optimizer {r['compare']['ratio']:.3f})")
     lines += ["", f"{'collective':<20} {'count':>8} {'MiB':>12}  dtypes"]
     for kind, c in sorted(r["collectives"].items()):
         note = f"  ({c['as_all_reduce']} as all-reduce + dynamic-slice)" if "as_all_reduce" in c else ""

@@ -325,8 +325,9 @@ def test_a_checkpoint_without_the_guard_counters_restores_them_as_zero(tmp_path)
 
     old = {"params": {"w": jnp.arange(4.0)}, "opt_state": {"m": jnp.ones(4)},
            "step": jnp.int32(7)}
-    with Checkpointer(str(tmp_path)) as ckpt:
-        ckpt.save(7, old, {"position": 7}, force=True)
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(7, old, {"position": 7}, force=True)
+    ckpt.close()
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     shape = {**jax.eval_shape(lambda: old), "skipped_steps": scalar, "first_bad_step": scalar}
     replicated = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",)), PartitionSpec())
