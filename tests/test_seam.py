@@ -1,0 +1,106 @@
+"""The seam between the model and the layout: where a traced step learns the mesh and the rules,
+what the pipeline shares with the model, and the learning-rate schedule's first step."""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+from jaxpar import config as config_lib
+from jaxpar.sharding import Layout, constrain, make_rules
+from jaxpar.train import lr_schedule
+from tests.parity import trainer_on
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _layout(shape, names, kind=AxisType.Auto):
+    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names,
+                axis_types=(kind,) * len(names))
+    return Layout(mesh, {"activations": make_rules(shard_embed=False, sequence_parallel=False)})
+
+
+def _constraints(fn, *args) -> list[str]:
+    """The lowered program's sharding constraints that name a mesh axis (jax adds its own,
+    open ones, around a shard_map)."""
+    return [line for line in jax.jit(fn).lower(*args).as_text().splitlines()
+            if "sharding_constraint" in line and '{"' in line]
+
+
+def test_constrain_reads_the_mesh_and_rules_of_the_scope():
+    layout = _layout((2, 4), ("data", "tensor"))
+    x = jnp.zeros((4, 8, 16))
+
+    def scoped(x):
+        with layout.scope():
+            return constrain(x * 2, ("batch", "seq", "mlp"))
+
+    inside = _constraints(scoped, x)
+    assert len(inside) == 1 and '{"data"}' in inside[0] and '{"tensor"}' in inside[0]
+    assert _constraints(lambda x: constrain(x * 2, ("batch", "seq", "mlp")), x) == []
+
+
+def test_constrain_inside_a_shard_map_leaves_manual_axes_alone():
+    """Inside the pipeline's shard_map `pipe` is manual: only the other axes are constrained."""
+    layout = _layout((2, 4), ("pipe", "tensor"))
+
+    def step(x):
+        def body(block):
+            return constrain(block * 2, ("layers", "seq", "mlp"))  # layers -> pipe: skipped
+        with layout.scope():
+            return jax.shard_map(body, mesh=layout.mesh, in_specs=P("pipe"), out_specs=P("pipe"),
+                                 axis_names={"pipe"})(x)
+
+    (line,) = _constraints(step, jnp.zeros((2, 8, 16)))
+    assert '{"tensor"}' in line and '"pipe"' not in line.split("sharding_constraint")[1]
+
+
+def test_no_module_keeps_its_own_context_state():
+    """The mesh and rules come from JAX's and Flax's contexts, not from jaxpar globals."""
+    for folder, _, files in os.walk(os.path.join(ROOT, "jaxpar")):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(folder, name)).read()
+                assert "contextvars" not in text and "ContextVar" not in text, name
+
+
+def test_pipelined_head_computes_like_the_unpipelined_one():
+    """Same model, pipe=2 against data=2: the matmuls that touch the vocabulary have the same
+    operand types (bfloat16 into the forward head, as everywhere in the model)."""
+    overrides = ["model.vocab_size=264", "model.n_layers=4", "model.dtype=bfloat16",
+                 "train.batch_size=8", "parallel.microbatches=2", "train.loss_chunks=1",
+                 "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
+                 "train.seq_len=32"]
+
+    def vocab_matmuls(mesh):
+        trainer = trainer_on(overrides, mesh)
+        text = trainer.step.lower(trainer.state_shape, trainer.batch_shape()).as_text()
+        kinds = set()
+        for line in text.splitlines():
+            if "dot_general" in line and "264" in line:
+                operands = re.search(r": \((.*)\) ->", line).group(1)
+                # drop the rows (a microbatch in one, the batch in the other)
+                kinds.add(re.sub(r"tensor<\d+x", "tensor<Bx", operands))
+        return kinds
+
+    pipelined, plain = vocab_matmuls({"pipe": 2}), vocab_matmuls({"data": 2})
+    assert pipelined == plain
+    assert any(k.count("bf16") == 2 and "x264xbf16" in k for k in pipelined), pipelined
+
+
+def test_the_first_update_moves_and_the_schedule_ends_where_it_says():
+    cfg = config_lib.load_config(None, ["optimizer.lr=0.1", "optimizer.warmup_steps=4",
+                                        "optimizer.min_lr_ratio=0.1", "train.steps=20"])
+    lr = lr_schedule(cfg)
+    # count = updates already applied; update n = count + 1
+    assert float(lr(0)) == pytest.approx(0.1 / 4)
+    assert float(lr(3)) == pytest.approx(0.1)
+    assert 0.01 < float(lr(10)) < 0.1
+    assert float(lr(19)) == pytest.approx(0.01)
+    no_warmup = config_lib.load_config(None, ["optimizer.lr=0.1", "optimizer.warmup_steps=0",
+                                              "train.steps=1000"])
+    assert float(lr_schedule(no_warmup)(0)) == pytest.approx(0.1, rel=1e-4)
