@@ -157,17 +157,16 @@ def _free_auto_axes(mesh) -> set[str]:
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """`with_sharding_constraint` of x by logical names under the current mesh and rules; x as
-    it is when either is missing or no Auto axis of the mesh applies."""
+    """`with_sharding_constraint` of x by logical names under the current mesh and rules (only
+    its Auto axes); x as it is when either context is missing."""
     mesh, rules = jax.sharding.get_abstract_mesh(), active_rules()
-    if mesh.empty or not rules:
-        return x
+    if mesh.empty or not rules or AxisType.Auto not in mesh.axis_types:
+        return x  # no mesh, no rules, or only Explicit / Manual axes: nothing to constrain
     free = _free_auto_axes(mesh)
     usable = {name: tuple(a for a in axes if a in free) for name, axes in rules.items()}
-    spec = logical_to_spec(names, usable)
-    if all(dim is None for dim in spec):
-        return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    # A spec of Nones still says something: "whole on every device" (e.g. gather a ZeRO-3
+    # weight before a lookup), so it is applied like any other.
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, usable)))
 
 
 # --- The layout: one value that says where everything lives ----------------------------------

