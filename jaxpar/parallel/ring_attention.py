@@ -12,9 +12,13 @@ Layouts: ``zigzag`` cuts the sequence into 2c chunks and gives device i chunks i
 (equal causal work everywhere); ``contiguous`` gives device i chunk i. Positions travel with K so
 the causal mask is right in either; a (query chunk, key chunk) pair it hides is skipped (lax.cond).
 
-Sharding: the shard_map is manual over ``axis_name``; other auto axes stay auto (batch over
-data/fsdp/expert, heads over tensor keep their sharding); explicit axes that shard an argument
-become manual with the argument's own spec. Either way nothing is gathered.
+Mesh: any mesh with an ``axis_name`` axis, passed as ``mesh=`` or, by default, the one set with
+``jax.set_mesh``; its other axes may have any names, Explicit or Auto. The shard_map is manual
+over ``axis_name``; other Auto axes stay auto (batch over data/fsdp/expert, heads over tensor
+keep their sharding, GSPMD propagates it); Explicit axes that shard q's batch or heads become
+manual with q's spec, and k, v, segment_ids and the output cotangent are moved to it. Inputs
+sharded alike are not gathered (a head_dim split over an Explicit axis is: scores need all of
+it). The shard_maps are jitted, so a call outside ``jax.jit`` compiles each ring once.
 """
 
 import dataclasses
@@ -64,16 +68,33 @@ def _zigzag(x, context, axis, inverse):
     return jnp.moveaxis(y.reshape(x.shape), 0, axis)
 
 
-def permute_to_layout(x, *, context: int, layout: str, axis: int = 1):
-    """Reorder the sequence ``axis`` of ``x`` from ordinary order into ``layout`` order."""
+def _permute(x, context, layout, axis, inverse):
+    axis = axis % x.ndim
     _check_layout(x.shape[axis], context, layout)
-    return x if layout == "contiguous" or context == 1 else _zigzag(x, context, axis, False)
+    if layout == "contiguous" or context == 1:
+        return x
+    spec = _explicit_spec(x)
+    if spec[axis] is None:
+        return _zigzag(x, context, axis, inverse)
+    # The sequence is split over Explicit mesh axes: JAX types no reshape or slice of it that
+    # moves tokens between devices, so gather it (all-gather), reorder, and split it again.
+    mesh = jax.typeof(x).sharding.mesh
+    whole = P(*spec[:axis], None, *spec[axis + 1:])
+    y = _zigzag(jax.sharding.reshard(x, NamedSharding(mesh, whole)), context, axis, inverse)
+    return jax.sharding.reshard(y, NamedSharding(mesh, P(*spec)))
+
+
+def permute_to_layout(x, *, context: int, layout: str, axis: int = 1):
+    """Reorder the sequence ``axis`` of ``x`` from ordinary order into ``layout`` order.
+
+    Any sharding of ``x`` is kept. On Auto mesh axes GSPMD moves the tokens; when ``axis`` is
+    sharded over Explicit axes the sequence is gathered, reordered and split again."""
+    return _permute(x, context, layout, axis, inverse=False)
 
 
 def permute_from_layout(x, *, context: int, layout: str, axis: int = 1):
     """Inverse of :func:`permute_to_layout`: from ``layout`` order back to ordinary order."""
-    _check_layout(x.shape[axis], context, layout)
-    return x if layout == "contiguous" or context == 1 else _zigzag(x, context, axis, True)
+    return _permute(x, context, layout, axis, inverse=True)
 
 
 # ----------------------------------------------------------------------------- block kernel
@@ -241,16 +262,39 @@ def _backward_shard(ring, q, k, v, seg, pos, out, lse, dout):
 # ----------------------------------------------------------------------------- global wiring
 
 
-def _seq_spec(x, axis_name):
-    """x's own spec (it names explicit mesh axes only) with its sequence dim over ``axis_name``."""
-    spec = list(jax.typeof(x).sharding.spec) + [None] * x.ndim
-    spec[min(1, x.ndim - 1)] = axis_name
-    return P(*spec[:x.ndim])
-
-
 def _names(dim):
     """Mesh axis names of one PartitionSpec entry."""
     return () if dim is None else dim if isinstance(dim, tuple) else (dim,)
+
+
+def _explicit_spec(x):
+    """x's own spec, padded to x.ndim (it names explicit mesh axes only; auto axes never)."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Specs:
+    """Per-device layout of every array the rings take: the sequence over the ring axis, batch
+    and heads as q's explicit sharding says, head_dim whole (the scores need all of it)."""
+
+    batch: object  # a PartitionSpec entry: q's batch dim
+    heads: object  # q's (and k's) heads dim
+    axis_name: str
+
+    @property
+    def rows(self):
+        """[b, seq, heads, d]: q, k, v, out, dout, dq, dk, dv."""
+        return P(self.batch, self.axis_name, self.heads, None)
+
+    @property
+    def lse(self):
+        """[b, seq, heads]."""
+        return P(self.batch, self.axis_name, self.heads)
+
+    def segments(self, segment_ids):
+        """[b, seq], or [1, seq] broadcast over the batch."""
+        return P(self.batch if segment_ids.shape[0] > 1 else None, self.axis_name)
 
 
 def _reshard(x, spec, mesh):
@@ -258,43 +302,66 @@ def _reshard(x, spec, mesh):
     explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                 if kind == jax.sharding.AxisType.Explicit}
     spec = P(*(dim if dim and set(_names(dim)) <= explicit else None for dim in spec))
-    if jax.typeof(x).sharding.spec == spec:
+    if P(*_explicit_spec(x)) == spec:
         return x
     return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
-def _sharded(ring, fn, args, out_specs):
-    """``fn(ring, *args)`` per device: shard_map manual over the ring axis and the explicit axes
-    named in the arguments' specs; auto axes stay auto."""
-    in_specs = tuple(_seq_spec(x, ring.axis_name) for x in args)
-    args = tuple(_reshard(x, spec, ring.mesh) for x, spec in zip(args, in_specs))
+@functools.lru_cache(maxsize=64)
+def _per_device(ring, fn, in_specs, out_specs):
+    """``fn(ring, ...)`` as a jitted shard_map, manual over the ring axis and the explicit axes
+    named in ``in_specs``; auto axes stay auto. Jitted (and cached) so that a call outside
+    ``jax.jit`` compiles the ring once rather than running its body op by op."""
     manual = {name for spec in in_specs for dim in spec for name in _names(dim)}
-    return jax.shard_map(functools.partial(fn, ring), mesh=ring.mesh, in_specs=in_specs,
-                         out_specs=out_specs, axis_names=manual, check_vma=False)(*args)
+    return jax.jit(jax.shard_map(functools.partial(fn, ring), mesh=ring.mesh, in_specs=in_specs,
+                                 out_specs=out_specs, axis_names=manual, check_vma=False))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring, q, k, v, segment_ids, positions):
-    return _ring_forward(ring, q, k, v, segment_ids, positions)[0]
+def _sharded(ring, fn, args, in_specs, out_specs):
+    """``fn(ring, *args)`` per device. The arguments are first moved to ``in_specs`` on the
+    explicit axes: the per-device code needs every array blocked alike (a cotangent, say, may
+    arrive laid out unlike its primal)."""
+    args = tuple(_reshard(x, spec, ring.mesh) for x, spec in zip(args, in_specs))
+    return _per_device(ring, fn, tuple(in_specs), out_specs)(*args)
 
 
-def _ring_forward(ring, q, k, v, segment_ids, positions):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring_attention(ring, specs, q, k, v, segment_ids, positions):
+    return _ring_forward(ring, specs, q, k, v, segment_ids, positions)[0]
+
+
+def _forward_specs(specs, segment_ids):
+    """in_specs of (q, k, v, segment_ids, positions)."""
+    return (specs.rows, specs.rows, specs.rows, specs.segments(segment_ids), P(specs.axis_name))
+
+
+def _ring_forward(ring, specs, q, k, v, segment_ids, positions):
     args = (q, k, v, segment_ids, positions)
-    out_spec = _seq_spec(q, ring.axis_name)  # lse [b, seq, heads] shares its first three dims
-    out, lse = _sharded(ring, _forward_shard, args, (out_spec, P(*out_spec[:3])))
+    out, lse = _sharded(ring, _forward_shard, args, _forward_specs(specs, segment_ids),
+                        (specs.rows, specs.lse))
     return out, (*args, out, lse)
 
 
-def _ring_backward(ring, residuals, dout):
+def _ring_backward(ring, specs, residuals, dout):
     primals = residuals[:3]
-    out_specs = tuple(_seq_spec(x, ring.axis_name) for x in primals)
-    grads = _sharded(ring, _backward_shard, (*residuals, dout), out_specs)
+    in_specs = (*_forward_specs(specs, residuals[3]), specs.rows, specs.lse, specs.rows)
+    grads = _sharded(ring, _backward_shard, (*residuals, dout), in_specs, (specs.rows,) * 3)
     # on explicit axes a cotangent must carry its primal's sharding (e.g. seq not sharded)
-    grads = (_reshard(g, jax.typeof(x).sharding.spec, ring.mesh) for g, x in zip(grads, primals))
+    grads = (_reshard(g, _explicit_spec(x), ring.mesh) for g, x in zip(grads, primals))
     return *grads, None, None
 
 
 _ring_attention.defvjp(_ring_forward, _ring_backward)
+
+
+def _resolve_mesh(mesh):
+    """``mesh``, or the mesh of JAX's context (``jax.set_mesh``) when it is None."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError("ring attention needs a mesh: pass mesh=... or set one with "
+                             "jax.set_mesh(mesh)")
+    return mesh
 
 
 def _context(q, k, mesh, axis_name, layout):
@@ -304,15 +371,17 @@ def _context(q, k, mesh, axis_name, layout):
     _check_layout(q.shape[1], mesh.shape[axis_name], layout)
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"heads={q.shape[2]} is not divisible by kv_heads={k.shape[2]}")
-    q_heads, k_heads = (jax.typeof(x).sharding.spec[2] for x in (q, k))  # explicit axes only
+    q_heads, k_heads = (_explicit_spec(x)[2] for x in (q, k))  # explicit axes only
     if q_heads != k_heads:
         raise ValueError(f"heads are sharded over {q_heads} but kv_heads over {k_heads}; on "
                          "explicit mesh axes shard both alike (or use auto axes)")
+    if axis_name in _names(_explicit_spec(q)[0]) + _names(q_heads):
+        raise ValueError(f"q's batch or heads are sharded over the ring axis {axis_name!r}")
     return mesh.shape[axis_name]
 
 
-def ring_attention_permuted(q, k, v, *, mesh, axis_name="context", causal=True, layout="zigzag",
-                            segment_ids=None):
+def ring_attention_permuted(q, k, v, *, mesh=None, axis_name="context", causal=True,
+                            layout="zigzag", segment_ids=None):
     """Ring attention on sequences already in ``layout`` order (see :func:`permute_to_layout`).
 
     q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim], kv_heads dividing
@@ -320,25 +389,38 @@ def ring_attention_permuted(q, k, v, *, mesh, axis_name="context", causal=True, 
     Global arrays in layout order; returns [batch, seq, heads, head_dim] in q's dtype, in layout
     order, with the sequence sharded over ``axis_name``. Scale 1/sqrt(head_dim).
     Collectives: ppermute over ``axis_name`` only (see the module docstring).
+
+    mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh`` with an axis ``axis_name``; None (the
+    default): the mesh set with ``jax.set_mesh``, a ValueError when none is set. Other axes
+    of any name and number, Explicit or Auto. Batch and heads keep their sharding: on Auto
+    axes as GSPMD propagates it; on Explicit axes as q's (k, v and segment_ids are moved to
+    q's batch sharding, heads and kv_heads must be sharded alike, a sharded head_dim is
+    gathered). On Explicit axes the result's type names the mesh, so JAX wants the mesh set
+    (``jax.set_mesh``) around ``jax.grad``/``jax.vjp`` run outside ``jax.jit``, as for any
+    explicitly sharded array; without it JAX raises "Length of device assignment 1 is not
+    equal to the size of the mesh ... Please enter your `jit` into a mesh context via
+    `jax.set_mesh`". Under ``jax.jit`` no mesh context is needed.
     """
+    mesh = _resolve_mesh(mesh)
     context = _context(q, k, mesh, axis_name, layout)
     if segment_ids is None:  # one segment; [1, seq] broadcasts over the batch
         segment_ids = jnp.zeros((1, q.shape[1]), jnp.int32)
-    else:  # batch sharded like q's on explicit axes
-        batch_axes = jax.typeof(q).sharding.spec[0]
-        segment_ids = _reshard(segment_ids.astype(jnp.int32), P(batch_axes, None), mesh)
     positions = jnp.asarray(layout_indices(q.shape[1], context, layout), jnp.int32)
     ring = _Ring(mesh, axis_name, bool(causal), LAYOUT_CHUNKS[layout])
-    return _ring_attention(ring, q, k, v, segment_ids, positions)
+    q_spec = _explicit_spec(q)
+    specs = _Specs(q_spec[0], q_spec[2], axis_name)
+    return _ring_attention(ring, specs, q, k, v, segment_ids.astype(jnp.int32), positions)
 
 
-def ring_attention(q, k, v, *, mesh, axis_name="context", causal=True, layout="zigzag",
+def ring_attention(q, k, v, *, mesh=None, axis_name="context", causal=True, layout="zigzag",
                    segment_ids=None):
     """Full softmax attention of q, k, v (and segment_ids), computed as a ring over ``axis_name``.
 
     Same arguments and result as :func:`ring_attention_permuted`, in ordinary sequence order:
-    permutes the inputs into ``layout``, runs the ring, permutes the output back.
+    permutes the inputs into ``layout``, runs the ring, permutes the output back. Equals
+    ``jax.nn.dot_product_attention(q, k, v, is_causal=causal)`` (with a segment mask).
     """
+    mesh = _resolve_mesh(mesh)
     context = _context(q, k, mesh, axis_name, layout)
     to_layout = functools.partial(permute_to_layout, context=context, layout=layout)
     if segment_ids is not None:
