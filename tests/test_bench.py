@@ -13,11 +13,9 @@ from jaxpar import config as config_lib
 from jaxpar import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-    "model.vocab_size=264", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.d_ff=64", "train.batch_size=4", "train.seq_len=32",
-    "runtime.cpu_devices=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "parallel.zero_stage=0",
-]
+# configs/tiny.yaml in bfloat16 (the default dtype), 4 rows, data parallel over 2 CPU devices.
+TINY = [os.path.join(ROOT, "configs", "tiny.yaml"), "model.dtype=bfloat16", "train.batch_size=4",
+        "runtime.cpu_devices=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
 
 # As on the GPU machine, `import grain` fails; afterwards, report whether jaxpar.data was imported.
 WITHOUT_GRAIN = textwrap.dedent("""
@@ -50,7 +48,7 @@ def test_bench_runs_without_grain_and_writes_sane_json(tmp_path):
     assert r["tokens_per_step"] == 4 * 32
     assert math.isclose(r["tokens_per_sec"], 128 / r["step_time_s"]["median"])
     assert r["compile_seconds"] > 0 and r["init_seconds"] > 0
-    cfg = config_lib.load_config(None, TINY)
+    cfg = config_lib.load_config(TINY[0], TINY[1:])
     assert r["flops_per_token"] == metrics_lib.flops_per_token(cfg.model, 32)
     assert r["mfu"] is None and r["peak_flops_per_device"] is None  # no peak for CPUs
     assert r["memory"]["device"]["peak_bytes_in_use"] is None  # CPUs keep no allocator stats

@@ -26,17 +26,15 @@ from jaxpar.checkpoint import (MANIFEST, Checkpointer, CheckpointMismatchError, 
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.train import build_trainer
 
-TINY = [
-    "model.vocab_size=264", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.d_ff=128", "train.batch_size=8", "train.seq_len=32",
-]
+TINY_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
+TINY = ["model.d_model=64", "model.d_ff=128"]  # configs/tiny.yaml, wider (the shapes below)
 DATA8 = ({"data": 8}, ["parallel.zero_stage=0"])
 
 
 def make_trainer(mesh: dict, extra=()):
     """A Trainer on the first prod(mesh) devices (nothing is compiled)."""
     devices = math.prod(mesh.values())
-    cfg = config_lib.load_config(None, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
+    cfg = config_lib.load_config(TINY_YAML, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
                                  + list(extra))
     return build_trainer(cfg, config_lib.validate(cfg, devices), devices=jax.devices()[:devices])
 

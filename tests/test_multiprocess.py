@@ -1,8 +1,9 @@
 """Several processes, one run: `python -m jaxpar.launch` against one process with all devices.
 
 Two processes x 4 emulated CPU devices (gloo collectives over loopback) must train, checkpoint
-and resume exactly like one process x 8 devices, and a process that dies must bring the whole
-launch down with its exit code, in bounded time.
+and resume exactly like one process x 8 devices -- the same first-step gradients, leaf by leaf,
+and the same losses and gradient norms -- and a process that dies must bring the whole launch
+down with its exit code, in bounded time.
 """
 
 import json
@@ -19,16 +20,50 @@ import numpy as np
 import pytest
 
 from jaxpar.launch import launch
+from tests.parity import TINY_YAML, assert_grads_match, assert_nonzero
 from tests.test_train import ROOT
 
-TINY = [
-    "model.vocab_size=264", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.d_ff=64", "model.dtype=float32", "train.batch_size=8",
-    "train.seq_len=32", "data.max_documents=20", "train.progress=false", "train.log_every=1",
-    # With 4 devices per process, `data` crosses the processes; fsdp x tensor stay inside each.
-    "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-]
+# With 4 devices per process, `data` crosses the processes; fsdp x tensor stay inside each.
+TINY = [TINY_YAML, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.zero_stage=3"]
 RUN = TINY + ["train.steps=4", "checkpoint.every=2"]
+TRAIN = [sys.executable, "-m", "jaxpar.train"]
+
+# `python -m jaxpar.train NPZ ARGS...` that also writes the gradients of its first step (gathered
+# from every process; build_trainer(with_grads=True)) to NPZ, {leaf path: array}, from process 0.
+KEEP_FIRST_GRADS = textwrap.dedent("""
+    import sys
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jaxpar import train as train_lib
+
+    npz, build = sys.argv[1], train_lib.build_trainer
+
+    def build_keeping_first_grads(cfg, sizes, devices=None):
+        trainer = build(cfg, sizes, devices, with_grads=True)
+        step, kept = trainer.step, []
+
+        def step_keeping_first_grads(state, batch):
+            state, metrics, grads = step(state, batch)
+            if not kept:
+                kept.append(multihost_utils.process_allgather(grads, tiled=True) if jax.process_count() > 1
+                            else jax.device_get(grads))
+                flat, _ = jax.tree_util.tree_flatten_with_path(kept[0])
+                if jax.process_index() == 0:
+                    np.savez(npz, **{jax.tree_util.keystr(path, simple=True, separator="."):
+                                     np.asarray(x) for path, x in flat})
+            return state, metrics
+
+        trainer.step = step_keeping_first_grads
+        return trainer
+
+    train_lib.build_trainer = build_keeping_first_grads
+    sys.exit(train_lib.main(sys.argv[2:]))
+""")
+
+
+def keeping_first_grads(npz) -> list[str]:
+    return [sys.executable, "-c", KEEP_FIRST_GRADS, str(npz)]
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +76,19 @@ def env(tmp_path_factory):
     return env
 
 
-def one_process(run_dir, *args):
-    return [sys.executable, "-m", "jaxpar.train", *args, f"train.run_dir={run_dir}",
-            "runtime.cpu_devices=8"]
+def one_process(run_dir, *args, train=TRAIN):
+    return [*train, *args, f"train.run_dir={run_dir}", "runtime.cpu_devices=8"]
 
 
-def two_processes(run_dir, *args, grace=30):
-    return [sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--grace", str(grace), *args,
-            f"train.run_dir={run_dir}", "runtime.cpu_devices=4"]
+def two_processes(run_dir, *args, grace=30, train=None):
+    """`python -m jaxpar.launch --nproc 2`; with `train` (a command instead of `python -m
+    jaxpar.train`), the same launch through `jaxpar.launch.launch(command=...)`."""
+    tail = [*args, f"train.run_dir={run_dir}", "runtime.cpu_devices=4"]
+    if train is None:
+        return [sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--grace", str(grace), *tail]
+    script = ("import sys; from jaxpar.launch import launch; "
+              f"sys.exit(launch(2, command=sys.argv[1:], grace={grace}))")
+    return [sys.executable, "-c", script, *train, *tail]
 
 
 def run_side_by_side(env, *commands, timeout=300):
@@ -80,18 +120,31 @@ def committed_steps(run_dir):
                   and os.path.exists(os.path.join(path, n, "jaxpar_manifest.json")))
 
 
+def grad_norms(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["grad_norm"] for r in map(json.loads, f)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, env):
-    """4 steps (checkpoints at 2 and 4) as 1 process x 8 devices and as 2 processes x 4."""
+    """4 steps (checkpoints at 2 and 4) as 1 process x 8 devices and as 2 processes x 4, each
+    keeping its first step's gradients in <run>.npz."""
     root = tmp_path_factory.mktemp("multiprocess")
-    run_side_by_side(env, one_process(root / "one", *RUN), two_processes(root / "two", *RUN))
+    run_side_by_side(env, one_process(root / "one", *RUN, train=keeping_first_grads(root / "one.npz")),
+                     two_processes(root / "two", *RUN, train=keeping_first_grads(root / "two.npz")))
     return root
 
 
 def test_two_processes_match_one_process(runs):
+    with np.load(runs / "one.npz") as one, np.load(runs / "two.npz") as two:
+        want_grads, got_grads = dict(one), dict(two)
+    assert_nonzero(want_grads)
+    assert_grads_match(got_grads, want_grads)
     want, got = losses(runs / "one"), losses(runs / "two")
     assert sorted(got) == [1, 2, 3, 4]  # written once, by process 0
     np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
+    want_norms, got_norms = grad_norms(runs / "one"), grad_norms(runs / "two")
+    np.testing.assert_allclose([got_norms[s] for s in got], [want_norms[s] for s in got], rtol=1e-5)
     assert committed_steps(runs / "two") == [2, 4]
     for process in (0, 1):  # one checkpoint, written by both processes
         assert any((runs / "two" / "checkpoints" / "4" / "params" / f"ocdbt.process_{process}" / "d").iterdir())

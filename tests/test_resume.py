@@ -16,12 +16,8 @@ from jaxpar.checkpoint import CheckpointMismatchError
 from jaxpar.train import NonFiniteLoss, train
 from tests.test_train import ROOT
 
-TINY = [
-    "model.vocab_size=264", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.d_ff=64", "model.dtype=float32", "train.batch_size=8",
-    "train.seq_len=32", "data.max_documents=30", "optimizer.warmup_steps=2", "optimizer.lr=1e-2",
-    "train.progress=false", "train.log_every=1",
-]
+TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
+TINY = ["parallel.zero_stage=3"]  # configs/tiny.yaml; the runs resume across ZeRO-3 layouts
 
 
 def losses(run_dir):
@@ -32,7 +28,7 @@ def losses(run_dir):
 def cli(run_dir, *extra, devices=8):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    args = [sys.executable, "-m", "jaxpar.train", *TINY, f"train.run_dir={run_dir}",
+    args = [sys.executable, "-m", "jaxpar.train", TINY_YAML, *TINY, f"train.run_dir={run_dir}",
             f"runtime.cpu_devices={devices}", *extra]
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -85,7 +81,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference")
-    cfg = config_lib.load_config(None, TINY + ["train.steps=12", "checkpoint.every=6", f"train.run_dir={run_dir}",
+    cfg = config_lib.load_config(TINY_YAML, TINY + ["train.steps=12", "checkpoint.every=6", f"train.run_dir={run_dir}",
                                                "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
     train(cfg, config_lib.validate(cfg, 8))
     return run_dir
@@ -93,7 +89,7 @@ def reference_run(tmp_path_factory):
 
 def test_restore_onto_another_mesh_continues_the_run(reference_run, tmp_path):
     shutil.copytree(reference_run / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
-    cfg = config_lib.load_config(None, TINY + ["train.steps=12", "checkpoint.every=6", f"train.run_dir={tmp_path}",
+    cfg = config_lib.load_config(TINY_YAML, TINY + ["train.steps=12", "checkpoint.every=6", f"train.run_dir={tmp_path}",
                                                "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])
     summary = train(cfg, config_lib.validate(cfg, 8))
     assert summary["start_step"] == 6
@@ -103,7 +99,7 @@ def test_restore_onto_another_mesh_continues_the_run(reference_run, tmp_path):
 
 def test_checkpoint_of_another_shape_is_a_clear_error(reference_run, tmp_path):
     shutil.copytree(reference_run / "checkpoints", tmp_path / "checkpoints")
-    cfg = config_lib.load_config(None, TINY + ["train.steps=12", f"train.run_dir={tmp_path}", "model.d_model=64",
+    cfg = config_lib.load_config(TINY_YAML, TINY + ["train.steps=12", f"train.run_dir={tmp_path}", "model.d_model=64",
                                                "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
     with pytest.raises(CheckpointMismatchError, match=r"params.blocks.attn.wq: checkpoint has shape \(2, 32, 4, 8\), the model has shape \(2, 64, 4, 16\)"):
         train(cfg, config_lib.validate(cfg, 8))
@@ -111,7 +107,7 @@ def test_checkpoint_of_another_shape_is_a_clear_error(reference_run, tmp_path):
 
 @pytest.mark.parametrize("on_nan", ["stop", "skip"])
 def test_weights_blown_up_by_the_lr_stop_the_run_unsaved(on_nan, tmp_path):
-    cfg = config_lib.load_config(None, TINY + [
+    cfg = config_lib.load_config(TINY_YAML, TINY + [
         "train.steps=4", "checkpoint.every=1", f"train.run_dir={tmp_path}", f"train.on_nan={on_nan}",
         "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=0",
         "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
@@ -131,7 +127,7 @@ def test_the_host_reads_the_guard_every_log_every_steps_not_every_step(tmp_path)
     """Warmup makes step 1's lr 0 and step 2's 5e29: step 2 overflows the weights. The device
     records that; the host, reading only at step 5 (log_every, no checkpoint before), stops then
     and names step 2."""
-    cfg = config_lib.load_config(None, TINY + [
+    cfg = config_lib.load_config(TINY_YAML, TINY + [
         "train.steps=8", "train.log_every=5", "checkpoint.every=0", f"train.run_dir={tmp_path}",
         "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=2",
         "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])

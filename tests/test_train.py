@@ -12,15 +12,13 @@ from jaxpar import config as config_lib
 from jaxpar.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-    "model.vocab_size=264", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-    "model.n_kv_heads=2", "model.d_ff=128", "train.batch_size=8", "train.seq_len=64",
-    "data.max_documents=40", "optimizer.warmup_steps=5", "optimizer.lr=1e-2", "train.progress=false",
-]
+TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
+# configs/tiny.yaml with the default job's dtype and ZeRO stage.
+TINY = ["model.dtype=bfloat16", "parallel.zero_stage=3"]
 
 
 def test_twenty_steps_lower_the_loss_and_write_the_run_dir(tmp_path):
-    cfg = config_lib.load_config(None, TINY + ["train.steps=20", "train.log_every=5", f"train.run_dir={tmp_path}"])
+    cfg = config_lib.load_config(TINY_YAML, TINY + ["train.steps=20", "train.log_every=5", f"train.run_dir={tmp_path}"])
     summary = train(cfg, config_lib.validate(cfg, 8))
     # first_loss is the loss logged at step 5, after four updates
     assert summary["final_loss"] < summary["first_loss"] - 0.5
@@ -43,7 +41,7 @@ def _run(module, *args, devices=2):
 
 def test_train_cli_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run("jaxpar.train", *TINY, "train.steps=3", "train.log_every=1", f"train.run_dir={run_dir}",
+    proc = _run("jaxpar.train", TINY_YAML, *TINY, "train.steps=3", "train.log_every=1", f"train.run_dir={run_dir}",
                 "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]
@@ -54,7 +52,7 @@ def test_train_cli_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("flag", ["", "--human"])
 def test_inspect_cli_prints_the_report(flag):
-    args = [*TINY, "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "parallel.zero_stage=3", "--compare"]
+    args = [TINY_YAML, *TINY, "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "parallel.zero_stage=3", "--compare"]
     proc = _run("jaxpar.inspect", *args, *([flag] if flag else []))
     assert proc.returncode == 0, proc.stderr[-2000:]
     if flag:
@@ -91,7 +89,7 @@ def test_no_cuda_plugin_traceback_on_a_machine_without_a_driver():
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("this machine has an NVIDIA driver")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    proc = subprocess.run([sys.executable, "-m", "jaxpar.inspect", *TINY, "runtime.cpu_devices=1",
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.inspect", TINY_YAML, *TINY, "runtime.cpu_devices=1",
                            "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -137,7 +135,7 @@ def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
     cpu = SimpleNamespace(platform="cpu")
 
     def kernel(device, overrides=(), **mesh):
-        cfg = config_lib.load_config(None, TINY + list(overrides))
+        cfg = config_lib.load_config(TINY_YAML, TINY + list(overrides))
         return resolve_attention(cfg, {**sizes, **mesh}, device).model.attention
 
     assert kernel(h100) == "cudnn"
