@@ -3,7 +3,9 @@
 Backend: XLA:CPU, 8 host devices, the train step compiled (never run) for fsdp=8 at each stage.
 The numbers come from the compiled program's own memory analysis -- argument bytes (the train
 state and the batch) and temporaries -- never from the shardings jaxpar declares, which would
-agree with the formula by construction.
+agree with the formula by construction. (Gradients live among the temporaries; their ZeRO-2
+saving is checked on the H100 program, tests/test_gpu_program.py: XLA:CPU reduce-scatters as an
+all-reduce of the whole gradient and a slice, so its temporaries say little about it.)
 """
 
 import numpy as np
@@ -44,16 +46,6 @@ def test_each_stage_saves_what_the_formula_says(reports):
     assert state[0] - state[1] == pytest.approx(8 * psi * shard_saving, rel=0.01)
     assert state[1] == state[2]
     assert state[2] - state[3] == pytest.approx(4 * psi * shard_saving, rel=0.01)
-
-
-def test_zero2_gradients_shrink_the_temporaries(reports):
-    """Sharded gradients (ZeRO-2) leave less in XLA's temporaries than all-reduced ones
-    (ZeRO-1): at least 60% of the formula's 4 psi (1 - 1/N) (the rest of the temporaries move a
-    little between the two programs; a ZeRO-2 that kept whole gradients would save ~0)."""
-    psi = reports[0]["params"]
-    saved = reports[1]["compare"]["measured"]["temp"] - reports[2]["compare"]["measured"]["temp"]
-    expected = zero_formula(psi, 1, FSDP, 1)["gradients"] - zero_formula(psi, 2, FSDP, 1)["gradients"]
-    assert 0.6 * expected <= saved <= 1.2 * expected, (saved, expected)
 
 
 def test_sgd_has_no_optimizer_state():
