@@ -124,14 +124,14 @@ def test_weights_blown_up_by_the_lr_stop_the_run_unsaved(on_nan, tmp_path):
 
 
 def test_the_host_reads_the_guard_every_log_every_steps_not_every_step(tmp_path):
-    """Warmup makes step 1's lr 0 and step 2's 5e29: step 2 overflows the weights. The device
-    records that; the host, reading only at step 5 (log_every, no checkpoint before), stops then
-    and names step 2."""
+    """lr 1e30 (step 1 warms up to 5e29) overflows the weights at step 1. The device records
+    that; the host, reading only at step 5 (log_every, no checkpoint before), stops then and
+    names step 1."""
     cfg = config_lib.load_config(TINY_YAML, TINY + [
         "train.steps=8", "train.log_every=5", "checkpoint.every=0", f"train.run_dir={tmp_path}",
         "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=2",
         "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
-    with pytest.raises(NonFiniteLoss, match=r"at step 2 \(train.on_nan=stop; seen at step 5,"):
+    with pytest.raises(NonFiniteLoss, match=r"at step 1 \(train.on_nan=stop; seen at step 5,"):
         train(cfg, config_lib.validate(cfg, 8))
     metrics = tmp_path / "metrics.jsonl"
     assert committed_steps(tmp_path) == [] and (not metrics.exists() or not metrics.read_text())
