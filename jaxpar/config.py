@@ -126,7 +126,7 @@ class OptimizerConfig:
     # scale errors, which AdamW's normalisation hides.
     name: OptimizerName = "adamw"  # the update rule: adamw | sgd (see above)
     lr: float = 3e-3  # peak learning rate
-    warmup_steps: int = 20  # linear warmup from 0 to lr
+    warmup_steps: int = 20  # update n <= warmup_steps runs at lr * n / warmup_steps
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     weight_decay: float = 0.1  # AdamW's decoupled weight decay (norm scales excluded)
     b1: float = 0.9  # AdamW first-moment decay
@@ -499,6 +499,17 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"train.resume={t.resume!r}: use auto, never, or a checkpoint step number")
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: use 0 (never) or a step count")
+    o = cfg.optimizer
+    for key, value, ok, want in [
+        ("optimizer.lr", o.lr, o.lr > 0, "a positive learning rate"),
+        ("optimizer.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, "0 or more steps"),
+        ("optimizer.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "a ratio in [0, 1]"),
+        ("optimizer.b1", o.b1, 0 <= o.b1 < 1, "a decay in [0, 1)"),
+        ("optimizer.b2", o.b2, 0 <= o.b2 < 1, "a decay in [0, 1)"),
+        ("optimizer.clip_norm", o.clip_norm, o.clip_norm >= 0, "0 (off) or a positive norm"),
+    ]:
+        if not ok:
+            raise ConfigError(f"{key}={value}: use {want}")
 
     positive = {
         "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,

@@ -188,22 +188,21 @@ class Layout:
 
         return cls(make_mesh(sizes, devices), state_rules(zero_stage, sequence_parallel))
 
-    @property
-    def sizes(self) -> dict[str, int]:
-        return dict(self.mesh.shape)
-
     def shardings(self, logical_tree: Any, kind: str) -> Any:
         """NamedShardings of a tree of logical-name tuples, for `kind` (params, grads, ...)."""
         return tree_shardings(logical_tree, self.mesh, self.rules[kind])
 
     def batch_sharding(self) -> NamedSharding:
-        return batch_sharding(self.mesh)
+        """Batch rows over the activation rules' `batch` axes; the sequence stays whole."""
+        rules = self.rules["activations"]
+        return NamedSharding(self.mesh, logical_to_spec(("batch", None), rules, self.mesh))
 
     @contextlib.contextmanager
     def scope(self):
-        """Inside a traced function: the mesh (JAX's abstract-mesh context) and the activation
-        rules (Flax's logical-axis rules) that `constrain`, ring attention and the MoE
-        all-to-all read."""
+        """The mesh (JAX's abstract-mesh context) and the activation rules (Flax's logical-axis
+        rules) that `constrain`, ring attention and the MoE all-to-all read. Enter it inside the
+        traced function (as `train_step` does), not around a jitted call: Flax's rules are not
+        part of jit's cache key, so a cached trace would not see other rules."""
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), \
                 flax_spmd.logical_axis_rules(rule_pairs(self.rules["activations"])):
             yield

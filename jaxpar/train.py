@@ -47,7 +47,8 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
     """The learning rate of each update, from optax's count of updates already applied (0 for
     the first): update n = count + 1 warms up linearly to optimizer.lr at n = warmup_steps (the
     first update already moves, at lr / warmup_steps), then decays along a cosine to
-    lr * min_lr_ratio at n = train.steps."""
+    lr * min_lr_ratio at n = train.steps. With warmup_steps >= train.steps the run ends inside
+    the warm-up."""
     o = cfg.optimizer
     warmup = max(o.warmup_steps, 0)
     decay = max(cfg.train.steps - warmup, 1)
@@ -226,7 +227,7 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
             p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
         summed_grads = functools.partial(
             pipeline_lib.model_value_and_grad, abstract_model, schedule=pipeline_schedule,
-            mesh=mesh, loss_chunks=loss_chunks(cfg, sizes, rows=cfg.train.batch_size // p.microbatches))
+            mesh=mesh, axis_name=layout.rules["activations"]["layers"][0], loss_chunks=loss_chunks(cfg, sizes, rows=cfg.train.batch_size // p.microbatches))
     else:
         summed_grads = accumulated_grads
 
@@ -243,7 +244,8 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": aux["nll"] / count, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state["step"]), "tokens": count}
+                   "lr": schedule(state["step"] - state["skipped_steps"]),  # optax's count of updates
+                   "tokens": count}
         if "expert_load" in aux:
             accum = p.grad_accum
             metrics.update({k: aux[k] / accum for k in ("aux_loss", "z_loss", "dropped_fraction")})

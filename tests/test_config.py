@@ -441,3 +441,15 @@ def test_parse_cli_takes_only_the_first_argument_as_a_file():
     assert config.parse_cli(["run.yaml", "train.steps=3"]) == ("run.yaml", ["train.steps=3"])
     assert config.parse_cli(["train.steps=3"]) == (None, ["train.steps=3"])
     assert "other.yaml" in error_of(config.parse_cli, ["run.yaml", "other.yaml"])
+
+
+@pytest.mark.parametrize("override, want", [
+    ("optimizer.lr=0", "a positive learning rate"),
+    ("optimizer.warmup_steps=-1", "0 or more steps"),
+    ("optimizer.min_lr_ratio=1.5", "a ratio in [0, 1]"),
+    ("optimizer.b1=1.0", "a decay in [0, 1)"),
+    ("optimizer.b2=-0.1", "a decay in [0, 1)"),
+    ("optimizer.clip_norm=-1", "0 (off) or a positive norm"),
+])
+def test_optimizer_numbers_out_of_range_are_refused(override, want):
+    assert_names_all(validation_error(override), (override, want))

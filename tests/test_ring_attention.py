@@ -20,11 +20,12 @@ from jaxpar.parallel.ring_attention import (
     ring_attention,
     ring_attention_permuted,
 )
+from jaxpar.config import MESH_AXES
+from jaxpar.sharding import BASE_RULES
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 32, 4, 8
 TOLERANCE = 1e-5  # float32, relative to the largest reference value
-MESH_AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = BASE_RULES["batch"]
 
 
 def reference_attention(q, k, v, segment_ids, causal):

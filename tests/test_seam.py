@@ -102,3 +102,26 @@ def test_the_first_update_moves_and_the_schedule_ends_where_it_says():
     no_warmup = config_lib.load_config(None, ["optimizer.lr=0.1", "optimizer.warmup_steps=0",
                                               "train.steps=1000"])
     assert float(lr_schedule(no_warmup)(0)) == pytest.approx(0.1, rel=1e-4)
+
+
+def test_the_models_choices_are_the_configs():
+    """The model's remat policies and ring attention's layouts are the config's Literals."""
+    import typing
+
+    from jaxpar.config import ContextLayout, Remat
+    from jaxpar.models.llama import REMAT_POLICIES
+    from jaxpar.parallel.ring_attention import LAYOUT_CHUNKS
+
+    assert set(typing.get_args(Remat)) == {"none", *REMAT_POLICIES}
+    assert set(typing.get_args(ContextLayout)) == set(LAYOUT_CHUNKS)
+
+
+def test_every_axis_of_the_rules_is_a_mesh_axis():
+    from jaxpar.config import MESH_AXES
+    from jaxpar.sharding import BASE_RULES
+
+    for stage in (0, 3):
+        for sp in (False, True):
+            rules = make_rules(shard_embed=stage == 3, sequence_parallel=sp)
+            assert {a for axes in rules.values() for a in axes} <= set(MESH_AXES)
+    assert {a for axes in BASE_RULES.values() for a in axes} == set(MESH_AXES)

@@ -57,7 +57,7 @@ from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
 from jaxpar.models.loss import chunked_cross_entropy
-from jaxpar.sharding import constrain
+from jaxpar.sharding import BASE_RULES, constrain
 
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -177,7 +177,7 @@ class Attention(nnx.Module):
             mask = cache.causal_mask(q.shape[1])
             out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask)
         elif self.context_layout is not None:  # context parallel: the sequence is split over `context`
-            out = ring_attention_permuted(q, k, v, mesh=jax.sharding.get_abstract_mesh(),
+            out = ring_attention_permuted(q, k, v, axis_name=BASE_RULES["seq"][0],
                                           layout=self.context_layout, segment_ids=segment_ids)
         else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
             out = attend(q, k, v, segment_ids, implementation=attention_kernel(self.cfg),
@@ -369,8 +369,8 @@ class Transformer(nnx.Module):
 
     def loss(self, batch: dict, *, chunks: int):
         """The whole model on a batch (inputs, targets, positions, segment_ids, loss_mask):
-        (summed NLL, token count, MoE statistics stacked over layers or {}). Never holds every
-        logit at once."""
+        (summed NLL, token count, MoE statistics stacked over layers or {}). The logits exist
+        for seq / chunks positions at a time (all of them when chunks = 1)."""
         x, stats = self.apply_blocks(self.embed(batch["inputs"]), batch["positions"],
                                      batch["segment_ids"])
         own = self.head_params({"final_norm": nnx.to_pure_dict(nnx.state(self.final_norm)),
