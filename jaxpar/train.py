@@ -381,14 +381,35 @@ def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> 
 
 
 def _keep_metrics_until(run_dir: str, step: int) -> None:
-    """On resume, drop metrics.jsonl lines of steps after the checkpoint (they are rerun)."""
+    """On resume, drop metrics.jsonl lines of steps after the checkpoint (they are rerun).
+
+    A line that does not parse (what a crash in the middle of a write leaves, normally the last)
+    is dropped with a warning instead of stopping the resume. The file is rewritten atomically:
+    a crash here leaves either the old file or the new one."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return
+    kept, garbled = [], []
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                keep = record["step"] <= step
+            except (json.JSONDecodeError, KeyError, TypeError):
+                garbled.append(number)
+                continue
+            if keep:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if garbled:
+        print(f"warning: {path}: dropped {len(garbled)} unreadable line(s) ({', '.join(map(str, garbled[:5]))}"
+              f"{', ...' if len(garbled) > 5 else ''}), e.g. a write cut short by a crash",
+              file=sys.stderr)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def train(cfg: Config, sizes: dict[str, int]) -> dict:

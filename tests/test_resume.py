@@ -148,3 +148,18 @@ def test_a_second_sigint_stops_at_once():
             os.kill(os.getpid(), signal.SIGINT)  # the second interrupts
             time.sleep(0.1)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_resume_drops_a_truncated_metrics_line_and_says_so(tmp_path, capsys):
+    """A crash in the middle of a metrics write leaves half a JSON line; resuming keeps the
+    readable lines up to the checkpoint and warns about the rest."""
+    from jaxpar.train import _keep_metrics_until
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n'
+                    '{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
+    _keep_metrics_until(str(tmp_path), 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    err = capsys.readouterr().err
+    assert "dropped 1 unreadable line(s) (4)" in err and str(path) in err
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
