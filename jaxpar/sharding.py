@@ -100,11 +100,6 @@ def state_rules(zero_stage: int, sequence_parallel: bool) -> dict[str, Rules]:
     }
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batch rows over (data, fsdp, expert); the sequence stays whole (the model splits it)."""
-    return NamedSharding(mesh, logical_to_spec(("batch", None), BASE_RULES, mesh))
-
-
 def opt_state_shardings(opt_state_shape: Any, params_logical: Any, mesh: Mesh, rules: Rules) -> Any:
     """Optimizer state leaves shaped like a parameter take its sharding; scalars are replicated.
 
@@ -149,6 +144,13 @@ def active_rules() -> Rules:
     return rules
 
 
+def current_scope() -> tuple[Any, Rules] | None:
+    """(the current abstract mesh, the active rules) inside a scope that set both (as
+    `Layout.scope` does); None when either context is missing."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), active_rules()
+    return None if mesh.empty or not rules else (mesh, rules)
+
+
 def _free_auto_axes(mesh) -> set[str]:
     """Axes a sharding constraint may name: Auto axes of size > 1 (not Manual inside a
     shard_map, not Explicit, whose arrays carry their sharding in their type)."""
@@ -159,9 +161,10 @@ def _free_auto_axes(mesh) -> set[str]:
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """`with_sharding_constraint` of x by logical names under the current mesh and rules (only
     its Auto axes); x as it is when either context is missing."""
-    mesh, rules = jax.sharding.get_abstract_mesh(), active_rules()
-    if mesh.empty or not rules or AxisType.Auto not in mesh.axis_types:
+    scope = current_scope()
+    if scope is None or AxisType.Auto not in scope[0].axis_types:
         return x  # no mesh, no rules, or only Explicit / Manual axes: nothing to constrain
+    mesh, rules = scope
     free = _free_auto_axes(mesh)
     usable = {name: tuple(a for a in axes if a in free) for name, axes in rules.items()}
     # A spec of Nones still says something: "whole on every device" (e.g. gather a ZeRO-3

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxpar.sharding import active_rules, constrain, logical_to_spec
+from jaxpar.sharding import constrain, current_scope, logical_to_spec
 
 # Documents described per row on the cuDNN path when the caller does not say. The softmax
 # statistics cost 4*B*M*N*T bytes per layer (for B=12, T=1024, N=12: 9.4 MB at M=16).
@@ -216,9 +216,10 @@ def _check_cudnn(q, k):
 def _local_shape(shape, names):
     """The per-device shape of an activation with these logical names under the current mesh
     and rules (`jaxpar.sharding.constrain`'s contexts); the whole shape outside them."""
-    mesh, rules = jax.sharding.get_abstract_mesh(), active_rules()
-    if mesh.empty or not rules:
+    scope = current_scope()
+    if scope is None:
         return tuple(shape)
+    mesh, rules = scope
     return NamedSharding(mesh, logical_to_spec(names, rules, mesh)).shard_shape(tuple(shape))
 
 

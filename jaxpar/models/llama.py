@@ -373,9 +373,7 @@ class Transformer(nnx.Module):
         for seq / chunks positions at a time (all of them when chunks = 1)."""
         x, stats = self.apply_blocks(self.embed(batch["inputs"]), batch["positions"],
                                      batch["segment_ids"])
-        own = self.head_params({"final_norm": nnx.to_pure_dict(nnx.state(self.final_norm)),
-                                "embedding": self.embedding[...],
-                                "lm_head": None if self.cfg.tie_embeddings else self.lm_head[...]})
+        own = self.head_params(nnx.to_pure_dict(nnx.state(self)))
         nll, count = self.head_loss(own, x, batch["targets"], batch["loss_mask"], chunks=chunks)
         return nll, count, stats
 
