@@ -53,7 +53,7 @@ PARAMS_ITEM = "params"  # state["params"]
 REST_ITEM = "train_state"  # every other entry: opt_state, step, skipped_steps, first_bad_step
 DATA_ITEM = "data"  # JSON: {"step": int, "data": the data iterator's state}
 MANIFEST = "jaxpar_manifest.json"
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's temporary directory, renamed on commit
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's temporary directory, renamed on commit
 _CHUNK = 16 << 20
 
 
@@ -68,6 +68,20 @@ class CheckpointWarning(UserWarning):
 def checkpoint_dir(run_dir: str) -> str:
     """Where a run keeps its checkpoints: `<run_dir>/checkpoints`."""
     return os.path.join(os.path.abspath(run_dir), "checkpoints")
+
+
+def list_steps(directory: str) -> tuple[list[int], list[int]]:
+    """(committed steps, steps whose save never committed) in a checkpoint directory, oldest
+    first, read from the directory names alone (orbax renames `<step>.orbax-checkpoint-tmp...`
+    to `<step>` on commit)."""
+    if not os.path.isdir(directory):
+        return [], []
+    names = os.listdir(directory)
+    committed = sorted(int(n) for n in names
+                       if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+    pattern = re.compile(r"^(\d+)" + re.escape(TMP_SUFFIX))
+    unfinished = sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
+    return committed, unfinished
 
 
 # --- Manifests ------------------------------------------------------------------------------
@@ -167,13 +181,14 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, *, keep: int = 3, every: int = 0, read_only: bool = False,
-                 checksums: bool = True):
+                 checksums: bool = True, verified: dict[int, str | None] | None = None):
         self.directory = os.path.abspath(directory)
         self.every = every
         self.checksums = checksums
         self._pending_step: int | None = None  # the save orbax is writing now (one at a time)
         self._saved: set[int] = set()  # steps this process saved
-        self._problems: dict[int, str | None] = {}  # verified steps -> problem (None: intact)
+        # Verified steps -> problem (None: intact); `verified` passes on checks already made.
+        self._problems: dict[int, str | None] = dict(verified or {})
         # Temporary directories of saves that never committed (killed runs); orbax removes them
         # when the manager opens, so they are noted first, for the warnings.
         self._unfinished = self._find_unfinished()
@@ -230,7 +245,7 @@ class Checkpointer:
         step = self._pending_step
         if step is None or jax.process_index() != 0:
             return
-        tmp = sorted(glob.glob(os.path.join(self.directory, f"{step}{_TMP_SUFFIX}*")),
+        tmp = sorted(glob.glob(os.path.join(self.directory, f"{step}{TMP_SUFFIX}*")),
                      key=os.path.getmtime)
         step_dir = tmp[-1] if tmp else os.path.join(self.directory, str(step))
         if os.path.isdir(step_dir):  # else `_finish_pending` writes it after the commit
@@ -282,12 +297,25 @@ class Checkpointer:
                           "falling back to the previous one", CheckpointWarning, stacklevel=2)
         return None
 
+    def latest_intact_step(self) -> int | None:
+        """The newest committed checkpoint that matches its manifest, from the directory alone
+        (no waiting for a save in flight, no warnings): what a report after a failure names."""
+        for step in reversed(list_steps(self.directory)[0]):
+            if step not in self._problems:
+                self._problems[step] = manifest_problem(
+                    os.path.join(self.directory, str(step)), self.checksums)
+            if self._problems[step] is None:
+                return step
+        return None
+
     def _find_unfinished(self) -> list[int]:
-        if not os.path.isdir(self.directory):
-            return []
-        pattern = re.compile(r"^(\d+)" + re.escape(_TMP_SUFFIX))
-        return sorted({int(m.group(1)) for name in os.listdir(self.directory)
-                       if (m := pattern.match(name))})
+        return list_steps(self.directory)[1]
+
+    def data_state(self, step: int) -> Any:
+        """What `save` stored beside the arrays of checkpoint `step` (the data iterator's state
+        and the run's data settings); reads that small JSON item only."""
+        return self._manager.restore(step, args=ocp.args.Composite(
+            **{DATA_ITEM: ocp.args.JsonRestore()}))[DATA_ITEM]["data"]
 
     def check_shapes(self, step: int, state_shape: dict) -> None:
         """Raises `CheckpointMismatchError` unless checkpoint `step` holds exactly the arrays of

@@ -25,6 +25,7 @@ import difflib
 import glob
 import math
 import os
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ ContextLayout = Literal["zigzag", "contiguous"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 ZeroStage = Literal[0, 1, 2, 3]
 DataFormat = Literal["auto", "text", "jsonl"]
+DataErrors = Literal["strict", "replace", "skip"]
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
 
@@ -117,6 +119,10 @@ class DataConfig:
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
     max_documents: int | None = None  # read at most this many documents (None = all)
     shuffle: bool = True  # shuffle the packed sequences with train.seed (a new order every epoch)
+    # A document that is not text (invalid UTF-8, NUL bytes, a JSONL text that is null or not a
+    # string): strict stops naming the file and line; replace turns bad bytes into U+FFFD and
+    # leaves the rest out; skip leaves the document out. Both say how many in a warning.
+    errors: DataErrors = "strict"  # strict | replace | skip (see above)
 
 
 @dataclass
@@ -297,6 +303,8 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"{key}: '{part}' is a value, not a section")
+    if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+        return  # an empty section={} adds nothing to what is already set
     node[parts[-1]] = value
 
 
@@ -308,6 +316,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def load_yaml(path: str) -> dict:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file '{path}' is a directory; give a YAML file, e.g. configs/tiny.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"config file '{path}' does not exist")
     try:
@@ -333,8 +343,23 @@ def parse_overrides(overrides: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override '{item}': value does not parse: {e}") from None
-        _set_dotted(tree, key.strip(), _Override(raw, value))
+        if isinstance(value, dict):  # section={key: value, ...}: merged key by key, in order
+            _set_mapping(tree, key.strip(), value)
+        else:
+            _set_dotted(tree, key.strip(), _Override(raw, value))
     return tree
+
+
+def _set_mapping(tree: dict, key: str, mapping: dict) -> None:
+    """`train={steps: 5}` sets train.steps like `train.steps=5` would, keeping the other train.*
+    overrides given before or after it (the values are typed as in a YAML file)."""
+    if not mapping:
+        _set_dotted(tree, key, {})
+    for name, value in mapping.items():
+        if isinstance(value, dict):
+            _set_mapping(tree, f"{key}.{name}", value)
+        else:
+            _set_dotted(tree, f"{key}.{name}", value)
 
 
 def user_settings(path: str | None = None, overrides: list[str] = ()) -> dict:
@@ -360,6 +385,18 @@ def fit_default_mesh(num_devices: int) -> MeshConfig:
     default = MeshConfig()
     size = default.data * default.fsdp * default.tensor
     return default if num_devices == size else MeshConfig(data=num_devices, fsdp=1, tensor=1)
+
+
+def resolve_paths(cfg: Config) -> Config:
+    """The config with its file paths made absolute (data.source, data.tokenizer, train.run_dir),
+    as the run's config.yaml stores them: `sample`, `export` or a reused config then find the
+    same files from any directory."""
+    d, t = cfg.data, cfg.train
+    absolute = lambda path: os.path.abspath(os.path.expanduser(path))  # noqa: E731
+    data = dataclasses.replace(
+        d, source=d.source if d.source == "stdlib" else absolute(d.source),
+        tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer))
+    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(t, run_dir=absolute(t.run_dir)))
 
 
 def to_dict(cfg: Config) -> dict:
@@ -429,8 +466,12 @@ def _require_divides(axis_key: str, axis: int, dim_key: str, dim: int) -> None:
 
 def data_files(data: DataConfig) -> list[str]:
     """The files a non-stdlib source names (a path or a glob), sorted; error if there are none."""
-    files = sorted(p for p in glob.glob(os.path.expanduser(data.source), recursive=True)
-                   if os.path.isfile(p))
+    source = os.path.expanduser(data.source)
+    if os.path.isdir(source):
+        raise ConfigError(
+            f"data.source='{data.source}' is a directory; name its files with a glob, e.g. "
+            f"data.source='{os.path.join(data.source, '*.txt')}' or '{os.path.join(data.source, '**', '*.jsonl')}'")
+    files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
     if not files:
         raise ConfigError(f"data.source='{data.source}': no such file (or nothing matches the glob)")
     return files
@@ -486,10 +527,48 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
             raise ConfigError(f"{key} with mesh.pipe={p}: {why}")
 
 
+INT32_MAX = 2**31 - 1  # the train state's step counters are int32
+
+
+def validate_runtime(cfg: Config) -> None:
+    """What must hold before the backend starts (`jaxpar.mesh.emulate_cpu_devices` uses it)."""
+    check_types(cfg.runtime, "runtime.")
+    if cfg.runtime.cpu_devices < 1:
+        raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices}: must be at least 1 "
+                          "(1 = a plain single-device run; 8 emulates the default mesh)")
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """`path` (the setting `key`) is a directory this process can write, or can be created:
+    checked by writing (and removing) a probe file, since permission bits do not show read-only
+    mounts (nor what root may do)."""
+    path_abs = os.path.abspath(os.path.expanduser(path))
+    existing = path_abs
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is a file" if existing == path_abs else f"is under '{existing}', which is a file"
+        raise ConfigError(f"{key}='{path}' {what}; give a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".jaxpar-write-probe-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        where = "" if existing == path_abs else f" (it would be created in '{existing}')"
+        raise ConfigError(f"{key}='{path}' is not writable{where}: {e.strerror}; "
+                          "choose a directory you can write") from None
+
+
+def check_run_dir(run_dir: str) -> None:
+    """train.run_dir is a directory this process can write, or can be created."""
+    check_writable_dir(run_dir, "train.run_dir")
+
+
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     """Checks the whole config against itself and the device count; returns the mesh sizes."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     check_types(cfg)  # the Literal choices included: the annotations are their only list
+    validate_runtime(cfg)
     sizes = resolve_mesh(cfg.mesh, num_devices)
 
     if m.attention == "cudnn" and m.dtype == "float32":
@@ -497,11 +576,17 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
                           "model.dtype=float32; use model.dtype=bfloat16, or attention auto or xla")
     if t.resume not in ("auto", "never") and not t.resume.isdigit():
         raise ConfigError(f"train.resume={t.resume!r}: use auto, never, or a checkpoint step number")
+    if t.steps > INT32_MAX:
+        raise ConfigError(f"train.steps={t.steps} is beyond the int32 step counter; use at most {INT32_MAX}")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"train.seed={t.seed}: use a seed in [0, 2**32) = [0, {2**32 - 1}]")
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: use 0 (never) or a step count")
     o = cfg.optimizer
     for key, value, ok, want in [
-        ("optimizer.lr", o.lr, o.lr > 0, "a positive learning rate"),
+        ("optimizer.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "a positive, finite learning rate"),
+        ("optimizer.eps", o.eps, o.eps > 0 and math.isfinite(o.eps), "a small positive number"),
+        ("optimizer.weight_decay", o.weight_decay, 0 <= o.weight_decay < math.inf, "0 or more"),
         ("optimizer.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, "0 or more steps"),
         ("optimizer.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "a ratio in [0, 1]"),
         ("optimizer.b1", o.b1, 0 <= o.b1 < 1, "a decay in [0, 1)"),

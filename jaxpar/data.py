@@ -63,7 +63,12 @@ class HFTokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"data.tokenizer='{path}' is not a readable tokenizer.json ({first}); "
+                              "give a Hugging Face tokenizer.json, or 'byte'") from None
         self.vocab_size = self._tok.get_vocab_size()
         eod = self._tok.token_to_id(EOD_TOKEN)
         if eod is None:
@@ -89,34 +94,80 @@ def stdlib_files() -> list[str]:
     return sorted(str(p) for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+class _Skipped:
+    """Counts the documents data.errors=replace/skip changed or left out, for one warning."""
+
+    def __init__(self):
+        self.replaced: list[str] = []
+        self.skipped: list[str] = []
+
+    def warn(self, errors: str) -> None:
+        for what, places in (("read with U+FFFD for invalid bytes", self.replaced),
+                             ("left out", self.skipped)):
+            if places:
+                shown = ", ".join(places[:3]) + (", ..." if len(places) > 3 else "")
+                print(f"warning: data.errors={errors}: {len(places)} document(s) {what} ({shown})",
+                      file=sys.stderr)
+
+
+def _text(raw: bytes, path: str, line: int | None, errors: str, skipped: _Skipped) -> str | None:
+    """`raw` (a whole file, or JSONL line `line`) as text under data.errors; None when the
+    document is left out. Errors name the file and line."""
+    if b"\0" in raw:
+        where = path if line is None else f"{path}:{line}"
+        problem = "holds NUL bytes (a binary file?)"
+    else:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            where = f"{path}:{line if line is not None else raw[:e.start].count(b'\n') + 1}"
+            problem = f"is not valid UTF-8 (byte {raw[e.start:e.start + 1]!r})"
+    if errors == "strict":
+        raise ConfigError(f"{where} {problem}; fix or remove it, or set data.errors=replace "
+                          "(bad bytes become U+FFFD) or data.errors=skip (leave such documents out)")
+    if errors == "skip" or b"\0" in raw:  # NUL bytes are no text to repair: left out either way
+        skipped.skipped.append(where)
+        return None
+    skipped.replaced.append(where)
+    return raw.decode("utf-8", errors="replace")
 
 
 def read_documents(cfg: DataConfig) -> list[str]:
-    """The source's documents, in a fixed order (sorted file names, then line order)."""
+    """The source's documents, in a fixed order (sorted file names, then line order). A document
+    that is not text is handled as data.errors says."""
     if cfg.source == "stdlib":
         files, fmt = stdlib_files(), "text"
     else:
         files = data_files(cfg)
         fmt = cfg.format
     docs: list[str] = []
+    skipped = _Skipped()
+    errors = cfg.errors
     for path in files:
         kind = fmt if fmt != "auto" else ("jsonl" if path.endswith((".jsonl", ".json")) else "text")
-        if kind == "text":
-            docs.append(_read(path))
+        with open(path, "rb") as f:
+            raw = f.read()
+        if cfg.source == "stdlib":  # a few stdlib files are Latin-1 on purpose: taken as they are
+            docs.append(raw.decode("utf-8", errors="replace"))
+        elif kind == "text":
+            text = _text(raw, path, None, errors, skipped)
+            docs += [] if text is None else [text]
         else:
-            docs += _jsonl_texts(path, cfg.text_field)
+            docs += _jsonl_texts(raw, path, cfg.text_field, errors, skipped)
         if cfg.max_documents is not None and len(docs) >= cfg.max_documents:
-            return docs[: cfg.max_documents]
+            docs = docs[: cfg.max_documents]
+            break
+    skipped.warn(errors)
     return docs
 
 
-def _jsonl_texts(path: str, field: str) -> list[str]:
+def _jsonl_texts(raw: bytes, path: str, field: str, errors: str, skipped: _Skipped) -> list[str]:
     texts = []
-    for n, line in enumerate(_read(path).splitlines(), 1):
-        if not line.strip():
+    for n, line_bytes in enumerate(raw.split(b"\n"), 1):
+        if not line_bytes.strip():
+            continue
+        line = _text(line_bytes, path, n, errors, skipped)
+        if line is None:
             continue
         try:
             record = json.loads(line)
@@ -126,7 +177,15 @@ def _jsonl_texts(path: str, field: str) -> list[str]:
             raise ConfigError(f"{path}:{n} is not a JSON object (one document per line, in '{field}')")
         if field not in record:
             raise ConfigError(f"{path}:{n} has no field '{field}' (data.text_field); it has {sorted(record)}")
-        texts.append(str(record[field]))
+        text = record[field]
+        if not isinstance(text, str):
+            if errors == "strict":
+                raise ConfigError(
+                    f"{path}:{n}: '{field}' (data.text_field) is {json.dumps(text)[:40]}, not a "
+                    "string; fix the line, or set data.errors=skip to leave such records out")
+            skipped.skipped.append(f"{path}:{n}")
+            continue
+        texts.append(text)
     return texts
 
 
@@ -240,9 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--source", default="stdlib", help="stdlib, or a path/glob of .txt/.jsonl")
     train.add_argument("--text-field", default="text")
     train.add_argument("--max-documents", type=int, default=None)
+    train.add_argument("--errors", default="strict", choices=["strict", "replace", "skip"],
+                       help="a document that is not text: stop, replace bad bytes, or skip it")
     args = parser.parse_args(argv)
-    cfg = DataConfig(source=args.source, text_field=args.text_field, max_documents=args.max_documents)
     try:
+        if args.vocab_size < 258:
+            raise ConfigError(f"--vocab-size={args.vocab_size}: a byte-level BPE needs at least 258 "
+                              "(256 bytes, the end-of-document token, one merge); e.g. 4096")
+        if args.max_documents is not None and args.max_documents < 1:
+            raise ConfigError(f"--max-documents={args.max_documents}: must be at least 1")
+        cfg = DataConfig(source=args.source, text_field=args.text_field,
+                         max_documents=args.max_documents, errors=args.errors)
         docs = read_documents(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
     try:
+        from jaxpar.config import check_writable_dir
+
+        check_writable_dir(args.out, "--out")  # before the checkpoint is read
+        if args.max_shard_bytes < 1:
+            raise ConfigError(f"--max-shard-bytes={args.max_shard_bytes}: must be at least 1")
         summary = export(args.run_dir, args.out, args.max_shard_bytes, args.step)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -61,7 +61,9 @@ def device_memory_bytes(device: jax.Device) -> int | None:
 class MetricsWriter:
     """One JSON object per logged step in metrics.jsonl, TensorBoard scalars, and a loss plot."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, purge_after: int = 0):
+        """`purge_after`: the step the run resumed from; TensorBoard hides the earlier session's
+        events of later steps (they are rerun), as metrics.jsonl drops its lines."""
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -71,13 +73,18 @@ class MetricsWriter:
         except ImportError:
             warnings.warn("tensorboardX is not installed: no TensorBoard event files", stacklevel=2)
         else:
-            self._tb = SummaryWriter(run_dir)
+            self._tb = SummaryWriter(run_dir, purge_step=purge_after + 1 if purge_after else None)
         self.steps: list[int] = []  # the whole run's curve, earlier sessions' records included
         self.losses: list[float] = []
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for record in map(json.loads, filter(str.strip, f)):
-                self.steps.append(record["step"])
-                self.losses.append(record["loss"])
+            for line in filter(str.strip, f):
+                try:
+                    record = json.loads(line)
+                    step, loss = record["step"], record["loss"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a crash (resuming drops it, with a warning)
+                self.steps.append(step)
+                self.losses.append(loss)
 
     def write(self, record: dict) -> None:
         self._jsonl.write(json.dumps(record) + "\n")

@@ -147,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
     try:
+        for flag, value, ok, want in [
+            ("--max-tokens", args.max_tokens, args.max_tokens >= 1, "at least 1"),
+            ("--temperature", args.temperature, args.temperature >= 0, "0 (greedy) or more"),
+            ("--top-k", args.top_k, args.top_k is None or args.top_k >= 1, "at least 1"),
+        ]:
+            if not ok:
+                raise ConfigError(f"{flag}={value}: must be {want}")
         cfg = run_config(args.run_dir)
         tokenizer = make_tokenizer(cfg.data)
         prompt_ids = tokenizer.encode(args.prompt)

@@ -7,10 +7,20 @@ everything up to the compiled step and is shared with `python -m jaxpar.inspect`
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a Ctrl-C while the imports below load stops quietly, exit 130
+    import os as _os
+    import signal as _signal
+
+    _signal.signal(_signal.SIGINT, lambda *_: (_os.write(2, b"interrupted during start-up\n"),
+                                               _os._exit(130)))
+
 import dataclasses
+import errno
 import functools
 import json
+import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -28,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar import checkpoint as checkpoint_lib
 from jaxpar import config as config_lib
 from jaxpar import metrics as metrics_lib
+from jaxpar import rundir as rundir_lib
 from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import emulate_cpu_devices, start_distributed
@@ -305,15 +316,23 @@ def make_data(cfg: Config):
 
 
 class Preemption:
-    """SIGTERM or SIGINT asks the loop to stop after the current step and checkpoint; a second
-    SIGINT stops at once."""
+    """SIGTERM or SIGINT asks the run to stop: during start-up before the first step (nothing is
+    written), in the loop after the current step, with a checkpoint. A second SIGINT stops at
+    once: with `exit_at_once` (the command line) the process exits 130 on the spot, without
+    unwinding (a crash-free stop even inside a compile or a save; the last committed checkpoint
+    is intact), otherwise KeyboardInterrupt is raised."""
 
-    def __init__(self):
+    def __init__(self, exit_at_once: bool = False):
         self.requested: str | None = None
+        self.exit_at_once = exit_at_once
         self._previous = {}
 
     def _handle(self, signum, frame):
         if self.requested is not None and signum == signal.SIGINT:
+            if self.exit_at_once:
+                os.write(2, b"\ninterrupted again: stopped at once, without a checkpoint (the last "
+                            b"complete one is intact)\n")
+                os._exit(130)
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
 
@@ -337,22 +356,78 @@ class Preemption:
         anyone = multihost_utils.process_allgather(np.int32(self.requested is not None)).any()
         return (self.requested or "SIGTERM (on another process)") if anyone else None
 
+    def check_startup(self, before_step: int) -> None:
+        """Raises `Interrupted` if a stop was asked for during start-up (on any process: every
+        process passes the same checks in the same order)."""
+        if (signame := self.agreed()) is not None:
+            raise Interrupted(signame, before_step)
+
+
+class Interrupted(Exception):
+    """A signal stopped the run during start-up, before its first step: nothing was trained."""
+
+    def __init__(self, signame: str, before_step: int):
+        super().__init__(f"stopped by {signame} during start-up, before step {before_step}: "
+                         f"nothing trained or saved; run the same command to start again")
+        self.signame = signame
+
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite (train.on_nan=stop)."""
 
 
-def _resume_step(cfg: Config, ckpt: checkpoint_lib.Checkpointer) -> int | None:
-    if cfg.train.resume == "never":
-        return None
-    if cfg.train.resume == "auto":
-        return ckpt.latest_valid_step()
-    step = int(cfg.train.resume)
-    problem = ckpt.problem(step)
-    if problem is not None:
-        raise ConfigError(f"train.resume={step}: that checkpoint cannot be used ({problem}); "
-                          f"complete checkpoints: {[s for s in ckpt.all_steps() if ckpt.problem(s) is None]}")
-    return step
+class DiskFull(RuntimeError):
+    """No space left where the run writes; the message is one line that says what to do."""
+
+
+def _no_space(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) is ENOSPC: an OSError, or the message orbax's writers
+    (tensorstore) pass on from the file system."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(error) or "os_error_code='28'" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class _DropNoSpace(logging.Filter):
+    """Orbax's background threads log a disk-full write failure as several pages of tracebacks;
+    the run reports it in one line instead (DiskFull)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
+        return not ("No space left on device" in text or "os_error_code='28'" in text)
+
+
+def _megabytes(n: float) -> str:
+    return f"{n / 2**20:,.1f} MB"
+
+
+def _on_main(fn, what: str):
+    """Runs `fn` (an int or None, or a ConfigError) on process 0 only; every process returns its
+    outcome: the run directory is decided once, by the process that writes its files."""
+    result = error = None
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+        except ConfigError as e:
+            error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        code = -2 if error is not None else (-1 if result is None else int(result))
+        code = int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+        if jax.process_index() != 0:
+            if code == -2:
+                raise ConfigError(f"{what}: process 0 refused it (its output says why)")
+            result = None if code == -1 else code
+    if error is not None:
+        raise error
+    return result
 
 
 def _data_iterator(dataset, data_state: dict | None, start: int):
@@ -412,95 +487,198 @@ def _keep_metrics_until(run_dir: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-def train(cfg: Config, sizes: dict[str, int]) -> dict:
-    """Runs training (resuming from run_dir's checkpoints); returns a summary. Writes config.yaml,
-    metrics.jsonl, TensorBoard events, loss.png and checkpoints into train.run_dir."""
+def _check_data_position(cfg: Config, saved: dict | None, step: int) -> None:
+    """The data position saved with checkpoint `step` (a count of global batches) means the same
+    sequences only with the same batch size and sequence length: refuse a resume that changes
+    them. (Checkpoints from before these were saved carry neither and are not checked.)"""
     t = cfg.train
-    dataset = make_data(cfg)  # before compiling: data errors are config errors
-    trainer = build_trainer(cfg, sizes)
-    ckpt = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_dir(t.run_dir),
-                                       keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
-    start, data_state = 0, None
-    resume = _resume_step(cfg, ckpt)
-    is_main = jax.process_index() == 0
-    if resume is not None:  # any mesh: restored onto this run's shardings
-        state, data_state, start = ckpt.restore(trainer.state_shape, trainer.state_shardings, step=resume)
-        if is_main:
-            _keep_metrics_until(t.run_dir, start)
-            print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
-    else:
-        state = trainer.init()
-    os.makedirs(t.run_dir, exist_ok=True)
-    config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
+    for key, now in (("batch_size", t.batch_size), ("seq_len", t.seq_len)):
+        was = (saved or {}).get(key)
+        if was is not None and was != now:
+            raise ConfigError(
+                f"train.{key}={now}, but checkpoint step {step} was written with train.{key}="
+                f"{was}: its data position (the first {step} global batches) would no longer name "
+                f"the same data; resume with train.{key}={was}, or start a new run (another "
+                f"train.run_dir, or train.resume=never)")
 
+
+def _checkpoint_bytes(ckpt: checkpoint_lib.Checkpointer, state_shape) -> int:
+    """What one more checkpoint takes on disk: the newest committed one's size, else the train
+    state's bytes (an upper bound: orbax may compress)."""
+    for step in reversed(ckpt.all_steps()):
+        root = os.path.join(ckpt.directory, str(step))
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state_shape))
+
+
+def _disk_full(ckpt, trainer, run_dir: str, at: int | None = None) -> DiskFull:
+    """The one-line report of a full disk: where, how much a checkpoint needs, what is intact."""
+    if ckpt is None:
+        return DiskFull(f"no space left on the device of {run_dir}; free some space and run the "
+                        f"same command again")
+    needed = _checkpoint_bytes(ckpt, trainer.state_shape)
+    free = shutil.disk_usage(ckpt.directory).free
+    intact = ckpt.latest_intact_step()
+    kept = (f"the previous checkpoint (step {intact}) is intact" if intact is not None
+            else "no checkpoint was complete yet")
+    what = "a checkpoint" if at is None else f"checkpoint step {at}"
+    return DiskFull(f"no space left on the device of {ckpt.directory}: {what} needs about "
+                    f"{_megabytes(needed)}, {_megabytes(free)} is free; {kept}; free some space "
+                    f"and run the same command to resume")
+
+
+def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = None) -> dict:
+    """Runs training (resuming from run_dir's checkpoints); returns a summary. Writes config.yaml,
+    metrics.jsonl, TensorBoard events, loss.png and checkpoints into train.run_dir, whose rules
+    (one run's history, one run at a time) are jaxpar.rundir's. `preemption`: the signal handler
+    the caller installed (the CLI, from its first moment); by default one is installed here."""
+    if preemption is None:
+        with Preemption() as preemption:
+            return train(cfg, sizes, preemption)
+    cfg = config_lib.resolve_paths(cfg)  # config.yaml stores absolute paths
+    t = cfg.train
+    config_lib.check_run_dir(t.run_dir)
+    dataset = make_data(cfg)  # before compiling: data errors are config errors
+    preemption.check_startup(1)
+    trainer = build_trainer(cfg, sizes)
+    preemption.check_startup(1)
+    is_main = jax.process_index() == 0
+    lock = rundir_lib.RunLock(t.run_dir)
+    ckpt = None
+    no_space_filter = _DropNoSpace()
+    logging.getLogger("absl").addFilter(no_space_filter)
+    try:
+        _on_main(lock.acquire, f"train.run_dir={t.run_dir}")
+
+        def decide() -> int | None:
+            history = rundir_lib.survey(t.run_dir)
+            start = rundir_lib.plan(t.resume, history, lambda step: checkpoint_lib.manifest_problem(
+                os.path.join(checkpoint_lib.checkpoint_dir(t.run_dir), str(step))))
+            if start.step is not None:  # refused before anything is moved
+                reader = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_dir(t.run_dir),
+                                                     read_only=True, verified={start.step: None})
+                try:
+                    _check_data_position(cfg, reader.data_state(start.step), start.step)
+                finally:
+                    reader.close()
+            if (aside := rundir_lib.set_aside(t.run_dir, start)) is not None:
+                what = ("the earlier run's files" if start.step is None else
+                        f"the checkpoints after step {start.step} (and a copy of metrics.jsonl)")
+                print(f"train.resume={t.resume}: moved {what} into {aside}", file=sys.stderr)
+            return start.step
+
+        resume = _on_main(decide, f"train.run_dir={t.run_dir}")
+        ckpt = checkpoint_lib.Checkpointer(
+            checkpoint_lib.checkpoint_dir(t.run_dir), keep=cfg.checkpoint.keep,
+            every=cfg.checkpoint.every, verified={} if resume is None else {resume: None})
+        start, data_state = 0, None
+        if resume is not None:  # any mesh: restored onto this run's shardings
+            state, data_state, start = ckpt.restore(trainer.state_shape, trainer.state_shardings, step=resume)
+            if is_main:
+                _keep_metrics_until(t.run_dir, start)
+                print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
+        else:
+            state = trainer.init()
+        preemption.check_startup(start + 1)
+        if is_main:
+            config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
+        return _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption)
+    except Exception as e:
+        if _no_space(e) and not isinstance(e, DiskFull):
+            raise _disk_full(ckpt, trainer, t.run_dir) from None
+        raise
+    finally:
+        if ckpt is not None:
+            try:
+                ckpt.close()
+            except Exception as e:  # a failed save surfaces here too: report it once, as above
+                if sys.exc_info()[1] is None:  # (not while another error is on its way out)
+                    if _no_space(e):
+                        raise _disk_full(ckpt, trainer, t.run_dir) from None
+                    raise
+        if is_main:  # no collective here: this also runs when only this process failed
+            lock.release()
+        logging.getLogger("absl").removeFilter(no_space_filter)
+
+
+def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state, start: int,
+          preemption: Preemption) -> dict:
+    """Steps from `start` to train.steps: log, save, stop on a signal. Returns the summary."""
+    t = cfg.train
+    is_main = jax.process_index() == 0
     devices = list(trainer.mesh.devices.flat)
     flops_tok = metrics_lib.flops_per_token(cfg.model, t.seq_len)
     tokens_per_step = t.batch_size * t.seq_len
-    writer = metrics_lib.MetricsWriter(t.run_dir) if is_main else None
-    progress = metrics_lib.Progress(t.steps, initial=start, enabled=is_main and t.progress)
     iterator = _data_iterator(dataset, data_state, start)
     clock = time.perf_counter()
     first_loss = last_loss = compile_s = window_start = None
     window_steps, step, stopped_by, skipped_steps = 0, start, None, 0
 
     def save(at: int, state, force: bool = False) -> None:
+        if not (force or ckpt.should_save(at)):
+            return
+        # Checked before the save starts: orbax's own failure would come later, from a
+        # background thread (the previous checkpoint intact, but pages of tracebacks).
+        if shutil.disk_usage(ckpt.directory).free < _checkpoint_bytes(ckpt, trainer.state_shape):
+            raise _disk_full(ckpt, trainer, t.run_dir, at)
         data = {"grain": iterator.get_state(), "process_count": jax.process_count(),
-                "seed": t.seed}  # training draws no random numbers: the seed fixes init and data
+                "seed": t.seed,  # training draws no random numbers: the seed fixes init and data
+                "batch_size": t.batch_size, "seq_len": t.seq_len}  # what the data position means
         ckpt.save(at, state, data, force=force)
 
+    writer = metrics_lib.MetricsWriter(t.run_dir, purge_after=start) if is_main else None
+    progress = metrics_lib.Progress(t.steps, initial=start, enabled=is_main and t.progress)
     try:
-        with Preemption() as preemption:
-            for step in range(start + 1, t.steps + 1):
-                local = next(iterator)
-                if trainer.cfg.model.attention == "cudnn" and sizes["context"] == 1:
-                    _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
-                batch = trainer.shard_batch(local)
-                state, metrics = trainer.step(state, batch)
-                window_steps += 1
-                if compile_s is None:  # the first step holds the compilation: time the rest
-                    jax.block_until_ready(metrics)
-                    compile_s, window_start, window_steps = time.perf_counter() - clock, time.perf_counter(), 0
-                stop = preemption.agreed()  # read once: a signal arriving later waits a step
-                logged = step % t.log_every == 0 or step == t.steps
-                # The host reads the device only here (logging, saving, stopping), never per step.
-                if logged or ckpt.should_save(step) or stop:
-                    loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
-                    skipped_steps = int(metrics["skipped_steps"])
-                    if first_bad:  # the state is frozen since that step
-                        what = ("the loss, a gradient or the updated weights' norm" if
-                                t.on_nan == "stop" else "the updated weights' norm")
-                        raise NonFiniteLoss(
-                            f"{what} became non-finite at step {first_bad} (train.on_nan="
-                            f"{t.on_nan}; seen at step {step}, the first read of the device "
-                            f"since; no later update reached the weights); the last good "
-                            f"checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}")
-                save(step, state, force=step == t.steps or stop is not None)
-                if logged:
-                    now = time.perf_counter()
-                    step_time = (now - window_start) / window_steps if window_steps else None
-                    tokens_per_sec = tokens_per_step / step_time if step_time else None
-                    record = {
-                        "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
-                        "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
-                        "step_time_s": step_time,
-                        "memory_bytes": metrics_lib.device_memory_bytes(jax.local_devices()[0]),
-                        **{k: float(v) for k, v in metrics.items()
-                           if k not in ("loss", "tokens", "first_bad_step")},
-                    }
-                    first_loss = loss if first_loss is None else first_loss
-                    last_loss = loss
-                    if writer is not None:
-                        writer.write(record)
-                    progress.update(step, record)
-                    window_start, window_steps = now, 0
-                else:
-                    progress.update(step, None)
-                if stop:
-                    stopped_by = stop
-                    break
+        for step in range(start + 1, t.steps + 1):
+            local = next(iterator)
+            if trainer.cfg.model.attention == "cudnn" and sizes["context"] == 1:
+                _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
+            batch = trainer.shard_batch(local)
+            state, metrics = trainer.step(state, batch)
+            window_steps += 1
+            if compile_s is None:  # the first step holds the compilation: time the rest
+                jax.block_until_ready(metrics)
+                compile_s, window_start, window_steps = time.perf_counter() - clock, time.perf_counter(), 0
+            stop = preemption.agreed()  # read once: a signal arriving later waits a step
+            logged = step % t.log_every == 0 or step == t.steps
+            # The host reads the device only here (logging, saving, stopping), never per step.
+            if logged or ckpt.should_save(step) or stop:
+                loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
+                skipped_steps = int(metrics["skipped_steps"])
+                if first_bad:  # the state is frozen since that step
+                    what = ("the loss, a gradient or the updated weights' norm" if
+                            t.on_nan == "stop" else "the updated weights' norm")
+                    raise NonFiniteLoss(
+                        f"{what} became non-finite at step {first_bad} (train.on_nan="
+                        f"{t.on_nan}; seen at step {step}, the first read of the device "
+                        f"since; no later update reached the weights); the last good "
+                        f"checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}")
+            save(step, state, force=step == t.steps or stop is not None)
+            if logged:
+                now = time.perf_counter()
+                step_time = (now - window_start) / window_steps if window_steps else None
+                tokens_per_sec = tokens_per_step / step_time if step_time else None
+                record = {
+                    "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
+                    "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
+                    "step_time_s": step_time,
+                    "memory_bytes": metrics_lib.device_memory_bytes(jax.local_devices()[0]),
+                    **{k: float(v) for k, v in metrics.items()
+                       if k not in ("loss", "tokens", "first_bad_step")},
+                }
+                first_loss = loss if first_loss is None else first_loss
+                last_loss = loss
+                if writer is not None:
+                    writer.write(record)
+                progress.update(step, record)
+                window_start, window_steps = now, 0
+            else:
+                progress.update(step, None)
+            if stop:
+                stopped_by = stop
+                break
     finally:
         progress.close()
-        ckpt.close()
         if writer is not None:
             writer.close()
     total_s = time.perf_counter() - clock
@@ -539,6 +717,7 @@ def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[
     settings = config_lib.user_settings(path, overrides)
     cfg = config_lib.build_config(settings)
     if num_devices is None:
+        config_lib.validate_runtime(cfg)  # before the backend starts with those devices
         emulate_cpu_devices(cfg.runtime)
         start_distributed(cfg.distributed)
         num_devices = jax.device_count()
@@ -558,21 +737,30 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["-h"], ["--help"]):
         print(USAGE)
         return 0
-    try:
-        cfg, sizes = load_and_validate(argv)
-        summary = train(cfg, sizes)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted (second SIGINT): stopped without a checkpoint", file=sys.stderr)
-        return 130
+    # From the first moment, a signal only asks for a stop (Preemption): start-up checks for it
+    # between its phases, the loop after each step; nothing is interrupted half-way.
+    with Preemption(exit_at_once=True) as preemption:
+        try:
+            cfg, sizes = load_and_validate(argv)
+            preemption.check_startup(1)
+            summary = train(cfg, sizes, preemption)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        except (NonFiniteLoss, DiskFull) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except Interrupted as e:
+            print(e, file=sys.stderr)
+            return 128 + signal.Signals[e.signame].value
+        except KeyboardInterrupt:  # a second Ctrl-C where the handler could not run (exit_at_once)
+            print("interrupted again: stopped at once, without a checkpoint", file=sys.stderr)
+            return 130
     if jax.process_index() == 0:
         print(format_summary(summary))
-    return 0
+    # A Ctrl-C stop exits 130 (the shell's convention), after its checkpoint; SIGTERM, which
+    # schedulers send to preempt, exits 0 so that a requeued job simply resumes.
+    return 130 if summary["stopped_by"] == "SIGINT" else 0
 
 
 if __name__ == "__main__":

@@ -444,7 +444,7 @@ def test_parse_cli_takes_only_the_first_argument_as_a_file():
 
 
 @pytest.mark.parametrize("override, want", [
-    ("optimizer.lr=0", "a positive learning rate"),
+    ("optimizer.lr=0", "a positive, finite learning rate"),
     ("optimizer.warmup_steps=-1", "0 or more steps"),
     ("optimizer.min_lr_ratio=1.5", "a ratio in [0, 1]"),
     ("optimizer.b1=1.0", "a decay in [0, 1)"),

@@ -1,0 +1,266 @@
+"""A run directory holds one run's history; this module decides what a new start does with it.
+
+What a run writes into `train.run_dir`: config.yaml, metrics.jsonl, TensorBoard event files,
+loss.png and checkpoints/ (jaxpar.checkpoint). The rules, applied before anything is written:
+
+- An unused directory (none of those files, no checkpoint) starts a fresh run.
+- `train.resume=auto` (the default) continues from the newest intact checkpoint. If the
+  directory holds an earlier run but no usable checkpoint (every checkpoint corrupt, or the run
+  stopped before its first save), the run is refused (exit 2) with what is there: starting over
+  silently would mix two runs' metrics.
+- `train.resume=never` starts over. An earlier run's files are moved, not deleted, into
+  `<run_dir>/replaced-<UTC time>/`, and the run says so.
+- `train.resume=<step>` continues from that checkpoint; checkpoints of later steps (the
+  abandoned continuation) are moved likewise, with a copy of the whole metrics.jsonl.
+
+One run at a time: `RunLock` keeps `<run_dir>/jaxpar.lock` (the holder's pid, host, process
+start time) for as long as the run lives. A second run finds it and is refused (exit 2); a lock
+left by a process that no longer exists on this host (killed) is taken over with a warning. A
+lock from another host cannot be checked: the message says how to remove it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import warnings
+
+from jaxpar import checkpoint as checkpoint_lib
+from jaxpar.config import ConfigError
+
+LOCK = "jaxpar.lock"
+METRICS = "metrics.jsonl"
+HISTORY = ("config.yaml", METRICS, "loss.png")  # plus events.out.tfevents.* and checkpoints/
+REPLACED = "replaced-"
+
+
+# --- The lock -------------------------------------------------------------------------------
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22), which
+    tells a live holder from a new process that reuses a dead holder's pid; None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(holder: dict) -> bool:
+    """Whether the lock's holder still runs (on this host)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    ticks = _start_ticks(pid)
+    return ticks is None or holder.get("start_ticks") in (None, ticks)
+
+
+class RunLock:
+    """`<run_dir>/jaxpar.lock`, created atomically (O_EXCL) and removed on release."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(os.path.abspath(run_dir), LOCK)
+        self.held = False
+
+    def _describe(self, holder: dict) -> str:
+        return (f"pid {holder.get('pid')} on host {holder.get('host')} since "
+                f"{holder.get('started', '?')}")
+
+    def acquire(self) -> None:
+        """Takes the lock; raises ConfigError if a live run holds it. Warns on taking over a
+        stale one."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": _start_ticks(os.getpid()),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(sys.argv)}
+        for attempt in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                if holder is not None and holder.get("host") != me["host"]:
+                    raise ConfigError(
+                        f"train.run_dir: {self.path} is held by {self._describe(holder)}, another "
+                        f"host, whose process cannot be checked from here; if that run has ended, "
+                        f"delete {self.path} (or use another train.run_dir)") from None
+                if holder is not None and _alive(holder):
+                    raise ConfigError(
+                        f"train.run_dir: another run is using this directory ({self._describe(holder)}, "
+                        f"lock {self.path}); wait for it to end, stop it, or use another "
+                        f"train.run_dir") from None
+                if attempt == 0:
+                    what = (f"left by {self._describe(holder)}, which no longer runs" if holder
+                            else "unreadable")
+                    print(f"warning: taking over the stale lock {self.path} ({what})", file=sys.stderr)
+                    # Two runs taking over the same stale lock at the same instant could both
+                    # remove it; the O_EXCL create below then lets only one of them in.
+                    try:
+                        os.remove(self.path)
+                    except FileNotFoundError:
+                        pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise ConfigError(f"train.run_dir: could not take the lock {self.path}; another run took it")
+
+    def _read(self) -> dict | None:
+        for _ in range(20):  # a holder that has just created the file may not have written it yet
+            try:
+                with open(self.path) as f:
+                    return json.load(f)
+            except FileNotFoundError:
+                return None
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        return None
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        holder = self._read()
+        if holder is not None and holder.get("pid") == os.getpid():
+            os.remove(self.path)
+
+
+# --- What a run directory holds ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class History:
+    run_dir: str
+    files: list[str]  # history files at the top level (config.yaml, metrics, events, plot)
+    metrics_last_step: int | None  # the last readable step of metrics.jsonl
+    checkpoints: list[int]  # committed checkpoint steps, oldest first
+    unfinished: list[int]  # steps whose save never committed
+
+    @property
+    def used(self) -> bool:
+        """Whether an earlier run left anything a new start could mix with or lose."""
+        return bool(self.metrics_last_step is not None or self.checkpoints or self.unfinished
+                    or any(f != "config.yaml" for f in self.files))
+
+    def describe(self) -> str:
+        parts = []
+        if self.metrics_last_step is not None:
+            parts.append(f"metrics up to step {self.metrics_last_step}")
+        if self.checkpoints:
+            parts.append(f"checkpoints of steps {self.checkpoints}")
+        if self.unfinished:
+            parts.append(f"unfinished saves of steps {self.unfinished}")
+        return ", ".join(parts) or ", ".join(self.files)
+
+
+def _last_metrics_step(path: str) -> int | None:
+    last = None
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    last = int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # a garbled line: resuming drops it with a warning
+    except FileNotFoundError:
+        return None
+    return last
+
+
+def survey(run_dir: str) -> History:
+    run_dir = os.path.abspath(run_dir)
+    files = [f for f in HISTORY if os.path.isfile(os.path.join(run_dir, f))]
+    files += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
+    committed, unfinished = checkpoint_lib.list_steps(checkpoint_lib.checkpoint_dir(run_dir))
+    return History(run_dir, files, _last_metrics_step(os.path.join(run_dir, METRICS)),
+                   committed, unfinished)
+
+
+# --- Deciding ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Start:
+    step: int | None  # the checkpoint to resume from; None: a fresh run
+    move: list[str]  # paths relative to run_dir, moved into the `replaced-` directory
+    copy: list[str]  # paths relative to run_dir, copied there (metrics.jsonl, before truncation)
+
+
+def plan(resume: str, history: History, problem) -> Start:
+    """What a start with `train.resume=resume` does in a directory holding `history`.
+    `problem(step)` says why a committed checkpoint cannot be used (None: intact); it is called
+    newest first and only as far as needed (checking a checkpoint reads all of it)."""
+    if not history.used:
+        return Start(None, [], [])
+    ckpt = os.path.basename(checkpoint_lib.checkpoint_dir(history.run_dir))
+    if resume == "never":
+        has_ckpt = os.path.isdir(os.path.join(history.run_dir, ckpt))
+        return Start(None, history.files + ([ckpt] if has_ckpt else []), [])
+
+    def why(step: int) -> str | None:
+        if step not in history.checkpoints:
+            return ("its save never committed (the run stopped while writing it)"
+                    if step in history.unfinished else "there is no such checkpoint")
+        return problem(step)
+
+    if resume == "auto":
+        problems = {}
+        for step in sorted(set(history.checkpoints) | set(history.unfinished), reverse=True):
+            problems[step] = why(step)
+            if problems[step] is None:
+                return Start(step, [], [])
+            warnings.warn(f"checkpoint step {step} in {checkpoint_lib.checkpoint_dir(history.run_dir)} "
+                          f"is unusable: {problems[step]}; falling back to the previous one",
+                          checkpoint_lib.CheckpointWarning, stacklevel=2)
+        reasons = ("; ".join(f"step {s}: {p}" for s, p in problems.items()) if problems else
+                   "no checkpoint was written (the earlier run stopped before its first save)")
+        raise ConfigError(
+            f"train.run_dir={history.run_dir} holds an earlier run ({history.describe()}) but "
+            f"nothing to resume from: {reasons}. To start over there, set train.resume=never (the "
+            f"earlier run's files are moved into {REPLACED}<time>/ inside it, nothing is deleted), "
+            f"or use another train.run_dir")
+    step = int(resume)
+    if (reason := why(step)) is not None:
+        usable = [s for s in history.checkpoints if problem(s) is None]
+        raise ConfigError(f"train.resume={step}: that checkpoint cannot be used ({reason}); "
+                          f"complete checkpoints: {usable}")
+    later = sorted(s for s in set(history.checkpoints) | set(history.unfinished) if s > step)
+    names = os.listdir(os.path.join(history.run_dir, ckpt)) if later else []
+    moved = [os.path.join(ckpt, name) for s in later for name in names
+             if name == str(s) or name.startswith(f"{s}{checkpoint_lib.TMP_SUFFIX}")]
+    copied = [METRICS] if later and METRICS in history.files else []
+    return Start(step, moved, copied)
+
+
+def set_aside(run_dir: str, start: Start) -> str | None:
+    """Moves (and copies) what `start` names into a new `<run_dir>/replaced-<UTC time>/`;
+    returns that directory, or None when there was nothing to set aside."""
+    if not start.move and not start.copy:
+        return None
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    target = os.path.join(run_dir, REPLACED + stamp)
+    n = 1
+    while os.path.exists(target):
+        n += 1
+        target = os.path.join(run_dir, f"{REPLACED}{stamp}-{n}")
+    for rel in start.copy:
+        os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
+        shutil.copy2(os.path.join(run_dir, rel), os.path.join(target, rel))
+    for rel in start.move:
+        os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
+        os.replace(os.path.join(run_dir, rel), os.path.join(target, rel))
+    return target
