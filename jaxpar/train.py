@@ -395,12 +395,35 @@ def _no_space(error: BaseException) -> bool:
 
 
 class _DropNoSpace(logging.Filter):
-    """Orbax's background threads log a disk-full write failure as several pages of tracebacks;
-    the run reports it in one line instead (DiskFull)."""
+    """Orbax's background threads log a disk-full write failure as several pages of tracebacks
+    (through absl, and asyncio's "exception was never retrieved" when the process ends); the run
+    reports it in one line instead (DiskFull)."""
+
+    LOGGERS = ("absl", "asyncio")
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
         return not ("No space left on device" in text or "os_error_code='28'" in text)
+
+    def __enter__(self):
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
+def _quiet_closed_loop(default_hook, unraisable) -> None:
+    """sys.unraisablehook for the command line. After a failed save (a full disk), orbax closes
+    its event loop while tensorstore still completes writes into it; each completion becomes an
+    unraisable "RuntimeError: Event loop is closed", a page of them. They say nothing the run's
+    one-line error does not; every other unraisable error goes to the default hook."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return
+    default_hook(unraisable)
 
 
 def _megabytes(n: float) -> str:
@@ -545,8 +568,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
     is_main = jax.process_index() == 0
     lock = rundir_lib.RunLock(t.run_dir)
     ckpt = None
-    no_space_filter = _DropNoSpace()
-    logging.getLogger("absl").addFilter(no_space_filter)
+    no_space_logs = _DropNoSpace().__enter__()
     try:
         _on_main(lock.acquire, f"train.run_dir={t.run_dir}")
 
@@ -598,7 +620,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
                     raise
         if is_main:  # no collective here: this also runs when only this process failed
             lock.release()
-        logging.getLogger("absl").removeFilter(no_space_filter)
+        no_space_logs.__exit__()
 
 
 def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state, start: int,
@@ -739,6 +761,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # From the first moment, a signal only asks for a stop (Preemption): start-up checks for it
     # between its phases, the loop after each step; nothing is interrupted half-way.
+    _DropNoSpace().__enter__()  # for the process's lifetime: orbax's leftovers are logged at its end
+    sys.unraisablehook = functools.partial(_quiet_closed_loop, sys.unraisablehook)
     with Preemption(exit_at_once=True) as preemption:
         try:
             cfg, sizes = load_and_validate(argv)

@@ -253,9 +253,27 @@ def read_only(tmp_path):
     subprocess.run(["umount", "-l", str(tmp_path / "ro")])
 
 
-def test_a_full_disk_is_one_line_and_the_previous_checkpoint_is_intact(small_disk):
+# The run checks the space before each save; "unchecked" hides it (the disk looks empty) so that
+# orbax's own write fails, in a background thread, as it did before the check existed.
+UNCHECKED = """
+import collections, sys
+import jaxpar.train as train
+usage = collections.namedtuple("usage", "total used free")(1 << 50, 0, 1 << 50)
+train.shutil = type("shutil", (), {"disk_usage": staticmethod(lambda path: usage)})
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("check", ["before the save", "unchecked"])
+def test_a_full_disk_is_one_line_and_the_previous_checkpoint_is_intact(small_disk, check):
     run = small_disk / "run"
-    proc = _cli(run, "train.steps=40", "checkpoint.every=2", "checkpoint.keep=0")
+    args = [TINY_YAML, f"train.run_dir={run}", *ONE_LAYOUT, "train.steps=40", "checkpoint.every=2",
+            "checkpoint.keep=0"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    command = ["-m", "jaxpar.train"] if check == "before the save" else ["-c", UNCHECKED]
+    proc = subprocess.Popen([sys.executable, *command, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]
