@@ -14,9 +14,12 @@ loss.png and checkpoints/ (jaxpar.checkpoint). The rules, applied before anythin
   abandoned continuation) are moved likewise, with a copy of the whole metrics.jsonl.
 
 One run at a time: `RunLock` keeps `<run_dir>/jaxpar.lock` (the holder's pid, host, process
-start time) for as long as the run lives. A second run finds it and is refused (exit 2); a lock
-left by a process that no longer exists on this host (killed) is taken over with a warning. A
-lock from another host cannot be checked: the message says how to remove it.
+start time, Slurm job id) for as long as the run lives, and touches it every `HEARTBEAT_S`
+seconds. A second run finds it and is refused (exit 2). A lock is stale, and taken over with a
+warning, when its holder no longer exists on this host (killed), when it was left by an earlier
+run of the same Slurm job (requeued after a node failure, on another node), or when it comes from
+another host and has not been touched for `STALE_S` seconds (a holder there that is alive but
+frozen that long would then share the directory: the price of not waiting forever).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import warnings
 
@@ -36,6 +40,8 @@ from jaxpar import checkpoint as checkpoint_lib
 from jaxpar.config import ConfigError
 
 LOCK = "jaxpar.lock"
+HEARTBEAT_S = 30.0  # how often a holder touches its lock
+STALE_S = 300.0  # another host's lock untouched this long is stale
 METRICS = "metrics.jsonl"
 HISTORY = ("config.yaml", METRICS, "loss.png")  # plus events.out.tfevents.* and checkpoints/
 REPLACED = "replaced-"
@@ -70,21 +76,42 @@ def _alive(holder: dict) -> bool:
 
 
 class RunLock:
-    """`<run_dir>/jaxpar.lock`, created atomically (O_EXCL) and removed on release."""
+    """`<run_dir>/jaxpar.lock`, created atomically (O_EXCL), touched by a heartbeat thread while
+    held, removed on release."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, heartbeat_s: float = HEARTBEAT_S):
         self.path = os.path.join(os.path.abspath(run_dir), LOCK)
         self.held = False
+        self._heartbeat_s = heartbeat_s
+        self._stop = threading.Event()
 
     def _describe(self, holder: dict) -> str:
         return (f"pid {holder.get('pid')} on host {holder.get('host')} since "
                 f"{holder.get('started', '?')}")
+
+    def _stale(self, holder: dict | None, me: dict) -> str | None:
+        """Why the lock's holder is gone (None: it may still run)."""
+        if holder is None:
+            return "unreadable"
+        if holder.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
+            return (f"left by {self._describe(holder)}, an earlier run of this Slurm job "
+                    f"({me['slurm_job_id']}, requeued)")
+        if holder.get("host") == me["host"]:
+            return None if _alive(holder) else f"left by {self._describe(holder)}, which no longer runs"
+        try:
+            age = time.time() - os.path.getmtime(self.path)
+        except FileNotFoundError:
+            return "removed meanwhile"
+        if age > STALE_S:
+            return f"left by {self._describe(holder)}, untouched for {age:.0f} s"
+        return None
 
     def acquire(self) -> None:
         """Takes the lock; raises ConfigError if a live run holds it. Warns on taking over a
         stale one."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": _start_ticks(os.getpid()),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv)}
         for attempt in range(2):
@@ -92,20 +119,19 @@ class RunLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._read()
-                if holder is not None and holder.get("host") != me["host"]:
+                stale = self._stale(holder, me)
+                if stale is None and holder.get("host") != me["host"]:
                     raise ConfigError(
                         f"train.run_dir: {self.path} is held by {self._describe(holder)}, another "
-                        f"host, whose process cannot be checked from here; if that run has ended, "
-                        f"delete {self.path} (or use another train.run_dir)") from None
-                if holder is not None and _alive(holder):
+                        f"host (touched within {STALE_S:.0f} s, so that run may still be going); "
+                        f"if it has ended, delete {self.path} (or use another train.run_dir)") from None
+                if stale is None:
                     raise ConfigError(
                         f"train.run_dir: another run is using this directory ({self._describe(holder)}, "
                         f"lock {self.path}); wait for it to end, stop it, or use another "
                         f"train.run_dir") from None
                 if attempt == 0:
-                    what = (f"left by {self._describe(holder)}, which no longer runs" if holder
-                            else "unreadable")
-                    print(f"warning: taking over the stale lock {self.path} ({what})", file=sys.stderr)
+                    print(f"warning: taking over the stale lock {self.path} ({stale})", file=sys.stderr)
                     # Two runs taking over the same stale lock at the same instant could both
                     # remove it; the O_EXCL create below then lets only one of them in.
                     try:
@@ -116,8 +142,17 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True
+            self._stop.clear()
+            threading.Thread(target=self._beat, name="jaxpar-run-lock", daemon=True).start()
             return
         raise ConfigError(f"train.run_dir: could not take the lock {self.path}; another run took it")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # removed or unwritable: the next run sees an old lock, which is the truth
 
     def _read(self) -> dict | None:
         for _ in range(20):  # a holder that has just created the file may not have written it yet
@@ -134,6 +169,7 @@ class RunLock:
         if not self.held:
             return
         self.held = False
+        self._stop.set()
         holder = self._read()
         if holder is not None and holder.get("pid") == os.getpid():
             os.remove(self.path)

@@ -177,7 +177,7 @@ def test_config_yaml_stores_the_paths_resolved(finished):
 # --- One run at a time -----------------------------------------------------------------------------
 
 
-def test_a_live_holder_refuses_a_second_run_and_a_dead_one_is_taken_over(tmp_path, capsys):
+def test_a_live_holder_refuses_a_second_run_and_a_dead_one_is_taken_over(tmp_path, capsys, monkeypatch):
     first = rundir.RunLock(tmp_path)
     first.acquire()
     held = json.load(open(tmp_path / "jaxpar.lock"))
@@ -199,10 +199,24 @@ def test_a_live_holder_refuses_a_second_run_and_a_dead_one_is_taken_over(tmp_pat
     (tmp_path / "jaxpar.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                                       "start_ticks": -1}))
     rundir.RunLock(tmp_path).acquire()
-    # Another host's lock cannot be checked: refused, saying how to remove it.
-    (tmp_path / "jaxpar.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere-" + uuid.uuid4().hex}))
-    with pytest.raises(ConfigError, match=r"another host, whose process cannot be checked .* delete"):
+    # Another host's process cannot be checked: its lock is live while it is touched...
+    elsewhere = {"pid": 1, "host": "elsewhere-" + uuid.uuid4().hex, "slurm_job_id": "77"}
+    (tmp_path / "jaxpar.lock").write_text(json.dumps(elsewhere))
+    with pytest.raises(ConfigError, match=r"another host \(touched within 300 s.* delete"):
         rundir.RunLock(tmp_path).acquire()
+    # ... stale once untouched for STALE_S, or when it is this very Slurm job's earlier run.
+    os.utime(tmp_path / "jaxpar.lock", (time.time() - 301, time.time() - 301))
+    rundir.RunLock(tmp_path).acquire()
+    assert "untouched for 301 s" in capsys.readouterr().err
+    (tmp_path / "jaxpar.lock").write_text(json.dumps(elsewhere))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    beating = rundir.RunLock(tmp_path, heartbeat_s=0.05)
+    beating.acquire()
+    assert "an earlier run of this Slurm job (77, requeued)" in capsys.readouterr().err
+    os.utime(tmp_path / "jaxpar.lock", (0, 0))
+    time.sleep(0.3)
+    assert time.time() - os.path.getmtime(tmp_path / "jaxpar.lock") < 5  # the holder's heartbeat
+    beating.release()
 
 
 def test_a_second_run_on_a_locked_run_dir_exits_2_and_writes_nothing(finished, tmp_path):
