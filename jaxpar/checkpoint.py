@@ -311,6 +311,17 @@ class Checkpointer:
     def _find_unfinished(self) -> list[int]:
         return list_steps(self.directory)[1]
 
+    @staticmethod
+    def saved_data_state(directory: str, step: int) -> Any:
+        """What `save` stored beside the arrays of checkpoint `step` in `directory`, read from the
+        file orbax's JSON handler writes (`<step>/data/metadata`) without opening a manager
+        (which would wait for every process): None if it cannot be read."""
+        try:
+            with open(os.path.join(directory, str(step), DATA_ITEM, "metadata")) as f:
+                return json.load(f)["data"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def data_state(self, step: int) -> Any:
         """What `save` stored beside the arrays of checkpoint `step` (the data iterator's state
         and the run's data settings); reads that small JSON item only."""

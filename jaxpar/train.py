@@ -576,13 +576,10 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
             history = rundir_lib.survey(t.run_dir)
             start = rundir_lib.plan(t.resume, history, lambda step: checkpoint_lib.manifest_problem(
                 os.path.join(checkpoint_lib.checkpoint_dir(t.run_dir), str(step))))
-            if start.step is not None:  # refused before anything is moved
-                reader = checkpoint_lib.Checkpointer(checkpoint_lib.checkpoint_dir(t.run_dir),
-                                                     read_only=True, verified={start.step: None})
-                try:
-                    _check_data_position(cfg, reader.data_state(start.step), start.step)
-                finally:
-                    reader.close()
+            if start.step is not None:  # refused before anything is moved (process 0 alone
+                # here: no orbax manager, whose opening waits for every process)
+                _check_data_position(cfg, checkpoint_lib.Checkpointer.saved_data_state(
+                    checkpoint_lib.checkpoint_dir(t.run_dir), start.step), start.step)
             if (aside := rundir_lib.set_aside(t.run_dir, start)) is not None:
                 what = ("the earlier run's files" if start.step is None else
                         f"the checkpoints after step {start.step} (and a copy of metrics.jsonl)")
