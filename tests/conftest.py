@@ -1,13 +1,81 @@
-"""Test setup: 8 emulated CPU devices, set before any JAX backend starts."""
+"""Test setup, before any JAX backend starts: 8 emulated CPU devices, and one persistent
+compilation cache for the whole test session."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One JAX compilation cache per test session, in a fresh temporary directory (every session starts
+# cold, as a clean clone in CI does) that the session's first process -- the xdist controller, or
+# pytest without xdist -- makes and removes at exit. The xdist workers and every process a test
+# starts (train/inspect/bench CLIs, resume and launch runs, notebook kernels: they all pass
+# os.environ on) inherit it through the environment, so a program compiled once -- the same train
+# step in a reference, a killed and a resumed run, or rebuilt by another test -- is loaded from the
+# cache instead of compiled again. A cached executable is XLA's serialized compilation of the same
+# HLO under the same options and flags (the cache key), so results, memory analyses and HLO text
+# are those of a fresh compile.
+SESSION_CACHE = "JAXPAR_TESTS_COMPILATION_CACHE"
+if not os.environ.get(SESSION_CACHE):
+    os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="jaxpar-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ[SESSION_CACHE], ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SESSION_CACHE]
+# Programs that take this long to compile are written (jax's default, 1 s, leaves out many train
+# steps of the tiny model that a later process compiles again).
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get(
+    "JAXPAR_TESTS_CACHE_MIN_COMPILE_SECS", "0.5")
+# A size limit turns on jax's file lock around cache reads and writes: the session's processes
+# share the directory, and an unlocked reader could see an entry half written (a warning and a
+# recompile). Far above what one session writes, so nothing is evicted.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
+
+# --xla_gpu_autotune_level=0: the H100 programs the tests compile without a GPU (jaxpar.targets)
+# cannot be autotuned -- there is nothing to time -- yet the default level still spends half of
+# each compile in XLA's config-assigner building candidate kernels, and then keeps the defaults.
+# Level 0 gives the same program (measured, jax 0.12.0.1: the same instructions, fusions, tiles,
+# kernels, collectives and memory analysis, for the tests' programs and the gpt2-124m and llama-1b
+# presets; only empty per-fusion annotations are missing) in half the time. The CPU programs do
+# not read it.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_gpu_autotune_level=0"
 ).strip()
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
+
+
+# --- Scheduling on xdist workers (`make test`: -n 2 --dist loadfile) --------------------------
+#
+# Each worker takes a whole file at a time, the next one in collection order once it is nearly
+# done with its last. xdist's default queues the files with the most tests first, which leaves
+# the few-but-slow ones (subprocess runs, H100 compiles) to the end, where one worker runs the last
+# of them alone. Longest first instead: the files below in decreasing cost, any file not listed
+# (a new one, of unknown cost) before them all, the cheap ones last to fill in the end.
+# Seconds of each file alone on 2 cores (pytest -n 0 --durations=0, summed; the session
+# compilation cache warm only within the file). Rough is fine: only the order matters.
+FILE_SECONDS = {
+    "test_multiprocess.py": 240, "test_faults.py": 125, "test_resume.py": 150,
+    "test_train.py": 110, "test_notebooks.py": 100, "test_layouts.py": 90,
+    "test_gpu_program.py": 70, "test_ring_attention.py": 65, "test_sample.py": 55,
+    "test_moe_training.py": 55, "test_any_mesh.py": 55, "test_gpu_memory.py": 55,
+    "test_pipeline.py": 50, "test_experts.py": 50, "test_pipeline_training.py": 45,
+    "test_bench.py": 30, "test_context_training.py": 28, "test_checkpoint.py": 25,
+    "test_memory.py": 25, "test_loss.py": 20, "test_attention.py": 12, "test_model.py": 10,
+    "test_config.py": 5, "test_data.py": 3, "test_seam.py": 3,
+}
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist installed
+        config.option.loadscopereorder = False  # keep the order set below
+
+
+def pytest_collection_modifyitems(config, items):
+    unknown = max(FILE_SECONDS.values()) + 1
+    # A stable sort: each file's tests stay together and in their order.
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, unknown))
