@@ -1,5 +1,6 @@
-"""`python -m jaxpar.launch --nproc N [--port P] [train arguments...]`: N training processes on
-this machine, joined into one multi-process JAX run (like `torchrun --standalone`).
+"""`python -m jaxpar.launch --nproc N [--port P] [--max-restarts R] [train arguments...]`: N
+training processes on this machine, joined into one multi-process JAX run (like `torchrun
+--standalone`).
 
     python -m jaxpar.launch --nproc 2 train.steps=100 runtime.cpu_devices=4 \\
         mesh.data=2 mesh.fsdp=2 mesh.tensor=2
@@ -9,6 +10,8 @@ starts `python -m jaxpar.train <train arguments>` N times, process i with
     JAXPAR_COORDINATOR=127.0.0.1:<P>   (a free port unless --port is given)
     JAXPAR_NUM_PROCESSES=N
     JAXPAR_PROCESS_ID=i
+    JAXPAR_RESTART_COUNT=k             (0, then 1, 2, ... for the restarts; like torchrun's
+                                        TORCHELASTIC_RESTART_COUNT)
 
 which `jaxpar.mesh.start_distributed` turns into `jax.distributed.initialize`. Every setting is
 per process: on CPU `runtime.cpu_devices=4` gives each process 4 devices, so the run above has
@@ -44,6 +47,21 @@ the same command resumes. Children sit in their own process group, so a Ctrl-C a
 reaches them once, through the launcher; on Linux they are killed if the launcher itself dies.
 Every wait is bounded by --grace: once one process has stopped (or been asked to), the others
 have that long to follow.
+
+Restarts (--max-restarts R, default 0; torchrun's elastic agent does the same): after a failure,
+once every process has stopped, all N start again -- with a new free coordinator port (the same
+one with --port) and JAXPAR_RESTART_COUNT one higher -- and resume from the newest complete
+checkpoint in train.run_dir (`train.resume=auto`), up to R times. Each restart prints one line:
+which restart of R, which process failed and how, and the step it resumes from (the newest
+`<run_dir>/checkpoints/<step>/` holding jaxpar_manifest.json, read without JAX; the processes
+then also check the checksums, and fall back to an older checkpoint if that one is damaged). A
+restart never starts over from a setting: if the command says `train.resume=never` or a step, the
+restarts say `train.resume=auto` instead (and the line says so), since the checkpoints now in the
+run dir are this run's. If no checkpoint was complete yet, the restart starts over with
+`train.resume=never` (what the first start did). Not restarted: exit code 2 (a configuration
+error, which would only recur), a stop asked for with SIGINT/SIGTERM, and a process that is still
+running after SIGKILL. When the restarts are used up, the launcher exits with the last failure's
+code; the last line says how many restarts were used.
 """
 
 from __future__ import annotations
@@ -66,6 +84,8 @@ from typing import IO
 POLL_S = 0.1  # how often the launcher looks at its queue of exits and signals
 KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for the process table to show the exit
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
+CONFIG_ERROR = 2  # jaxpar's exit code for a configuration error: a restart would repeat it
+MANIFEST = "jaxpar_manifest.json"  # jaxpar.checkpoint.MANIFEST: in a checkpoint once committed
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -152,12 +172,13 @@ def _child_setup(libc) -> None:
 
 
 def _start_children(command: list[str], nproc: int, coordinator: str,
-                    tail_lines: int) -> list[Child]:
+                    tail_lines: int, restart: int = 0) -> list[Child]:
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
     children = []
     for index in range(nproc):  # all forks happen before any thread starts (preexec_fn)
         env = dict(os.environ, JAXPAR_COORDINATOR=coordinator, JAXPAR_NUM_PROCESSES=str(nproc),
-                   JAXPAR_PROCESS_ID=str(index), PYTHONUNBUFFERED="1")
+                   JAXPAR_PROCESS_ID=str(index), JAXPAR_RESTART_COUNT=str(restart),
+                   PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if index == 0 else subprocess.STDOUT,
@@ -181,6 +202,66 @@ def _watch_exits(children: list[Child], exits: queue.Queue) -> None:
     for child in children:
         threading.Thread(target=lambda c=child: exits.put((c.index, c.proc.wait())),
                          daemon=True).start()
+
+
+# --- Restarts: where the run resumes ------------------------------------------------------
+
+
+def _train_settings(train_args: list[str]) -> tuple[str | None, str]:
+    """(train.run_dir, train.resume) as `python -m jaxpar.train *train_args` would see them; run
+    dir None when the arguments do not parse (the processes then report that, with exit code 2).
+    jaxpar.config reads YAML only: the launcher stays free of JAX."""
+    from jaxpar import config as config_lib
+
+    try:
+        path, overrides = config_lib.parse_cli(list(train_args))
+        t = config_lib.load_config(path, overrides).train
+    except Exception:  # whatever is wrong, the processes report it (the launcher must not fail)
+        return None, "auto"
+    return t.run_dir, str(t.resume)
+
+
+def newest_complete_checkpoint(run_dir: str) -> int | None:
+    """The newest committed checkpoint step in `<run_dir>/checkpoints`, read from the directory
+    names alone: orbax renames `<step>.orbax-checkpoint-tmp...` to `<step>` on commit, with
+    jaxpar's manifest already inside (jaxpar.checkpoint, not imported here: it imports JAX).
+    The checksums are left to the resuming processes."""
+    directory = os.path.join(os.path.abspath(run_dir), "checkpoints")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    steps = [int(n) for n in names if n.isdigit() and os.path.isfile(os.path.join(directory, n, MANIFEST))]
+    return max(steps, default=None)
+
+
+@dataclass
+class Resumption:
+    """What restart k does: the step it resumes from (None: starts over, or unknown) and the
+    arguments it adds to the command."""
+
+    step: int | None
+    extra_args: list[str]
+    where: str  # for the restart line
+
+    @classmethod
+    def plan(cls, run_dir: str | None, resume: str) -> "Resumption":
+        if run_dir is None:  # a command whose arguments the launcher does not know
+            return cls(None, [], "from the newest complete checkpoint (if any)")
+        directory = os.path.join(os.path.abspath(run_dir), "checkpoints")
+        step = newest_complete_checkpoint(run_dir)
+        if step is None:
+            # Nothing to resume from: start over, as the first start did (train.resume=auto would
+            # refuse a run dir that holds metrics but no checkpoint).
+            extra = [] if resume == "never" else ["train.resume=never"]
+            return cls(None, extra, f"from step 0: no complete checkpoint in {directory} yet"
+                       + (" (train.resume=never)" if extra else ""))
+        where = f"from step {step}, the newest complete checkpoint in {directory}"
+        if resume == "auto":
+            return cls(step, [], where)
+        return cls(step, ["train.resume=auto"],
+                   where + f" (train.resume=auto instead of the command's train.resume={resume}: "
+                   "a restart continues from the last checkpoint)")
 
 
 # --- The launcher -------------------------------------------------------------------------
@@ -222,21 +303,12 @@ def _report_failure(child: Child, returncode: int, tail_lines: int) -> None:
         print(child.tail_text(), file=sys.stderr, flush=True)
 
 
-def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, grace: float = 30.0,
-           tail_lines: int = 40, command: list[str] | None = None) -> int:
-    """Runs `command` (default: `python -m jaxpar.train *train_args`) as `nproc` processes of
-    one distributed run on 127.0.0.1; returns the exit code: 0 when all exit 0, else the first
-    failed process's (128 + signal for a signal). See the module docstring."""
-    command = list(command or [sys.executable, "-m", "jaxpar.train", *train_args])
-    coordinator = f"127.0.0.1:{port or free_port()}"
-    requested: list[int] = []  # signals received, forwarded by the loop below
-
-    def on_signal(signum, frame):
-        requested.append(signum)
-
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED} if main_thread else {}
-    children = _start_children(command, nproc, coordinator, tail_lines)
+def _run_once(command: list[str], nproc: int, coordinator: str, restart: int, grace: float,
+              tail_lines: int, requested: list[int]) -> tuple[list[Child], tuple[Child, int] | None]:
+    """One attempt: starts the processes, forwards the signals that arrive in `requested`, and
+    stops them all at the first failure. Returns the children (all stopped, unless one survived
+    SIGKILL) and the first failure (child, Popen returncode), or None when all exited 0."""
+    children = _start_children(command, nproc, coordinator, tail_lines, restart)
     _say(f"{nproc} processes, coordinator {coordinator}: "
          + ", ".join(f"process {c.index} pid {c.proc.pid}" for c in children))
     exits: queue.Queue = queue.Queue()
@@ -270,23 +342,84 @@ def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, g
                 _stop_all(children, grace)
                 break
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         _stop_all([c for c in children if c.running()], grace)  # e.g. on KeyboardInterrupt
     for child in children:
         for reader in child.readers:
             reader.join(timeout=2.0)
-    if failed is None:
-        return 0
-    child, returncode = failed
-    _report_failure(child, returncode, tail_lines)
-    return exit_code(returncode)
+    return children, failed
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, grace: float = 30.0,
+           tail_lines: int = 40, command: list[str] | None = None, max_restarts: int = 0) -> int:
+    """Runs `command + train_args` (default command: `python -m jaxpar.train`) as `nproc`
+    processes of one distributed run on 127.0.0.1, restarting all of them up to `max_restarts`
+    times after a failure; returns the exit code: 0 when all exit 0, else the last attempt's first
+    failed process's (128 + signal for a signal). See the module docstring."""
+    base = [*(command or [sys.executable, "-m", "jaxpar.train"]), *train_args]
+    # The run dir of a custom command is known only from the train arguments it is given.
+    run_dir, resume = _train_settings(train_args) if command is None or train_args else (None, "auto")
+    requested: list[int] = []  # signals not yet forwarded (by _run_once)
+    received: list[int] = []  # every signal received: the user asked to stop, no restart
+
+    def on_signal(signum, frame):
+        requested.append(signum)
+        received.append(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED} if main_thread else {}
+    restarts, extra_args = 0, []
+    try:
+        while True:
+            coordinator = f"127.0.0.1:{port or free_port()}"
+            children, failed = _run_once(base + extra_args, nproc, coordinator, restarts, grace,
+                                         tail_lines, requested)
+            if failed is None:
+                if max_restarts:
+                    _say(f"all {nproc} processes finished after "
+                         f"{_plural(restarts, 'restart')} (--max-restarts {max_restarts})")
+                return 0
+            child, returncode = failed
+            _report_failure(child, returncode, tail_lines)
+            code = exit_code(returncode)
+            if not max_restarts:
+                return code
+            survivors = [c for c in children if c.running()]
+            if received:
+                why_not = f"a stop was requested ({signal.Signals(received[0]).name})"
+            elif returncode == CONFIG_ERROR:
+                why_not = f"exit code {code} is a configuration error, which a restart would repeat"
+            elif survivors:
+                why_not = (f"process {survivors[0].index} (pid {survivors[0].proc.pid}) is still "
+                           "running after SIGKILL")
+            elif restarts >= max_restarts:
+                why_not = "no restarts are left"
+            else:
+                why_not = None
+            if why_not is not None:
+                _say(f"not restarting: {why_not} ({restarts} of --max-restarts {max_restarts} "
+                     f"used); exit code {code}")
+                return code
+            restarts += 1
+            plan = Resumption.plan(run_dir, resume)
+            extra_args = plan.extra_args
+            _say(f"restart {restarts} of {max_restarts}: process {child.index} (pid "
+                 f"{child.proc.pid}) failed: {describe_exit(returncode)}; starting all {nproc} processes "
+                 f"again {plan.where}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 USAGE_EPILOG = """examples:
   python -m jaxpar.launch --nproc 2 runtime.cpu_devices=4 mesh.data=2 mesh.fsdp=2 mesh.tensor=2
   python -m jaxpar.launch --nproc 4 configs/default.yaml runtime.cpu_devices=2 mesh.data=4 \\
-      mesh.fsdp=1 mesh.tensor=2"""
+      mesh.fsdp=1 mesh.tensor=2
+  python -m jaxpar.launch --nproc 2 --max-restarts 3 runtime.cpu_devices=4 mesh.data=2 \\
+      mesh.fsdp=2 mesh.tensor=2 checkpoint.every=100"""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -300,6 +433,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds the others get to stop once one has stopped or a stop was "
                              "requested, before SIGKILL (default 30)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="after a failure, restart all processes from the newest complete "
+                             "checkpoint, up to this many times (default 0: exit with the "
+                             "failure's code)")
     parser.add_argument("--tail", type=int, default=40,
                         help="lines of a failed process's output to print (default 40)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
@@ -309,6 +446,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.train_args = args.train_args[1:]
     if args.nproc < 1:
         parser.error(f"--nproc={args.nproc}: need at least 1 process")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts={args.max_restarts}: need a count >= 0")
     if args.grace < 0:
         parser.error(f"--grace={args.grace}: need a duration >= 0")
     given = [a for a in args.train_args if a.startswith("distributed.")]
@@ -321,7 +460,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     return launch(args.nproc, args.train_args, port=args.port, grace=args.grace,
-                  tail_lines=args.tail)
+                  tail_lines=args.tail, max_restarts=args.max_restarts)
 
 
 if __name__ == "__main__":

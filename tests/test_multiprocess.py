@@ -2,8 +2,9 @@
 
 Two processes x 4 emulated CPU devices (gloo collectives over loopback) must train, checkpoint
 and resume exactly like one process x 8 devices -- the same first-step gradients, leaf by leaf,
-and the same losses and gradient norms -- and a process that dies must bring the whole launch
-down with its exit code, in bounded time.
+and the same losses and gradient norms. A process that dies must bring the whole launch down with
+its exit code, in bounded time; with --max-restarts, all processes start again from the last
+checkpoint and finish with the losses of an unbroken run.
 """
 
 import json
@@ -19,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxpar.launch import launch
+from jaxpar.launch import Resumption, launch, parse_args
 from tests.parity import TINY_YAML, assert_grads_match, assert_nonzero
 from tests.test_train import ROOT
 
@@ -66,6 +67,43 @@ def keeping_first_grads(npz) -> list[str]:
     return [sys.executable, "-c", KEEP_FIRST_GRADS, str(npz)]
 
 
+# `python -m jaxpar.train HELD ARGS...` whose process 1, on a launch's first attempt
+# (JAXPAR_RESTART_COUNT=0), stops before step 3 once checkpoint 2 is committed, touches HELD and
+# waits to be killed: a kill between a committed checkpoint and the end of the run, every time.
+HOLD_AT_STEP_3 = textwrap.dedent("""
+    import os, sys, time
+    import jax
+    from jaxpar import train as train_lib
+
+    held, build = sys.argv[1], train_lib.build_trainer
+
+    def build_holding_at_step_3(cfg, sizes, devices=None):
+        trainer = build(cfg, sizes, devices)
+        step, calls = trainer.step, []
+        committed = os.path.join(cfg.train.run_dir, "checkpoints", "2", "jaxpar_manifest.json")
+
+        def step_holding(state, batch):
+            calls.append(1)
+            if (len(calls) == 3 and jax.process_index() == 1
+                    and os.environ["JAXPAR_RESTART_COUNT"] == "0"):
+                while not os.path.exists(committed):
+                    time.sleep(0.05)
+                open(held, "w").close()
+                time.sleep(600)
+            return step(state, batch)
+
+        trainer.step = step_holding
+        return trainer
+
+    train_lib.build_trainer = build_holding_at_step_3
+    sys.exit(train_lib.main(sys.argv[2:]))
+""")
+
+
+def holding_at_step_3(held) -> list[str]:
+    return [sys.executable, "-c", HOLD_AT_STEP_3, str(held)]
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The processes' environment. The compilation cache lets a rerun skip compiling: only
@@ -80,14 +118,17 @@ def one_process(run_dir, *args, train=TRAIN):
     return [*train, *args, f"train.run_dir={run_dir}", "runtime.cpu_devices=8"]
 
 
-def two_processes(run_dir, *args, grace=30, train=None):
+def two_processes(run_dir, *args, grace=30, max_restarts=0, train=None):
     """`python -m jaxpar.launch --nproc 2`; with `train` (a command instead of `python -m
     jaxpar.train`), the same launch through `jaxpar.launch.launch(command=...)`."""
     tail = [*args, f"train.run_dir={run_dir}", "runtime.cpu_devices=4"]
     if train is None:
-        return [sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--grace", str(grace), *tail]
+        return [sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--grace", str(grace),
+                "--max-restarts", str(max_restarts), *tail]
+    n = 1 + len(train)  # sys.argv = ["-c", *train, *tail]
     script = ("import sys; from jaxpar.launch import launch; "
-              f"sys.exit(launch(2, command=sys.argv[1:], grace={grace}))")
+              f"sys.exit(launch(2, sys.argv[{n}:], command=sys.argv[1:{n}], grace={grace}, "
+              f"max_restarts={max_restarts}))")
     return [sys.executable, "-c", script, *train, *tail]
 
 
@@ -179,35 +220,47 @@ def _child_pids(launcher_err):
     return {int(index): int(pid) for index, pid in pairs}
 
 
-def test_a_killed_process_stops_the_launch_with_its_exit_code(env, tmp_path):
-    err_path = tmp_path / "launch.err"
+def test_a_killed_process_restarts_the_launch_from_the_last_checkpoint(runs, env, tmp_path):
+    """--max-restarts 1, process 1 SIGKILLed at step 3 of 4 (checkpoint 2 committed): the launch
+    restarts both processes, which resume from step 2 and end with the unbroken run's losses.
+    Equal losses alone would not show a restart that started over (the run is deterministic):
+    process 0 must also say it resumed from step 2, and metrics.jsonl hold each step once."""
+    run_dir, held, err_path = tmp_path / "run", tmp_path / "held", tmp_path / "launch.err"
     with open(err_path, "w") as err:
         launcher = subprocess.Popen(
-            two_processes(tmp_path / "run", *TINY, "train.steps=100000", "checkpoint.every=0", grace=5),
+            two_processes(run_dir, *RUN, grace=5, max_restarts=1, train=holding_at_step_3(held)),
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
-        _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists(), launcher, "training started")
+        _wait_for(held.exists, launcher, "process 1 to hold before step 3")
         pids = _child_pids(err_path)
         os.kill(pids[1], signal.SIGKILL)
-        killed_at = time.monotonic()
-        assert launcher.wait(timeout=60) == 128 + signal.SIGKILL
+        assert launcher.wait(timeout=240) == 0, err_path.read_text()[-3000:]
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert time.monotonic() - killed_at < 60
     report = err_path.read_text()
     assert f"process 1 (pid {pids[1]}) failed: killed by SIGKILL (exit code 137)" in report
     assert "last 40 lines of process 1:" in report
-    assert not os.path.exists(f"/proc/{pids[0]}")  # process 0 was stopped too
+    assert (f"restart 1 of 1: process 1 (pid {pids[1]}) failed: killed by SIGKILL (exit code 137); "
+            f"starting all 2 processes again from step 2, the newest complete checkpoint in "
+            f"{run_dir / 'checkpoints'}\n") in report
+    assert report.count("resumed from step 2") == 1  # process 0 of the restart, not a fresh start
+    assert report.rstrip().endswith("all 2 processes finished after 1 restart (--max-restarts 1)")
+    assert not os.path.exists(f"/proc/{pids[0]}")  # the first attempt's process 0 was stopped
+    with open(run_dir / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
+    want, got = losses(runs / "two"), losses(run_dir)
+    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
+    assert committed_steps(run_dir) == [2, 4]
 
 
 # The launcher's own bookkeeping, with stand-in processes instead of training (no JAX).
 
 CHILD = textwrap.dedent("""
     import os, pathlib, signal, sys, time
-    failing, ready = int(sys.argv[1]), pathlib.Path(sys.argv[2])
+    failing, ready, term_code = int(sys.argv[1]), pathlib.Path(sys.argv[2]), int(sys.argv[3])
     index, count = int(os.environ["JAXPAR_PROCESS_ID"]), int(os.environ["JAXPAR_NUM_PROCESSES"])
-    signal.signal(signal.SIGTERM, lambda *_: (print(f"{index}: SIGTERM", flush=True), sys.exit(0)))
+    signal.signal(signal.SIGTERM, lambda *_: (print(f"{index}: SIGTERM", flush=True), sys.exit(term_code)))
     print(f"process {index} of {count} at {os.environ['JAXPAR_COORDINATOR']}", flush=True)
     (ready / str(index)).touch()
     deadline = time.monotonic() + 60
@@ -220,10 +273,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _children(failing, ready_dir):
-    """Stand-in processes: each notes it is ready; `failing` then exits 3, the rest wait."""
+def _children(failing, ready_dir, term_code=0):
+    """Stand-in processes: each notes it is ready; `failing` then exits 3, the rest wait (and
+    exit `term_code` on SIGTERM)."""
     ready_dir.mkdir()
-    return [sys.executable, "-c", CHILD, str(failing), str(ready_dir)]
+    return [sys.executable, "-c", CHILD, str(failing), str(ready_dir), str(term_code)]
 
 
 def test_the_first_failure_gives_the_exit_code_and_its_last_lines(tmp_path, capsys):
@@ -236,13 +290,111 @@ def test_the_first_failure_gives_the_exit_code_and_its_last_lines(tmp_path, caps
     assert err.endswith("last 5 lines of process 2:\nline 95\nline 96\nline 97\nline 98\nline 99\n")
 
 
-def test_sigterm_to_the_launcher_reaches_every_process_once(tmp_path):
+@pytest.mark.parametrize("term_code, max_restarts", [(0, 0), (1, 1)])
+def test_sigterm_to_the_launcher_reaches_every_process_once(tmp_path, term_code, max_restarts):
+    """A stop the user asks for is no failure to restart, even where the processes then exit
+    non-zero (term_code): the launcher exits with their code, after one attempt."""
     script = ("import sys; from jaxpar.launch import launch; "
-              f"sys.exit(launch(2, command={_children(-1, tmp_path / 'ready')!r}))")
+              f"sys.exit(launch(2, command={_children(-1, tmp_path / 'ready', term_code)!r}, "
+              f"max_restarts={max_restarts}))")
     launcher = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: len(os.listdir(tmp_path / "ready")) == 2, launcher, "the processes", timeout=30)
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=30)
-    assert launcher.returncode == 0, err
+    assert launcher.returncode == term_code, err
     assert out.count("0: SIGTERM") == 1 and "forwarding SIGTERM" in err
+    assert "restart 1" not in err and err.count("processes, coordinator") == 1
+    if max_restarts:
+        assert err.rstrip().endswith("not restarting: a stop was requested (SIGTERM) "
+                                     "(0 of --max-restarts 1 used); exit code 1")
+
+
+# Stand-in processes for restarts: on attempt k (JAXPAR_RESTART_COUNT), process 0 prints its
+# arguments and coordinator, then ends as CODES[k] says (the last entry for later attempts): an
+# exit code, or "kill" (SIGKILL). The others wait to be stopped, or exit 0 with process 0.
+ATTEMPT = textwrap.dedent("""
+    import os, signal, sys, time
+    codes = sys.argv[1].split(",")
+    index, restart = int(os.environ["JAXPAR_PROCESS_ID"]), int(os.environ["JAXPAR_RESTART_COUNT"])
+    code = codes[min(restart, len(codes) - 1)]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if index == 0:
+        print(f"attempt {restart} at {os.environ['JAXPAR_COORDINATOR']} with {sys.argv[2:]}", flush=True)
+        if code == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(int(code))
+    if code != "0":
+        time.sleep(60)
+""")
+
+
+def _attempts(codes):
+    return [sys.executable, "-c", ATTEMPT, codes]
+
+
+def test_restarts_take_a_new_port_until_used_up_then_give_the_last_failures_code(capsys):
+    """Catches: restarting more (or fewer) times than asked, the first failure's code instead of
+    the last one's (torchrun returns the last), one coordinator port for every attempt."""
+    assert launch(2, command=_attempts("3,kill,5,0"), max_restarts=2, grace=10) == 5
+    out, err = capsys.readouterr()
+    attempts = re.findall(r"attempt (\d) at 127\.0\.0\.1:(\d+)", out)
+    assert [k for k, _ in attempts] == ["0", "1", "2"]
+    assert len({port for _, port in attempts}) > 1  # fresh free ports (equal by chance: ~1e-9)
+    first, second = re.findall(r"restart (\d) of 2: process 0 \(pid \d+\) failed: ([^;]*); "
+                               r"starting all 2 processes again from the newest complete "
+                               r"checkpoint \(if any\)\n", err)
+    assert first == ("1", "exit code 3") and second == ("2", "killed by SIGKILL (exit code 137)")
+    assert "restart 3" not in err
+    assert err.rstrip().endswith("not restarting: no restarts are left (2 of --max-restarts 2 "
+                                 "used); exit code 5")
+
+
+def test_a_configuration_error_is_not_restarted(capsys):
+    """Exit code 2 is jaxpar's configuration error: a restart would fail the same way."""
+    assert launch(2, command=_attempts("3,2,0"), max_restarts=3, grace=10) == 2
+    out, err = capsys.readouterr()
+    assert "restart 1 of 3" in err and "restart 2" not in err and "attempt 2" not in out
+    assert err.rstrip().endswith("not restarting: exit code 2 is a configuration error, which a "
+                                 "restart would repeat (1 of --max-restarts 3 used); exit code 2")
+
+
+def test_without_restarts_a_killed_process_stops_the_launch_with_its_exit_code(capsys):
+    assert launch(2, command=_attempts("kill,0"), grace=10) == 128 + signal.SIGKILL
+    out, err = capsys.readouterr()
+    assert "attempt 1" not in out and "restart" not in err
+    assert err.endswith("failed: killed by SIGKILL (exit code 137)\njaxpar.launch: its output is above\n")
+
+
+def test_a_restart_resumes_from_the_newest_complete_checkpoint(tmp_path, capsys):
+    """The restart line names the newest committed checkpoint with a manifest (not an unfinished
+    save, not a directory without jaxpar's manifest), and a command's train.resume=never or step
+    becomes auto for the restarts -- or never while there is no checkpoint to resume from."""
+    run_dir = tmp_path / "run"
+    for name in ("2", "4", "6.orbax-checkpoint-tmp-1700000000"):
+        (run_dir / "checkpoints" / name).mkdir(parents=True)
+    for name in ("2", "6.orbax-checkpoint-tmp-1700000000"):
+        (run_dir / "checkpoints" / name / "jaxpar_manifest.json").write_text("{}")
+    args = [f"train.run_dir={run_dir}", "train.resume=never"]
+    assert launch(2, args, command=_attempts("3,0"), max_restarts=1, grace=10) == 0
+    out, err = capsys.readouterr()
+    assert re.findall(r"attempt \d at \S+ with (.*)", out) == [str(args), str([*args, "train.resume=auto"])]
+    assert re.search(r"restart 1 of 1: process 0 \(pid \d+\) failed: exit code 3; starting all 2 "
+                     r"processes again from step 2, the newest complete checkpoint in "
+                     + re.escape(str(run_dir / "checkpoints")) + r" \(train\.resume=auto instead of "
+                     r"the command's train\.resume=never: ", err)
+    assert err.rstrip().endswith("all 2 processes finished after 1 restart (--max-restarts 1)")
+    for resume, want in [("auto", []), ("2", ["train.resume=auto"])]:
+        assert Resumption.plan(str(run_dir), resume).extra_args == want
+    empty = tmp_path / "empty"
+    for resume, want in [("auto", ["train.resume=never"]), ("never", [])]:
+        plan = Resumption.plan(str(empty), resume)
+        assert (plan.step, plan.extra_args) == (None, want) and "from step 0" in plan.where
+    assert Resumption.plan(None, "never").extra_args == []  # a command the launcher cannot read
+
+
+def test_the_command_line_takes_max_restarts():
+    assert parse_args(["--nproc", "2", "--max-restarts", "3", "train.steps=4"]).max_restarts == 3
+    assert parse_args(["--nproc", "2", "train.steps=4"]).max_restarts == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--nproc", "2", "--max-restarts", "-1"])
