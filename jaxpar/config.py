@@ -43,7 +43,7 @@ Remat = Literal["none", "dots", "full"]
 ContextLayout = Literal["zigzag", "contiguous"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 ZeroStage = Literal[0, 1, 2, 3]
-DataFormat = Literal["auto", "text", "jsonl"]
+DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 DataErrors = Literal["strict", "replace", "skip"]
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
@@ -113,9 +113,12 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib (this Python's own .py files) | a path or glob of text/JSONL
-    format: DataFormat = "auto"  # auto (by extension) | text | jsonl
-    text_field: str = "text"  # the JSONL field that holds a document
+    # stdlib (this Python's own .py files; whole, it is prepared once into a cache) | a path or
+    # glob of text/JSONL/Parquet files (read into memory) | a directory of prepared token shards
+    # (python -m jaxpar.data prepare; read a sequence at a time)
+    source: str = "stdlib"  # stdlib | a path or glob | a directory of prepared shards (see above)
+    format: DataFormat = "auto"  # auto (by extension) | text | jsonl | parquet
+    text_field: str = "text"  # the JSONL field (Parquet column) that holds a document
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
     max_documents: int | None = None  # read at most this many documents (None = all)
     shuffle: bool = True  # shuffle the packed sequences with train.seed (a new order every epoch)
@@ -470,7 +473,8 @@ def data_files(data: DataConfig) -> list[str]:
     if os.path.isdir(source):
         raise ConfigError(
             f"data.source='{data.source}' is a directory; name its files with a glob, e.g. "
-            f"data.source='{os.path.join(data.source, '*.txt')}' or '{os.path.join(data.source, '**', '*.jsonl')}'")
+            f"data.source='{os.path.join(data.source, '*.txt')}' or '{os.path.join(data.source, '**', '*.jsonl')}'"
+            ", or give a directory of prepared shards (python -m jaxpar.data prepare SOURCES --out DIR)")
     files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
     if not files:
         raise ConfigError(f"data.source='{data.source}': no such file (or nothing matches the glob)")
@@ -661,7 +665,14 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
             f"train.loss_chunks={t.loss_chunks} must divide train.seq_len={t.seq_len} into pieces "
             f"that split evenly over the {seq_shards} devices holding the sequence; use 0 (auto) "
             f"or one of {fits}")
-    if cfg.data.source != "stdlib":
+    source = os.path.expanduser(cfg.data.source)
+    if cfg.data.source == "stdlib" or os.path.isfile(os.path.join(source, "manifest.json")):
+        pass  # prepared shards are checked when opened (tokenizer, sizes): jaxpar.shards
+    elif os.path.isfile(os.path.join(source, "prepare.json")):
+        raise ConfigError(
+            f"data.source='{cfg.data.source}' has no manifest.json: its preparation did not "
+            "finish; run the same `python -m jaxpar.data prepare` command again, it resumes")
+    else:
         data_files(cfg.data)
     if cfg.data.tokenizer != "byte" and not os.path.isfile(cfg.data.tokenizer):
         raise ConfigError(

@@ -309,7 +309,9 @@ def make_data(cfg: Config):
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({tokenizer.vocab_size}); raise model.vocab_size"
         )
-    packed = data_lib.pack(data_lib.read_documents(cfg.data), tokenizer, cfg.train.seq_len)
+    # Prepared shards (a directory, or the whole stdlib, cached) are memory-mapped; other sources
+    # are read and packed in memory. Either way the same documents give the same batches.
+    packed = data_lib.packed_source(cfg.data, tokenizer, cfg.train.seq_len)
     return data_lib.batch_dataset(
         packed, global_batch=cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
         process_index=jax.process_index(), process_count=jax.process_count())

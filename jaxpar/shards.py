@@ -1,0 +1,586 @@
+"""Prepared token shards: tokenize a corpus once, then train reading a sequence at a time.
+
+`python -m jaxpar.data prepare SOURCES --tokenizer T --out DIR` reads text files, globs, JSONL
+(also .gz/.zst) and Parquet (column `--text-field`), tokenizes them on all cores (the tokenizers
+library's batch encoding) and writes, into DIR:
+
+- `train-NNNNN.bin`: the shard's tokens, little-endian uint16 (a vocabulary of at most 65536) or
+  uint32, every document followed by the end-of-document token -- the packed stream itself, so a
+  training run laying the shards end to end packs exactly what `data.pack` packs from the raw
+  source (same documents, order, end-of-document tokens, sequences, shuffle);
+- `train-NNNNN.idx`: little-endian int64, the end offset (exclusive) of each document in the shard
+  (the document index: segment ids and positions come from it, by binary search, per window);
+- `val-NNNNN.bin/.idx` with `--val-fraction`: the documents carved off for validation (chosen by a
+  hash of their text: the same document always falls on the same side);
+- `manifest.json`: the tokenizer (spec, SHA-256 of its file, vocabulary, end-of-document id), the
+  token dtype, the options, every source file (path, size, SHA-256) and every shard (documents,
+  tokens, SHA-256 of both files). Training checks the tokenizer and the shard sizes against it.
+
+Why flat token files and not ArrayRecord: packing cuts sequences at any token, across documents,
+so the unit of random access is a token range, not a record. A flat file gives any window with
+one positioned read of exactly its bytes (no decompression, nothing else read), and the document
+index, memory-mapped, gives its segment ids and positions by binary search; ArrayRecord would need
+several record reads per window (or records of pre-cut sequences, fixing train.seq_len at
+preparation). The files are plain arrays (nanoGPT's and llm.c's .bin, Megatron's .bin/.idx), numpy
+maps them without another dependency, and they hold no headers or timestamps: the same input
+gives the same bytes. The cost is no compression (2 bytes a token below 65536 ids). Tokens are
+read, not memory-mapped: see PreparedSequences.
+
+Preparation keeps memory bounded (one batch of text and a few MiB of tokens at a time) and
+resumes: shards are cut at document boundaries once they hold `--shard-tokens` tokens; each is
+written under a temporary name, synced and renamed, then recorded in `part-NNNNN.json` (which
+also says where in the sources the next shard starts). Interrupted, the same command skips the
+complete shards and goes on from there; the manifest is written last, under a temporary name
+then renamed (the part files and prepare.json, the preparation's own record of its input, are
+removed then), and training refuses a directory without one. A second run on a finished
+directory with the same input does nothing; on another input it refuses. Bad input (an error
+naming the file) leaves nothing behind: the input has to change, and changed input starts over.
+
+The default source (`stdlib`, whole) prepares itself on first use into a cache directory
+($JAXPAR_CACHE, else $XDG_CACHE_HOME/jaxpar or ~/.cache/jaxpar), keyed by the interpreter, its
+standard library's files and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from jaxpar.config import ConfigError, DataConfig
+from jaxpar.data import (_Skipped, iter_documents, make_tokenizer, packed_sample, parquet_file,
+                         source_entries, stdlib_files)
+
+FORMAT = "jaxpar-token-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+PLAN = "prepare.json"
+DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB shards of uint16
+_BATCH_BYTES = 4 << 20  # text per batch handed to the tokenizer
+_BATCH_DOCS = 4096
+_FLUSH_TOKENS = 1 << 20  # tokens held before a write
+
+
+# --- Identity -----------------------------------------------------------------------------------
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_identity(spec: str, tokenizer=None) -> dict:
+    """What names a tokenizer in a manifest: its spec, the SHA-256 of its file (of a fixed string
+    for the byte tokenizer), its vocabulary and end-of-document id."""
+    tokenizer = tokenizer or make_tokenizer(DataConfig(tokenizer=spec))
+    digest = (hashlib.sha256(b"jaxpar byte tokenizer: utf-8 bytes, end-of-document 256").hexdigest()
+              if spec == "byte" else file_sha256(spec))
+    return {"spec": spec, "sha256": digest, "vocab_size": int(tokenizer.vocab_size),
+            "eod_id": int(tokenizer.eod_id)}
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "<u2" if vocab_size <= 1 << 16 else "<u4"
+
+
+def _write_json(path: str, obj) -> None:
+    """Written whole under a temporary name, synced, then renamed: never half-written."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable ({e}); prepare the corpus again "
+                          "(python -m jaxpar.data prepare)") from None
+
+
+@contextlib.contextmanager
+def _locked(directory: str):
+    """One preparation of a directory at a time (processes of one run share the stdlib cache)."""
+    import fcntl
+
+    with open(os.path.join(directory, ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# --- Writing ------------------------------------------------------------------------------------
+
+
+class _SplitWriter:
+    """One shard of one split: tokens to `<name>.bin`, document ends to `<name>.idx`, both under
+    temporary names until `close` renames them."""
+
+    def __init__(self, directory: str, name: str, dtype: str, eod_id: int):
+        self.directory, self.name, self.dtype = directory, name, np.dtype(dtype)
+        self.eod = np.array([eod_id], dtype=self.dtype)
+        suffix = f".tmp-{os.getpid()}"
+        self.paths = {ext: os.path.join(directory, f"{name}.{ext}") for ext in ("bin", "idx")}
+        self.tmp = {ext: path + suffix for ext, path in self.paths.items()}
+        self.files = {ext: open(path, "wb") for ext, path in self.tmp.items()}
+        self.hashes = {ext: hashlib.sha256() for ext in self.paths}
+        self.tokens = self.documents = 0
+        self._pieces, self._ends, self._held = [], [], 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self._pieces += [ids, self.eod]
+        self.tokens += len(ids) + 1
+        self.documents += 1
+        self._ends.append(self.tokens)
+        self._held += len(ids) + 1
+        if self._held >= _FLUSH_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pieces:
+            for ext, array in (("bin", np.concatenate(self._pieces).astype(self.dtype)),
+                               ("idx", np.asarray(self._ends, dtype="<i8"))):
+                data = array.tobytes()
+                self.files[ext].write(data)
+                self.hashes[ext].update(data)
+        self._pieces, self._ends, self._held = [], [], 0
+
+    def close(self) -> dict:
+        self._flush()
+        for ext, f in self.files.items():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(self.tmp[ext], self.paths[ext])
+        return {"name": self.name, "documents": self.documents, "tokens": self.tokens,
+                "sha256": {ext: h.hexdigest() for ext, h in self.hashes.items()}}
+
+    def abort(self) -> None:
+        for ext, f in self.files.items():
+            f.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp[ext])
+
+
+def _shard_files(directory: str, record: dict, dtype: str) -> list[tuple[str, int]]:
+    """(path, expected size in bytes) of a shard's two files."""
+    base = os.path.join(directory, record["name"])
+    return [(base + ".bin", record["tokens"] * np.dtype(dtype).itemsize),
+            (base + ".idx", record["documents"] * 8)]
+
+
+def _shard_problem(directory: str, record: dict, dtype: str) -> str | None:
+    for path, size in _shard_files(directory, record, dtype):
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        if (have := os.path.getsize(path)) != size:
+            return (f"{path} is {have} bytes, but {record['tokens']} tokens and {record['documents']} "
+                    f"documents make {size}: it is truncated or was changed")
+    return None
+
+
+def _complete_parts(out: str, plan: dict) -> list[dict]:
+    """The shards a previous run finished (consecutive from 0, files of the recorded sizes); the
+    files of any others, and temporary files, are removed."""
+    parts = []
+    while os.path.isfile(path := os.path.join(out, f"part-{len(parts):05d}.json")):
+        try:
+            part = _read_json(path)
+        except ConfigError:
+            break
+        if any(_shard_problem(out, r, plan["dtype"]) for r in part["splits"].values()):
+            break
+        parts.append(part)
+    keep = {MANIFEST, PLAN, ".lock"} | {f"part-{k:05d}.json" for k in range(len(parts))}
+    keep |= {f"{r['name']}.{ext}" for p in parts for r in p["splits"].values() for ext in ("bin", "idx")}
+    for name in os.listdir(out):
+        if name not in keep:
+            os.unlink(os.path.join(out, name))
+    return parts
+
+
+def _different(a: dict, b: dict) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(keys)
+
+
+def _is_val(text: str, fraction: float) -> bool:
+    if fraction <= 0:
+        return False
+    h = hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(h, "little") < fraction * 2.0 ** 64
+
+
+def prepare(sources: list[str], out: str, *, tokenizer: str = "byte", fmt: str = "auto",
+            text_field: str = "text", errors: str = "strict", val_fraction: float = 0.0,
+            max_documents: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+            progress: bool | None = None, log=None) -> dict:
+    """Tokenizes `sources` (paths, globs or `stdlib`, read in the order given) into shards in
+    `out` (see the module docstring); returns the manifest. Bad input is a ConfigError naming the
+    file, raised before anything is written where it can be checked up front."""
+    log = log or (lambda message: print(message, file=sys.stderr))
+    clock = time.perf_counter()
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"--val-fraction={val_fraction}: use a fraction in [0, 1), e.g. 0.01")
+    if shard_tokens < 1:
+        raise ConfigError(f"--shard-tokens={shard_tokens}: must be at least 1")
+    if max_documents is not None and max_documents < 1:
+        raise ConfigError(f"--max-documents={max_documents}: must be at least 1")
+    entries = [entry for source in sources for entry in source_entries(source, fmt)]
+    for path, kind in entries:
+        if kind == "parquet":
+            parquet_file(path, text_field)  # the column is there: checked before any work
+    tok = make_tokenizer(DataConfig(tokenizer=tokenizer))
+    identity = tokenizer_identity(tokenizer, tok)
+    dtype = token_dtype(identity["vocab_size"])
+    plan = {
+        "format": FORMAT, "version": VERSION, "tokenizer": identity, "dtype": dtype,
+        "options": {"sources": list(sources), "format": fmt, "text_field": text_field,
+                    "errors": errors, "val_fraction": val_fraction,
+                    "max_documents": max_documents, "shard_tokens": shard_tokens},
+        "sources": _describe(entries, progress),
+    }
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out={out} is a file; give a directory")
+    created = not os.path.exists(out)
+    os.makedirs(out, exist_ok=True)
+    with _locked(out):
+        manifest_path, plan_path = os.path.join(out, MANIFEST), os.path.join(out, PLAN)
+        if os.path.isfile(manifest_path):
+            manifest = _read_json(manifest_path)
+            old = {k: manifest.get(k) for k in plan}
+            if old == plan:
+                for split in manifest["splits"].values():
+                    for record in split["shards"]:
+                        if (problem := _shard_problem(out, record, plan["dtype"])) is not None:
+                            raise ConfigError(f"{problem}; remove {out} and prepare it again")
+                log(f"{out} is up to date ({manifest['splits']['train']['tokens']} training tokens)")
+                return manifest
+            raise ConfigError(f"{manifest_path}: {out} already holds shards prepared from other input "
+                              f"({_different(old, plan)} differ); remove it or give another --out")
+        if os.path.isfile(plan_path):
+            if (old := _read_json(plan_path)) != plan:
+                log(f"{out}: the input changed since the unfinished preparation there "
+                    f"({_different(old, plan)}); starting over")
+                for name in os.listdir(out):
+                    if name != ".lock":
+                        os.unlink(os.path.join(out, name))
+        elif any(not name.startswith(".") for name in os.listdir(out)):
+            raise ConfigError(f"--out={out} holds other files and no jaxpar preparation; give a new or "
+                              "empty directory")
+        _write_json(plan_path, plan)
+        parts = _complete_parts(out, plan)
+        try:
+            manifest = _prepare_parts(out, plan, entries, tok, parts, progress, log, clock)
+        except BaseException as e:
+            # Bad input (a ConfigError) must change before a rerun, which then starts over: nothing
+            # is kept. An interruption keeps the complete shards, for the rerun to resume from.
+            if isinstance(e, ConfigError) or not os.path.exists(os.path.join(out, "part-00000.json")):
+                if created:
+                    shutil.rmtree(out, ignore_errors=True)
+                else:
+                    for name in os.listdir(out):
+                        if name != ".lock":
+                            os.unlink(os.path.join(out, name))
+            raise
+        return manifest
+
+
+def _describe(entries: list[tuple[str, str]], progress: bool | None) -> list[dict]:
+    """Path, kind, size and SHA-256 of every source file (what names the input, for a resume)."""
+    from tqdm import tqdm
+
+    sizes = [os.path.getsize(path) for path, _ in entries]
+    described = []
+    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="hash", file=sys.stderr,
+              disable=None if progress is None else not progress) as bar:
+        for (path, kind), size in zip(entries, sizes):
+            described.append({"path": path, "kind": kind, "bytes": size, "sha256": file_sha256(path)})
+            bar.update(size)
+    return described
+
+
+def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict:
+    from tqdm import tqdm
+
+    options = plan["options"]
+    val_fraction, shard_tokens = options["val_fraction"], options["shard_tokens"]
+    max_documents = options["max_documents"]
+    splits = ["train", "val"] if val_fraction > 0 else ["train"]
+    start = tuple(parts[-1]["end"]) if parts else (0, 0)
+    total = parts[-1]["documents_total"] if parts else 0
+    if parts:
+        log(f"{out}: {len(parts)} shard(s) already complete; resuming at document {total}")
+    sizes = [s["bytes"] for s in plan["sources"]]
+    before = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    bar = tqdm(total=before[-1], initial=before[start[0]], unit="B", unit_scale=True,
+               desc="prepare", disable=None if progress is None else not progress, file=sys.stderr)
+    new_tokens = 0
+    skipped = _Skipped()
+    raw = [0]
+    state = {"chunk": None, "end": start, "total": total}
+
+    def chunk():
+        if state["chunk"] is None:
+            k = len(parts)
+            state["chunk"] = {s: _SplitWriter(out, f"{s}-{k:05d}", plan["dtype"], tok.eod_id)
+                              for s in splits}
+        return state["chunk"]
+
+    def finish():
+        writers, state["chunk"] = state["chunk"], None
+        k = len(parts)
+        part = {"index": k, "end": list(state["end"]), "documents_total": state["total"],
+                "splits": {s: w.close() for s, w in writers.items()}}
+        _write_json(os.path.join(out, f"part-{k:05d}.json"), part)
+        parts.append(part)
+
+    def encode(batch) -> bool:
+        """Tokenizes and writes a batch; True once max_documents are in."""
+        nonlocal new_tokens
+        for (i, records, text), ids in zip(batch, tok.encode_batch([t for _, _, t in batch])):
+            writers = chunk()
+            writers["val" if _is_val(text, val_fraction) else "train"].add(ids)
+            new_tokens += len(ids) + 1
+            state["total"] += 1
+            state["end"] = (i, records)
+            if sum(w.tokens for w in writers.values()) >= shard_tokens:
+                finish()
+            if max_documents is not None and state["total"] >= max_documents:
+                return True
+        return False
+
+    batch, held, full = [], 0, max_documents is not None and total >= max_documents
+    try:
+        if not full:
+            for item in iter_documents(entries, options["text_field"], options["errors"], skipped,
+                                       start, raw):
+                batch.append(item)
+                held += len(item[2])
+                if held >= _BATCH_BYTES or len(batch) >= _BATCH_DOCS:
+                    full = encode(batch)
+                    batch, held = [], 0
+                    bar.update(max(0, before[item[0]] + raw[0] - bar.n))
+                    bar.set_postfix(tokens=new_tokens, refresh=False)
+                    if full:
+                        break
+            if batch and not full:
+                encode(batch)
+        if state["chunk"] is not None and any(w.documents for w in state["chunk"].values()):
+            finish()
+        bar.update(bar.total - bar.n)
+    except BaseException:
+        if state["chunk"] is not None:
+            for w in state["chunk"].values():
+                w.abort()
+        raise
+    finally:
+        bar.close()
+    skipped.warn(options["errors"])
+
+    manifest = dict(plan)
+    manifest["splits"] = {}
+    for s in splits:
+        shards = [p["splits"][s] for p in parts]
+        manifest["splits"][s] = {"documents": sum(r["documents"] for r in shards),
+                                 "tokens": sum(r["tokens"] for r in shards), "shards": shards}
+    train = manifest["splits"]["train"]
+    if train["tokens"] <= train["documents"]:  # nothing but end-of-document tokens
+        files = ", ".join(f"{s['path']} ({s['bytes']} bytes)" for s in plan["sources"][:5])
+        raise ConfigError(f"no text to train on in {', '.join(options['sources'])} ({files}"
+                          f"{', ...' if len(plan['sources']) > 5 else ''}): the files are empty, or "
+                          "every document was left out")
+    _write_json(os.path.join(out, MANIFEST), manifest)
+    for k in range(len(parts)):
+        os.unlink(os.path.join(out, f"part-{k:05d}.json"))
+    os.unlink(os.path.join(out, PLAN))
+    seconds = time.perf_counter() - clock
+    counts = "; ".join(f"{s}: {manifest['splits'][s]['documents']} documents, "
+                       f"{manifest['splits'][s]['tokens']} tokens" for s in splits)
+    log(f"prepared {out}: {counts}; {len(parts)} shard(s) of {plan['dtype'][1:]}; "
+        f"{new_tokens} tokens in {seconds:.1f} s ({new_tokens / max(seconds, 1e-9):,.0f} tokens/s)")
+    return manifest
+
+
+# --- Reading ------------------------------------------------------------------------------------
+
+
+def read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        unfinished = os.path.isfile(os.path.join(directory, PLAN))
+        raise ConfigError(
+            f"data.source='{directory}' has no {MANIFEST}: "
+            + ("its preparation did not finish; run the same `python -m jaxpar.data prepare` "
+               "command again, it resumes" if unfinished else
+               "not a directory of prepared shards (python -m jaxpar.data prepare SOURCES --out DIR "
+               "makes one); for raw files give a glob, e.g. " + os.path.join(directory, "*.txt")))
+    manifest = _read_json(path)
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ConfigError(f"{path} is not a {FORMAT} manifest of version {VERSION}; prepare the "
+                          "corpus again with this jaxpar")
+    return manifest
+
+
+def _map(path: str, dtype: str) -> np.ndarray:
+    """A document index as a read-only array, memory-mapped (no read-ahead: a binary search
+    brings in the pages it probes, not the 128 KiB around each)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=dtype)
+
+
+def _read(fd: int, path: str, dtype: np.dtype, lo: int, hi: int) -> np.ndarray:
+    """Tokens [lo, hi) of a shard: one positioned read (from the page cache, once warm)."""
+    data = os.pread(fd, (hi - lo) * dtype.itemsize, lo * dtype.itemsize)
+    if len(data) != (hi - lo) * dtype.itemsize:
+        raise ConfigError(f"{path} is shorter than when the run opened it: a shard was changed "
+                          "under a running job")
+    return np.frombuffer(data, dtype=dtype)
+
+
+class PreparedSequences:
+    """Packed sequences over prepared shards (a grain data source): the same samples as
+    `data.pack` over the same documents, with only the windows read in memory.
+
+    A window's tokens come with one positioned read (pread) and its documents by binary search
+    in the memory-mapped document index. Tokens are not read through a memory map on purpose:
+    every page a map touches (and the kernel maps up to 64 KiB around each fault) stays in the
+    process's resident memory, and grain prefetches hundreds of shuffled batches: a 200 MiB
+    corpus added 390 MiB of resident memory within 3 steps that way (nanoGPT recreates its
+    np.memmap every batch for the same reason). The document index is 8 bytes a document."""
+
+    def __init__(self, directory: str, tokenizer: str, seq_len: int,
+                 max_documents: int | None = None, split: str = "train"):
+        self.directory, self.seq_len = directory, seq_len
+        manifest = read_manifest(directory)
+        path = os.path.join(directory, MANIFEST)
+        want, have = manifest["tokenizer"], tokenizer_identity(tokenizer)
+        if want["sha256"] != have["sha256"]:
+            raise ConfigError(
+                f"{path}: the shards were prepared with tokenizer '{want['spec']}' (sha256 "
+                f"{want['sha256'][:12]}), but data.tokenizer='{tokenizer}' is another one (sha256 "
+                f"{have['sha256'][:12]}); train with the tokenizer they were made with, or prepare "
+                f"them again with --tokenizer {tokenizer}")
+        if split not in manifest["splits"]:
+            raise ConfigError(f"{path} has no '{split}' split (it has {sorted(manifest['splits'])})")
+        dtype = manifest["dtype"]
+        self.dtype = np.dtype(dtype)
+        self.paths, self.ends, counts, docs = [], [], [], []
+        left = max_documents
+        for record in manifest["splits"][split]["shards"]:
+            if left is not None and left <= 0:
+                break
+            if (problem := _shard_problem(directory, record, dtype)) is not None:
+                raise ConfigError(f"{problem}; prepare the corpus again (python -m jaxpar.data "
+                                  "prepare, into a new directory)")
+            (bin_path, _), (idx_path, _) = _shard_files(directory, record, dtype)
+            n_docs, n_tokens = record["documents"], record["tokens"]
+            if n_docs == 0:
+                continue
+            ends = _map(idx_path, "<i8")
+            if left is not None and left < n_docs:
+                n_docs, n_tokens = left, int(ends[left - 1])
+            self.paths.append(bin_path)
+            self.ends.append(ends)
+            counts.append(n_tokens)
+            docs.append(n_docs)
+            left = None if left is None else left - n_docs
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.doc_base = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)])
+        if len(self) == 0:
+            raise ConfigError(
+                f"data: the corpus in {directory} has {int(self.starts[-1])} tokens, fewer than one "
+                f"sequence of train.seq_len={seq_len}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.doc_base[-1])
+
+    def __len__(self) -> int:
+        return max(self.num_tokens - 1, 0) // self.seq_len
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        begin = int(index) * self.seq_len
+        stop = begin + self.seq_len + 1
+        tokens, docs = [], []
+        shard = int(np.searchsorted(self.starts, begin, side="right")) - 1
+        position = begin
+        while position < stop:
+            lo = position - int(self.starts[shard])
+            hi = min(stop, int(self.starts[shard + 1])) - int(self.starts[shard])
+            if hi > lo:
+                tokens.append(self._tokens(shard, lo, hi))
+                at = np.arange(lo, hi, dtype=np.int64)
+                docs.append(self.doc_base[shard] + np.searchsorted(self.ends[shard], at, side="right"))
+                position += hi - lo
+            shard += 1
+        tokens = tokens[0] if len(tokens) == 1 else np.concatenate(tokens)
+        return packed_sample(tokens, np.concatenate(docs))
+
+    def _tokens(self, shard: int, lo: int, hi: int) -> np.ndarray:
+        fd = os.open(self.paths[shard], os.O_RDONLY)
+        try:
+            return _read(fd, self.paths[shard], self.dtype, lo, hi)
+        finally:
+            os.close(fd)
+
+    def __repr__(self) -> str:
+        return (f"PreparedSequences({self.directory!r}, {self.num_documents} documents, "
+                f"{self.num_tokens} tokens, seq_len={self.seq_len})")
+
+
+# --- The default source, prepared on first use ---------------------------------------------------
+
+
+def cache_root() -> str:
+    if root := os.environ.get("JAXPAR_CACHE"):
+        return os.path.expanduser(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxpar")
+
+
+def stdlib_prepared(tokenizer: str, log=None) -> str | None:
+    """The directory of the whole stdlib source prepared with `tokenizer`, preparing it on first
+    use; None (with a warning) where the cache cannot be written."""
+    log = log or (lambda message: print(message, file=sys.stderr))
+    files = stdlib_files()
+    key = hashlib.sha256(json.dumps([
+        VERSION, sys.version, tokenizer_identity(tokenizer)["sha256"],
+        [(path, (st := os.stat(path)).st_size, st.st_mtime_ns) for path in files],
+    ]).encode()).hexdigest()[:16]
+    out = os.path.join(cache_root(), f"stdlib-{key}")
+    if os.path.isfile(os.path.join(out, MANIFEST)):
+        return out
+    log(f"data.source=stdlib: preparing it once into {out}")
+    try:
+        prepare(["stdlib"], out, tokenizer=tokenizer, log=log)
+    except OSError as e:
+        log(f"warning: cannot prepare data.source=stdlib into {out} ({e}); reading it into memory "
+            "(set JAXPAR_CACHE to a writable directory)")
+        return None
+    return out
