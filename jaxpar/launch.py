@@ -42,7 +42,8 @@ Failure: when a process exits non-zero or is killed, the launcher asks the other
 (SIGTERM; SIGKILL after --grace seconds), prints the failed process's exit code and last lines,
 and exits with that code (128 + the signal number for a signal, as a shell reports it). SIGINT
 and SIGTERM sent to the launcher are forwarded once to every process: training stops after the
-step, checkpoints and exits 0 (`jaxpar.train.Preemption`); the launcher then exits 0 too, and
+step, checkpoints and exits (0 after SIGTERM, 130 after SIGINT: `jaxpar.train.Preemption`); the
+launcher then exits with the same code, and
 the same command resumes. Children sit in their own process group, so a Ctrl-C at the terminal
 reaches them once, through the launcher; on Linux they are killed if the launcher itself dies.
 Every wait is bounded by --grace: once one process has stopped (or been asked to), the others
@@ -314,12 +315,14 @@ def _run_once(command: list[str], nproc: int, coordinator: str, restart: int, gr
     exits: queue.Queue = queue.Queue()
     _watch_exits(children, exits)
     failed: tuple[Child, int] | None = None
+    forwarded: set[int] = set()
     deadline = None  # set once a process has stopped or a stop was requested
     done = 0
     try:
         while done < nproc:
             while requested:
                 sig = requested.pop(0)
+                forwarded.add(sig)
                 _say(f"forwarding {signal.Signals(sig).name} to the running processes")
                 for child in children:
                     child.signal(sig)
@@ -337,6 +340,9 @@ def _run_once(command: list[str], nproc: int, coordinator: str, restart: int, gr
                 continue
             done += 1
             deadline = deadline or time.monotonic() + grace
+            # A forwarded Ctrl-C: jaxpar.train stops after its step and checkpoint, exit 130.
+            if returncode == 128 + signal.SIGINT and signal.SIGINT in forwarded:
+                returncode = 0
             if returncode != 0:
                 failed = (children[index], returncode)
                 _stop_all(children, grace)
@@ -381,7 +387,8 @@ def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, g
                 if max_restarts:
                     _say(f"all {nproc} processes finished after "
                          f"{_plural(restarts, 'restart')} (--max-restarts {max_restarts})")
-                return 0
+                # Stopped by a Ctrl-C (each process checkpointed): 130, as jaxpar.train exits.
+                return 128 + signal.SIGINT if signal.SIGINT in received else 0
             child, returncode = failed
             _report_failure(child, returncode, tail_lines)
             code = exit_code(returncode)
