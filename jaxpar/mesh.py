@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Sequence
 
 import jax
@@ -58,11 +59,15 @@ def start_distributed(dist: DistributedConfig) -> bool:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if dist.auto:
         jax.distributed.initialize()
+        how = "found by jax's cluster detection"
     else:
         # Explicit settings win: without "deactivate", jax still runs its SLURM detection inside
         # srun and restricts each process to the GPU of SLURM_LOCALID.
         jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
                                    process_id=dist.process_id, cluster_detection_method="deactivate")
+        how = f"coordinator {dist.coordinator}"
+    print(f"jaxpar: process {jax.process_index()} of {jax.process_count()} ({how}), "
+          f"{jax.local_device_count()} local devices", file=sys.stderr, flush=True)
     return True
 
 

@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxpar import config as config_lib
 from jaxpar.launch import Resumption, launch, parse_args
 from tests.parity import TINY_YAML, assert_grads_match, assert_nonzero
 from tests.test_train import ROOT
@@ -251,6 +252,66 @@ def test_a_killed_process_restarts_the_launch_from_the_last_checkpoint(runs, env
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
     want, got = losses(runs / "two"), losses(run_dir)
     np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
+    assert committed_steps(run_dir) == [2, 4]
+
+
+# A real Slurm job: examples/slurm/train.sbatch, submitted to a one-node cluster on this machine.
+
+SBATCH = os.path.join(ROOT, "examples", "slurm", "train.sbatch")
+
+
+def slurm_problem() -> str | None:
+    """Why no Slurm job can run here, or None. `.ci/run` starts a cluster (.ci/slurm-up) and sets
+    JAXPAR_TESTS_REQUIRE_SLURM=1, which turns this reason from a skip into a failure."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "no Slurm here (sbatch, sinfo); .ci/slurm-up starts a one-node cluster (root, apt-get)"
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                                timeout=30).stdout.split()
+    except subprocess.TimeoutExpired:
+        return "sinfo does not answer; .ci/slurm-up starts a one-node cluster"
+    if not {"idle", "mixed", "allocated"} & set(states):
+        return f"no Slurm node takes jobs (sinfo: {states or 'no answer'}); .ci/slurm-up starts one"
+    if not os.path.exists(os.path.join(sys.prefix, "bin", "activate")):
+        return f"the tests' Python ({sys.prefix}) is not a virtual environment the job can activate"
+    return None
+
+
+def test_the_slurm_example_matches_one_process(runs, env, tmp_path):
+    """`sbatch examples/slurm/train.sbatch` as 2 tasks x 4 CPU devices on one node. Nothing but
+    Slurm's environment tells the processes who they are (no JAXPAR_* variables, no coordinator
+    setting): each must report joining a 2-process run through jax's cluster detection, and the
+    run must give the 1-process 8-device run's losses and gradient norms (a gradient off by a
+    factor shows in the norm of step 1, and in every later loss)."""
+    problem = slurm_problem()
+    if problem:
+        if os.environ.get("JAXPAR_TESTS_REQUIRE_SLURM"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    run_dir, out, name = tmp_path / "run", tmp_path / "job.out", f"jaxpar-test-{os.getpid()}"
+    job_env = {k: v for k, v in env.items() if not k.startswith(("JAXPAR_", "SLURM_"))}
+    job_env["JAXPAR_VENV"] = sys.prefix
+    batch = config_lib.load_config(TINY_YAML, []).train.batch_size
+    command = ["sbatch", "--wait", f"--job-name={name}", f"--output={out}", "--time=10",
+               "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0",
+               SBATCH, TINY_YAML, "runtime.cpu_devices=4", *RUN[1:],
+               f"train.batch_size={batch}", f"train.run_dir={run_dir}"]
+    try:
+        job = subprocess.run(command, cwd=ROOT, env=job_env, capture_output=True, text=True,
+                             timeout=420)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", f"--name={name}"], timeout=30)
+        pytest.fail(f"the Slurm job did not finish in 420 s:\n{out.read_text()[-3000:] if out.exists() else ''}")
+    log = out.read_text() if out.exists() else ""
+    assert job.returncode == 0, f"{job.stdout}{job.stderr}\n{log[-3000:]}"
+    for process in (0, 1):
+        assert f"jaxpar: process {process} of 2 (found by jax's cluster detection), 4 local devices" in log
+    assert "8 devices (data=2 fsdp=2 tensor=2)" in log
+    want, got = losses(runs / "one"), losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
+    want_norms, got_norms = grad_norms(runs / "one"), grad_norms(run_dir)
+    np.testing.assert_allclose([got_norms[s] for s in got], [want_norms[s] for s in got], rtol=1e-5)
     assert committed_steps(run_dir) == [2, 4]
 
 
