@@ -14,6 +14,8 @@ is one more head matmul per token (the recomputation in the backward).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -111,7 +113,9 @@ def pick_chunks(seq: int, tokens_per_device: int, vocab_per_device: int,
     if seq < 1 or seq % seq_shards:
         raise ValueError(f"seq={seq} must be a positive multiple of seq_shards={seq_shards}")
     full = tokens_per_device * vocab_per_device * FLOAT32_BYTES
-    valid = [c for c in range(1, seq + 1) if seq % c == 0 and (seq // c) % seq_shards == 0]
+    small = [d for d in range(1, math.isqrt(seq) + 1) if seq % d == 0]
+    divisors = sorted(set(small + [seq // d for d in small]))
+    valid = [c for c in divisors if (seq // c) % seq_shards == 0]
     for c in valid:
         if full / c <= budget_bytes:
             return c

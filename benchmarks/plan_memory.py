@@ -1,0 +1,79 @@
+"""`python -m benchmarks.plan_memory [--compile] [--only NAME ...] [--target h100]`: the
+planner's predicted memory per device (`jaxpar.plan.predict_memory`) against XLA's compiled
+total for the layouts of `benchmarks/plan_layouts.py`, on 8 emulated CPU devices (or, with
+`--target h100`, for 8 H100s compiled without a GPU).
+
+Compiled numbers are cached in benchmarks/results/plan_memory-<backend>.json (`--compile`
+recompiles the named or all layouts); the table (markdown) goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.plan_memory")
+    parser.add_argument("--compile", action="store_true", help="compile (else read the cache)")
+    parser.add_argument("--only", nargs="*", default=None, help="layout names")
+    parser.add_argument("--target", default=None, help="e.g. h100: compile for 8 of them")
+    args = parser.parse_args(argv)
+    if args.target:
+        from jaxpar import targets as targets_lib
+        target = targets_lib.resolve(f"{args.target}:8")
+        targets_lib.use_cpu_backend()
+    else:
+        target = None
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8").strip()
+    import jax
+    if target is None:
+        jax.config.update("jax_num_cpu_devices", 8)
+    from benchmarks.plan_layouts import LAYOUTS, MODEL
+    from jaxpar import plan
+
+    cache_path = RESULTS / f"plan_memory-{args.target or 'cpu'}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    chosen = [l for l in LAYOUTS if args.only is None or l["name"] in args.only]
+    rows = []
+    for l in chosen:
+        overrides = MODEL + l["overrides"]
+        if args.compile or l["name"] not in cache:
+            start = time.time()
+            cache[l["name"]] = plan.compiled_memory(overrides, l["mesh"], target=target)
+            cache[l["name"]]["compile_s"] = round(time.time() - start, 1)
+            RESULTS.mkdir(exist_ok=True)
+            cache_path.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            print(f"compiled {l['name']}: {cache[l['name']]}", file=sys.stderr, flush=True)
+        compiled = cache[l["name"]]
+        predicted = plan.predict_memory_for(overrides, l["mesh"],
+                                            kernel="cudnn" if target else "xla")
+        rows.append((l, predicted, compiled))
+    mib = 2**20
+    print("| layout | mesh | settings | predicted MiB | compiled MiB | error |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    errors = []
+    for l, p, c in rows:
+        err = p["total"] / c["total"] - 1
+        errors.append(abs(err))
+        mesh = " ".join(f"{a}={s}" for a, s in l["mesh"].items())
+        settings = " ".join(o.split(".", 1)[1] for o in l["overrides"] if not o.startswith("model.moe"))
+        settings += " (MoE)" if any(o.startswith("model.moe") for o in l["overrides"]) else ""
+        print(f"| {l['name']} | {mesh} | {settings} | {p['total'] / mib:.1f} | "
+              f"{c['total'] / mib:.1f} | {err:+.1%} |")
+    if errors:
+        print(f"\n{len(errors)} layouts; largest error {max(errors):.1%}, "
+              f"mean {sum(errors) / len(errors):.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

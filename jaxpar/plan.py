@@ -1,0 +1,1057 @@
+"""`python -m jaxpar.plan CONFIG [overrides] --gpus 64xh100 [--gpus-per-node 8] [--top 5]
+[--verify K] [--human]`: the whole layout for a model and a cluster, predicted and ranked.
+
+The model, sequence length and global batch come from the config as usual. The planner
+enumerates every layout jaxpar can run on that many GPUs -- the six mesh axes (sizes that divide
+heads, KV heads, d_ff, vocabulary, layers, batch, sequence, experts), ZeRO stage, remat policy,
+pipeline schedule and microbatches, gradient accumulation -- keeps the ones `jaxpar.config.validate`
+accepts (so every plan printed is runnable), predicts for each its memory per device and its step
+time (hence MFU), and prints the fastest ones that fit: JSON by default, a table with `--human`,
+each with its breakdown, one line of why, and the `python -m jaxpar.train` command. `tensor` and
+`context` stay inside a node unless nothing fits that way (the plan then says so).
+
+Memory per device (`predict_memory`), in bytes, for jaxpar's own program:
+- params, optimizer state (Adam: two moments) and gradients in param_dtype, each divided as the
+  ZeRO stage shards it over `fsdp` and as the rules of `jaxpar.sharding` split it over
+  `tensor`, `pipe` and `expert` (the same table the trainer uses: `param_table` mirrors the
+  model's parameters and their logical names);
+- activations: what one layer keeps for the backward under the remat policy (none: every
+  residual of the block, XLA attention's float32 probabilities included; dots: the outputs of
+  the projection matmuls and the layer input; full: the layer input only), times the layers
+  held, times the rows alive at once (the batch share, a grad-accumulation microstep, or the
+  pipeline's stashed microbatches: the schedule's own buffer count), plus the working set of
+  one layer's backward (its recomputed residuals and their gradients);
+- loss: the chunked cross-entropy's float32 logits of one chunk and their gradient;
+- buffers: the model-dtype copies of the weights the matmuls read (ZeRO-3: one gathered layer
+  at a time, kept per layer for the backward when nothing is rematerialised), the pipeline's
+  activation, gradient and input-gradient buffers, and the accumulated gradients of grad_accum.
+The coefficients of the working set are calibrated on XLA's compiled programs
+(benchmarks/plan_memory.py prints predicted against compiled for 25 layouts).
+
+Step time (`predict_time`), in seconds:
+- compute: the model's FLOPs (6N + 12LdT per token, `jaxpar.metrics`) plus what is computed
+  twice (remat: the attention core for `dots`, the whole block forward for `full`; the chunked
+  loss recomputes the head matmul), at a fraction of the device's bf16 peak that grows with the
+  model width: eff(d) = MATMUL_CEILING * d / (d + D_HALF), calibrated on one measured H100 run;
+- communication per mesh axis, ring formulas (all-reduce 2(n-1)/n of the bytes, all-gather and
+  reduce-scatter (n-1)/n, all-to-all (n-1)/n) over NVLink when the axis stays inside a node and
+  over the node's network when it does not. Overlap assumed: data/fsdp traffic (gradient
+  reduction, ZeRO-3 weight gathers) overlaps the compute, so only what exceeds the compute
+  time shows; ring attention's K/V passes overlap that layer's attention; tensor-parallel
+  all-reduces, expert all-to-alls and pipeline sends are not overlapped;
+- the pipeline bubble of the schedule: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1) of the time.
+MFU = model FLOPs per step / (step time * GPUs * peak).
+
+Exit codes: 0 with plans; 2 for bad input (a config error, an unknown GPU type, a count that
+does not divide into nodes); 3 when no layout fits, with how many GPUs would be needed.
+`--verify K` compiles the top K for the target (`jaxpar.inspect --target`, no GPU needed),
+prints predicted against compiled memory, and drops a plan whose compiled program does not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import shlex
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from jaxpar import config as config_lib
+from jaxpar.config import MESH_AXES, Config, ConfigError, ModelConfig
+
+GIB = 2**30
+# The share of device memory a plan may use, as `jaxpar.targets.USABLE_FRACTION` (the CUDA
+# context, library workspaces and fragmentation take the rest).
+USABLE_FRACTION = 0.9
+
+# --- Devices and links ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    key: str  # the --gpus name
+    name: str
+    bf16_flops: float  # dense bf16 tensor-core peak, FLOP/s
+    memory_bytes: int  # HBM per GPU
+    hbm_bandwidth: float  # bytes/s
+    nvlink_bandwidth: float  # bytes/s per GPU, one direction
+    network_bandwidth: float  # bytes/s per GPU to other nodes, one direction
+    compute_capability: str
+    target: str  # the `jaxpar.targets` name --verify compiles for
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory_bytes * USABLE_FRACTION)
+
+
+DEVICES = {
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989.4
+    # dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions together); NVIDIA DGX
+    # H100 datasheet: 8 x ConnectX-7 400 Gb/s InfiniBand, one per GPU (50 GB/s). Memory: the
+    # device_memory_size of the CUDA plugin's "NVIDIA H100 80GB HBM3" target description.
+    "h100": DeviceSpec("h100", "NVIDIA H100 80GB HBM3 (SXM)", 989.4e12, 85_520_809_984,
+                       3.35e12, 450e9, 50e9, "9.0", "h100"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity, 141 GB
+    # HBM3e at 4.8 TB/s, NVLink 900 GB/s; NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s.
+    "h200": DeviceSpec("h200", "NVIDIA H200 141GB HBM3e (SXM)", 989.4e12, 141 * 10**9,
+                       4.8e12, 450e9, 50e9, "9.0", "h200"),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, 80 GB HBM2e at
+    # 2,039 GB/s, NVLink 600 GB/s; NVIDIA DGX A100 datasheet: 8 x ConnectX-6 200 Gb/s HDR.
+    "a100": DeviceSpec("a100", "NVIDIA A100-SXM4-80GB", 312e12, 80 * 10**9,
+                       2.039e12, 300e9, 25e9, "8.0", "a100"),
+    # NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity for 8 GPUs (2.25 PFLOPS
+    # dense each), 1.4 TB HBM3e for 8 (180 GB each) at 8 TB/s each, NVLink 1.8 TB/s per GPU;
+    # NVIDIA DGX B200 datasheet: 8 x ConnectX-7 400 Gb/s.
+    "b200": DeviceSpec("b200", "NVIDIA B200", 2.25e15, 180 * 10**9,
+                       8e12, 900e9, 50e9, "10.0", "b200"),
+}
+
+# --- Calibration of the step-time model ------------------------------------------------------
+#
+# MATMUL_CEILING: a bf16 8192^3 matmul through XLA ran at 800 TFLOP/s on one H100 SXM (0.81 of
+# 989.4): no step can run its FLOPs faster. D_HALF: the width at which a training step reaches
+# half of that; solved from one measured H100 run, a plain-JAX train step of a 1.3B Llama-shape
+# model (24 layers, d_model 2048, 16 heads, seq 2048, batch 8, remat saving the projection
+# matmuls, cuDNN attention): 304 ms a step, MFU 0.49 (`calibration_runs` has it and the runs it
+# was checked against).
+MATMUL_CEILING = 800e12 / 989.4e12
+# The attention core (QK^T and AV, 12LdT FLOPs per token with the backward) runs at the kernel's
+# own rate, measured on one H100 SXM for a causal forward (batch 8, seq 4096, 16 heads of 128):
+# cuDNN flash attention 564 TFLOP/s, XLA's implementation 42 TFLOP/s. XLA's is what jaxpar runs
+# inside the pipeline and in ring attention's blocks.
+ATTENTION_EFFICIENCY = {"cudnn": 564e12 / 989.4e12, "xla": 42e12 / 989.4e12}
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    what: str
+    model: dict  # ModelConfig fields
+    seq_len: int
+    batch: int
+    remat: str
+    chunked_loss: bool
+    step_s: float  # measured on one H100 SXM
+    used_for_calibration: bool
+
+
+def calibration_runs() -> list[CalibrationRun]:
+    """Single-H100 runs measured with plain JAX (bf16 compute, float32 params, AdamW, cuDNN
+    attention, a scan over layers): the first solves D_HALF, the others check it. The 1.3B's
+    SwiGLU width 5464 holds the 2 x 4d weights of its GPT MLP; GPT-2 is configs/gpt2-124m.yaml."""
+    b13 = dict(vocab_size=50304, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=16,
+               d_ff=5464, tie_embeddings=True, max_seq_len=2048)
+    gpt2 = dict(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_ff=2048,
+                tie_embeddings=True, max_seq_len=1024)
+    return [
+        CalibrationRun("plain JAX 1.3B, batch 8, remat dots", b13, 2048, 8, "dots", False, 0.304, True),
+        CalibrationRun("plain JAX 1.3B, batch 4, remat dots", b13, 2048, 4, "dots", False, 0.164, False),
+        CalibrationRun("plain JAX 1.3B, batch 4, no remat", b13, 2048, 4, "none", False, 0.197, False),
+        CalibrationRun("plain JAX GPT-2 124M, batch 12", gpt2, 1024, 12, "none", False, 0.0406, False),
+        CalibrationRun("plain JAX GPT-2 124M, batch 32", gpt2, 1024, 32, "none", False, 0.1004, False),
+    ]
+
+
+def _solve_d_half() -> float:
+    run = next(r for r in calibration_runs() if r.used_for_calibration)
+    m = ModelConfig(**run.model)
+    tokens = run.batch * run.seq_len
+    attention = attention_flops(m, run.seq_len, run.remat) * tokens
+    matmul = hardware_flops(m, run.seq_len, run.remat, run.chunked_loss) * tokens - attention
+    peak = DEVICES["h100"].bf16_flops
+    matmul_s = run.step_s - attention / (peak * ATTENTION_EFFICIENCY["cudnn"])
+    efficiency = matmul / (matmul_s * peak)
+    return m.d_model * (MATMUL_CEILING / efficiency - 1)
+
+
+def calibrated_step_s(run: CalibrationRun) -> float:
+    """The model's step time for one of `calibration_runs` (one H100, nothing to communicate)."""
+    m = ModelConfig(**run.model)
+    tokens = run.batch * run.seq_len
+    attention = attention_flops(m, run.seq_len, run.remat) * tokens
+    matmul = hardware_flops(m, run.seq_len, run.remat, run.chunked_loss) * tokens - attention
+    peak = DEVICES["h100"].bf16_flops
+    return (matmul / (peak * matmul_efficiency(m.d_model))
+            + attention / (peak * ATTENTION_EFFICIENCY["cudnn"]))
+
+
+def matmul_efficiency(d_model: int) -> float:
+    """The fraction of the bf16 peak a train step of this width runs its FLOPs at."""
+    return MATMUL_CEILING * d_model / (d_model + D_HALF)
+
+
+# --- Parameters: shapes and logical names ----------------------------------------------------
+
+
+def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
+    """(name, shape, logical names) of every parameter of `jaxpar.models.llama.Transformer`,
+    stacked blocks with their leading `layers` axis (tests/test_plan.py checks it against the
+    model itself)."""
+    e, n, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
+    h = e // n
+    moe = m.moe
+    units = m.n_layers if moe.num_experts == 0 else m.n_layers // moe.every
+    per_unit = 1 if moe.num_experts == 0 else moe.every
+    L = ("layers",)
+    out = [("embedding", (v, e), ("vocab", "embed")), ("final_norm", (e,), ("embed",))]
+    if not m.tie_embeddings:
+        out.append(("lm_head", (e, v), ("embed", "vocab")))
+    for i in range(per_unit):
+        is_moe = moe.num_experts > 0 and i == per_unit - 1
+        out += [(f"block{i}.norms", (units, 2 * e), L + ("embed",)),
+                (f"block{i}.wq", (units, e, n, h), L + ("embed", "heads", "head_dim")),
+                (f"block{i}.wkv", (units, e, 2 * k, h), L + ("embed", "kv_heads", "head_dim")),
+                (f"block{i}.wo", (units, n, h, e), L + ("heads", "head_dim", "embed"))]
+        if not is_moe:
+            out += [(f"block{i}.w_gate_up", (units, e, 2 * f), L + ("embed", "mlp")),
+                    (f"block{i}.w_down", (units, f, e), L + ("mlp", "embed"))]
+            continue
+        ff, ne = moe.d_ff or f, moe.num_experts
+        out += [(f"block{i}.router", (units, e, ne), L + ("embed", None)),
+                (f"block{i}.experts_gate_up", (units, ne, e, 2 * ff), L + ("experts", "embed", "mlp")),
+                (f"block{i}.experts_down", (units, ne, ff, e), L + ("experts", "mlp", "embed"))]
+        if moe.shared_experts:
+            s = moe.shared_experts * ff
+            out += [(f"block{i}.shared_gate_up", (units, e, 2 * s), L + ("embed", "mlp")),
+                    (f"block{i}.shared_down", (units, s, e), L + ("mlp", "embed"))]
+    return out
+
+
+# Logical name -> mesh axes, as jaxpar.sharding.BASE_RULES (with `embed` over fsdp when the
+# ZeRO stage shards that kind of state).
+_RULES = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
+          "experts": ("expert",), "layers": ("pipe",)}
+
+
+def _local_elements(shape, names, sizes: dict[str, int], shard_embed: bool) -> int:
+    """Elements one device holds of a parameter under the rules (each mesh axis used once)."""
+    used, total = set(), 1
+    for dim, name in zip(shape, names):
+        axes = ("fsdp",) if name == "embed" and shard_embed else _RULES.get(name, ())
+        split = 1
+        for axis in axes:
+            if axis not in used and sizes.get(axis, 1) > 1:
+                used.add(axis)
+                split *= sizes[axis]
+        total *= -(-dim // split)
+    return total
+
+
+def state_elements(m: ModelConfig, sizes: dict[str, int], zero_stage: int) -> dict[str, int]:
+    """Elements per device of the parameters, gradients and one optimizer moment, and the
+    model's parameter count (`total`) and the blocks' share of it."""
+    table = param_table(m)
+    out = {"params": 0, "gradients": 0, "optimizer": 0, "total": 0, "blocks_local": 0,
+           "blocks_gathered": 0}
+    for name, shape, names in table:
+        out["params"] += _local_elements(shape, names, sizes, zero_stage >= 3)
+        out["gradients"] += _local_elements(shape, names, sizes, zero_stage >= 2)
+        out["optimizer"] += _local_elements(shape, names, sizes, zero_stage >= 1)
+        out["total"] += math.prod(shape)
+        if name.startswith("block"):
+            out["blocks_local"] += _local_elements(shape, names, sizes, zero_stage >= 3)
+            out["blocks_gathered"] += _local_elements(shape, names, sizes, False)
+    return out
+
+
+def zero_state_bytes(psi: float, n: int, stage: int, param_bytes: float = 4,
+                     grad_bytes: float = 4, optimizer_bytes: float = 8) -> dict[str, float]:
+    """Model-state bytes per device of psi parameters data-parallel over n devices at a ZeRO
+    stage: the rule `state_elements` applies to every sharded tensor (stage >= 1 divides the
+    optimizer state by n, >= 2 the gradients, 3 the parameters). jaxpar's own dtypes are the
+    defaults (float32 params and grads, Adam's two float32 moments); the ZeRO paper's
+    mixed-precision Adam is param_bytes=2, grad_bytes=2, optimizer_bytes=K=12."""
+    out = {"params": param_bytes * psi / (n if stage >= 3 else 1),
+           "gradients": grad_bytes * psi / (n if stage >= 2 else 1),
+           "optimizer": optimizer_bytes * psi / (n if stage >= 1 else 1)}
+    out["total"] = sum(out.values())
+    return out
+
+
+# --- Memory ------------------------------------------------------------------------------------
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Working set of one layer's backward, in units of that layer's no-remat residuals (the
+# recomputed forward plus the gradients flowing through it) -- calibrated on XLA's compiled
+# programs (benchmarks/plan_memory.py).
+BACKWARD_WORKING_SET = 1.0
+# Ring attention's working set: this many float32 [rows, heads, seq/context, seq/context] arrays
+# (one hop's block scores, probabilities and their gradients) -- calibrated likewise.
+RING_HOP_ARRAYS = 6
+# An MoE layer's residuals per routed (token, choice) copy, in units of one hidden array of the
+# expert MLP (see `_moe_or_dense`) -- calibrated likewise.
+MOE_SAVED = {"dots": 2.0, "none": 10.0}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Per-device sizes one layer works on."""
+
+    rows: int  # sequences alive at once (per microstep / microbatch)
+    tokens: int  # tokens of a row on this device (seq / context)
+    seq: int  # the whole sequence
+    between: int  # tokens of a row between blocks (seq / context / tensor with sequence parallel)
+    heads: int  # query heads per device
+    kv_heads: int
+    head_dim: int
+    d_ff: int  # per device
+    vocab: int  # per device
+
+
+def layer_residuals(m: ModelConfig, s: Shape, remat: str, kernel: str, ring: bool,
+                    stashed: bool = False) -> float:
+    """Bytes one layer keeps for its backward, per row, under `remat`. `stashed`: the
+    residuals are what `jax.vjp` returns (the pipeline stashes them), which XLA cannot thin
+    out: XLA attention's float32 scores before the softmax are among them."""
+    a = _BYTES[m.dtype]
+    d = m.d_model
+    x = s.between * d * a  # the layer input (and the residual stream after attention)
+    if remat == "full":
+        return x
+    q = s.tokens * s.heads * s.head_dim * a
+    kv = s.tokens * s.kv_heads * s.head_dim * a
+    ff = s.tokens * s.d_ff * a
+    proj = s.tokens * d * a
+    mlp = _moe_or_dense(m, s, ff, proj)
+    if remat == "dots":  # the matmuls without batch dims: q, k, v, wo; gate, up, down
+        return x + q + 2 * kv + proj + mlp["dots"]
+    if ring or kernel == "cudnn":  # output + float32 softmax statistics, no [T, T] array
+        slots = 1 if ring else min(m.max_documents_per_row, s.seq)
+        attention = q + 4 * slots * s.heads * s.tokens
+    else:  # XLA: float32 softmax output, its model-dtype copy for the AV matmul, the mask
+        attention = s.heads * s.tokens * s.seq * (4 + a + (4 if stashed else 0)) + s.tokens * s.seq
+    # input, norm output, q/k/v before and after rotary, attention, its output, the stream
+    # after attention, the MLP norm output, the MLP
+    return 2 * x + 2 * proj + 2 * (q + 2 * kv) - kv + attention + q + mlp["none"]
+
+
+def _moe_or_dense(m: ModelConfig, s: Shape, ff: float, proj: float) -> dict[str, float]:
+    """The MLP's saved bytes per row (averaged over the layers when MoE every n-th)."""
+    dense = {"dots": 2 * ff + proj, "none": 3 * ff}
+    moe = m.moe
+    if moe.num_experts == 0:
+        return dense
+    a = _BYTES[m.dtype]
+    tokens = s.tokens  # per row; the routed copies of a row's tokens, padded to capacity
+    copies = tokens * moe.top_k * (1.0 if moe.capacity_factor is None else moe.capacity_factor)
+    ff_e = (moe.d_ff or m.d_ff) * s.d_ff // m.d_ff
+    routed_ff = copies * ff_e * a
+    buffers = 2 * copies * m.d_model * a + copies * m.d_model * 4 + tokens * moe.num_experts * 4
+    # The expert MLP keeps more than a dense one (the dispatch gathers, the float32 expert
+    # outputs and their masks): these multiples of one routed hidden array are calibrated on
+    # the three MoE layouts of benchmarks/plan_layouts.py, not checked independently.
+    experts = {"dots": MOE_SAVED["dots"] * routed_ff + buffers,
+               "none": MOE_SAVED["none"] * routed_ff + buffers}
+    share = 1 / moe.every
+    return {k: (1 - share) * dense[k] + share * experts[k] for k in dense}
+
+
+def shape_for(cfg: Config, sizes: dict[str, int], rows: int) -> Shape:
+    m, t = cfg.model, cfg.train
+    tensor = sizes["tensor"]
+    tokens = t.seq_len // sizes["context"]
+    between = tokens // (tensor if cfg.parallel.sequence_parallel else 1)
+    return Shape(rows=rows, tokens=tokens, seq=t.seq_len, between=between,
+                 heads=m.n_heads // tensor, kv_heads=m.n_kv_heads // tensor,
+                 head_dim=m.d_model // m.n_heads, d_ff=m.d_ff // tensor,
+                 vocab=m.vocab_size // tensor)
+
+
+def attention_kernel(cfg: Config, sizes: dict[str, int], device: DeviceSpec | None) -> str:
+    """`model.attention` made concrete as the trainer would on this device (None: a CPU)."""
+    from jaxpar.models.attention import kernel_for
+
+    fake = (SimpleNamespace(platform="cpu", compute_capability=None) if device is None else
+            SimpleNamespace(platform="gpu", compute_capability=device.compute_capability))
+    return kernel_for(cfg.model, fake, pipelined=sizes["pipe"] > 1, ring=sizes["context"] > 1)
+
+
+def pipeline_slots(cfg: Config, sizes: dict[str, int]) -> tuple[int, int, int]:
+    """(stash, activation, gradient) buffer slots per device of the configured schedule."""
+    p = cfg.parallel
+    return _schedule_slots(p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _schedule_slots(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[int, int, int]:
+    """The lowered schedule's buffer slots; many layouts share one schedule, built once."""
+    from jaxpar.parallel import pipeline as pipeline_lib
+
+    lowered = pipeline_lib.lower_schedule(pipeline_lib.build_schedule(
+        schedule, stages, microbatches, virtual))
+    return lowered.stash_slots, lowered.activation_slots, lowered.gradient_slots
+
+
+def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str) -> dict[str, float]:
+    """Predicted bytes per device of the compiled train step (module doc), by kind."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    pb, a = _BYTES[m.param_dtype], _BYTES[m.dtype]
+    el = state_elements(m, sizes, p.zero_stage)
+    moments = 2 if cfg.optimizer.name == "adamw" else 0
+    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    pipe = sizes["pipe"]
+    ring = sizes["context"] > 1
+    layers = m.n_layers // pipe
+    if pipe > 1:
+        rows = t.batch_size // (p.microbatches * dp)
+    else:
+        rows = t.batch_size // (dp * p.grad_accum)
+    s = shape_for(cfg, sizes, rows)
+    saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipe > 1) * rows
+    whole = layer_residuals(m, s, "none", kernel, ring) * rows
+    if ring:  # one hop's float32 block attention: scores, probabilities and their gradients
+        whole += RING_HOP_ARRAYS * 4 * rows * s.heads * s.tokens * s.tokens
+    stream = rows * s.between * m.d_model * a  # one [rows, seq, embed] activation
+    if pipe > 1:
+        stash, n_act, n_grad = pipeline_slots(cfg, sizes)
+        chunk = layers // p.virtual_stages
+        # The stash, plus the slot a forward fills before it is written into the stash.
+        activations = (stash + 1) * chunk * saved
+        local_batch = t.batch_size // dp
+        buffers = (n_act + n_grad + 2) * stream + 2 * local_batch * s.between * m.d_model * a
+        # One chunk's float32 parameter gradients, made by each backward before they are added.
+        buffers += el["blocks_local"] * pb / p.virtual_stages
+    else:
+        activations = layers * saved
+        buffers = 0.0
+    activations += BACKWARD_WORKING_SET * whole
+    # The loss: one chunk of float32 logits and their gradient (jaxpar.train.loss_chunks).
+    from jaxpar.train import loss_chunks
+
+    chunks = loss_chunks(cfg, sizes, rows=rows * dp if pipe > 1 else None)
+    loss = 2 * 4 * rows * (s.tokens // chunks) * s.vocab
+    # Model-dtype copies of the weights the matmuls read: below ZeRO-3 the casts of the local
+    # weights; at ZeRO-3 one gathered layer at a time, kept for every layer when the backward
+    # reuses them (no remat).
+    if p.zero_stage >= 3:
+        per_layer = el["blocks_gathered"] / max(layers, 1) * a
+        copies = per_layer * (layers if p.remat == "none" else 2)
+        copies += (el["params"] - el["blocks_local"]) * a
+    else:
+        copies = el["params"] * a
+    buffers += copies if a < pb else 0.0
+    gradients = el["gradients"] * pb
+    if p.grad_accum > 1 and pipe == 1:
+        buffers += gradients  # the accumulator beside one microstep's gradients
+    out = {"params": el["params"] * pb, "gradients": gradients,
+           "optimizer": moments * el["optimizer"] * pb, "activations": activations,
+           "loss": loss, "buffers": buffers}
+    out["total"] = sum(out.values())
+    return {k: float(v) for k, v in out.items()}
+
+
+def predict_memory_for(overrides: list[str], mesh: dict[str, int], kernel: str = "xla",
+                       path: str | None = None) -> dict[str, float]:
+    """`predict_memory` of a config file + overrides on a mesh (unlisted axes 1)."""
+    cfg = config_lib.load_config(path, list(overrides) + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES])
+    sizes = config_lib.validate(cfg, math.prod(mesh.values()))
+    return predict_memory(cfg, sizes, kernel)
+
+
+def compiled_memory(overrides: list[str], mesh: dict[str, int], target=None,
+                    path: str | None = None) -> dict[str, int]:
+    """XLA's memory analysis of the compiled train step (never run) per device: on the first
+    prod(mesh) local devices, or for a `jaxpar.targets.Target` of that many GPUs."""
+    import jax
+
+    from jaxpar import targets as targets_lib
+    from jaxpar.inspect import compile_step
+    from jaxpar.train import build_trainer
+
+    cfg = config_lib.load_config(path, list(overrides) + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES])
+    n = math.prod(mesh.values())
+    sizes = config_lib.validate(cfg, n)
+    devices = jax.devices()[:n] if target is None else targets_lib.devices(
+        dataclasses.replace(target, count=n))
+    mem = compile_step(build_trainer(cfg, sizes, devices=devices)).memory_analysis()
+    out = {"arguments": int(mem.argument_size_in_bytes), "outputs": int(mem.output_size_in_bytes),
+           "aliased": int(mem.alias_size_in_bytes), "temp": int(mem.temp_size_in_bytes)}
+    out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temp"]
+    return out
+
+
+
+def hardware_flops(m: ModelConfig, seq_len: int, remat: str, chunked_loss: bool = True) -> float:
+    """FLOPs per token a train step executes: the model's 6N + 12LdT (`jaxpar.metrics`) plus
+    what it computes twice -- remat `dots` recomputes the attention core's two matmuls (4LdT),
+    `full` the whole block forward (2N_blocks + 4LdT); the chunked loss recomputes the head's
+    matmul (2dV)."""
+    from jaxpar.metrics import flops_per_token
+    from jaxpar.models.llama import active_matmul_params
+
+    flops = flops_per_token(m, seq_len)
+    attention_forward = 4 * m.n_layers * m.d_model * seq_len
+    head = m.d_model * m.vocab_size
+    if remat == "dots":
+        flops += attention_forward
+    elif remat == "full":
+        flops += 2 * (active_matmul_params(m) - head) + attention_forward
+    return flops + (2 * head if chunked_loss else 0)
+
+
+def attention_flops(m: ModelConfig, seq_len: int, remat: str) -> float:
+    """The attention core's share of `hardware_flops` per token: 12LdT, + 4LdT recomputed
+    under `dots` and `full`."""
+    return (12 + (4 if remat != "none" else 0)) * m.n_layers * m.d_model * seq_len
+
+
+D_HALF = _solve_d_half()
+
+
+# --- Step time -----------------------------------------------------------------------------------
+
+
+def _span(sizes: dict[str, int], axes: tuple[str, ...]) -> int:
+    """How many consecutive devices a group over `axes` spans: the mesh is filled innermost
+    axis first (`tensor` neighbours share a node), so the span is the outermost axis's stride
+    times its size."""
+    used = [a for a in axes if sizes[a] > 1]
+    if not used:
+        return 1
+    outer = min(MESH_AXES.index(a) for a in used)
+    return math.prod(sizes[a] for a in MESH_AXES[outer:])
+
+
+def link_bandwidth(sizes: dict[str, int], axes: tuple[str, ...], device: DeviceSpec,
+                   gpus_per_node: int) -> tuple[float, str]:
+    """(bytes/s per GPU, "nvlink" | "network") for a collective over `axes`."""
+    if _span(sizes, axes) <= gpus_per_node:
+        return device.nvlink_bandwidth, "nvlink"
+    return device.network_bandwidth, "network"
+
+
+def crosses_nodes(sizes: dict[str, int], axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    return _span(sizes, axes) > gpus_per_node
+
+
+def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
+                 gpus_per_node: int) -> dict[str, float]:
+    """Predicted seconds of one optimizer step, by part (module doc), and the MFU."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    n = math.prod(sizes.values())
+    a = _BYTES[m.dtype]
+    tokens = t.batch_size * t.seq_len
+    model_flops = tokens * _model_flops_per_token(m, t.seq_len)
+    kernel = attention_kernel(cfg, sizes, device)
+    attention = tokens * attention_flops(m, t.seq_len, p.remat)
+    matmul = tokens * hardware_flops(m, t.seq_len, p.remat) - attention
+    # Scaled from the H100's measured rates by the device's peak.
+    attention_s = attention / n / (device.bf16_flops * ATTENTION_EFFICIENCY[kernel])
+    compute = matmul / n / (device.bf16_flops * matmul_efficiency(m.d_model)) + attention_s
+    pipe, tensor, context, expert = sizes["pipe"], sizes["tensor"], sizes["context"], sizes["expert"]
+    dp_axes = ("data", "fsdp", "expert")
+    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    el = state_elements(m, sizes, 0)  # what one device computes with: params split by tensor/pipe/expert
+    gathered = el["params"]
+    passes = p.grad_accum if pipe == 1 else p.microbatches  # forward+backward passes per step
+
+    def ring(bytes_, group, kind):  # seconds for a collective of `bytes_` per device
+        if group <= 1 or bytes_ == 0:
+            return 0.0
+        factor = {"all-reduce": 2 * (group - 1) / group, "gather": (group - 1) / group}[kind]
+        return factor * bytes_
+
+    comm = {}
+    # data / fsdp: gradients reduced over every data-parallel replica (float32), and ZeRO's
+    # traffic over fsdp.
+    bw_dp, _ = link_bandwidth(sizes, dp_axes, device, gpus_per_node)
+    grad_bytes = 4 * gathered
+    f = sizes["fsdp"]
+    if p.zero_stage == 0 or f == 1:
+        dp_time = ring(grad_bytes, dp, "all-reduce") / bw_dp
+    else:
+        bw_f, _ = link_bandwidth(sizes, ("fsdp",), device, gpus_per_node)
+        bw_d, _ = link_bandwidth(sizes, ("data", "expert"), device, gpus_per_node)
+        dp_time = ring(grad_bytes, f, "gather") / bw_f  # reduce-scatter of the gradients
+        dp_time += ring(grad_bytes / f, dp // f, "all-reduce") / bw_d  # over the other replicas
+        if p.zero_stage >= 3:  # weights gathered in model dtype for the forward and the backward
+            gathers = 2 if p.remat == "none" else 3
+            dp_time += passes * gathers * ring(a * gathered, f, "gather") / bw_f
+        else:  # the updated float32 parameters gathered once
+            dp_time += ring(4 * gathered, f, "gather") / bw_f
+    comm["data_fsdp"] = dp_time
+    # tensor: two all-reduces (or all-gather + reduce-scatter) of the [rows, seq, d] activations
+    # per layer in the forward, two in the backward, two more when `full` recomputes the forward.
+    layers = m.n_layers // pipe
+    act = (t.batch_size // dp) * (t.seq_len // context) * m.d_model * a
+    per_layer = 4 + (2 if p.remat == "full" else 0)
+    bw_t, _ = link_bandwidth(sizes, ("tensor",), device, gpus_per_node)
+    comm["tensor"] = layers * per_layer * ring(act, tensor, "all-reduce") / bw_t
+    # context: K and V blocks go c - 1 hops forward; K, V, dK, dV backward.
+    kv = (t.batch_size // dp) * (t.seq_len // context) * 2 * (m.n_kv_heads // tensor) * (m.d_model // m.n_heads) * a
+    bw_c, _ = link_bandwidth(sizes, ("context",), device, gpus_per_node)
+    ring_time = layers * (context - 1) * 3 * kv / bw_c if context > 1 else 0.0
+    comm["context"] = max(0.0, ring_time - attention_s)
+    # expert: two all-to-alls of the routed tokens per MoE layer forward, two backward.
+    if m.moe.num_experts and expert > 1:
+        moe_layers = layers // m.moe.every
+        routed = act * m.moe.top_k * (m.moe.capacity_factor or 1.0)
+        bw_e, _ = link_bandwidth(sizes, ("expert",), device, gpus_per_node)
+        comm["expert"] = moe_layers * 4 * ring(routed, expert, "gather") / bw_e
+    else:
+        comm["expert"] = 0.0
+    # pipe: each microbatch's activation forward and its gradient backward, per boundary.
+    bw_p, _ = link_bandwidth(sizes, ("pipe",), device, gpus_per_node)
+    comm["pipe"] = 2 * p.microbatches * (act / max(p.microbatches, 1)) / bw_p if pipe > 1 else 0.0
+    bubble = 0.0
+    if pipe > 1:
+        v = p.virtual_stages if p.pipeline_schedule == "interleaved" else 1
+        bubble = (pipe - 1) / (v * p.microbatches + pipe - 1)
+    busy = compute + comm["tensor"] + comm["context"] + comm["expert"] + comm["pipe"]
+    busy = busy / (1 - bubble)
+    exposed_dp = max(0.0, comm["data_fsdp"] - busy)
+    step = busy + exposed_dp
+    return {"compute_s": compute, "attention_s": attention_s, "comm_s": comm, "exposed_data_fsdp_s": exposed_dp,
+            "bubble_fraction": bubble, "step_time_s": step,
+            "mfu": model_flops / (step * n * device.bf16_flops)}
+
+
+def _model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    from jaxpar.metrics import flops_per_token
+
+    return flops_per_token(m, seq_len)
+
+
+# --- Enumeration ---------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int, k: int):
+    """Every k-tuple of positive integers whose product is n."""
+    if k == 1:
+        yield (n,)
+        return
+    for d in _divisors(n):
+        for rest in _factorizations(n // d, k - 1):
+            yield (d,) + rest
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    sizes: dict[str, int]
+    memory: dict[str, float]
+    time: dict[str, float]
+    kernel: str
+    crosses: list[str]  # tensor / context axes that leave the node
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self._usable
+
+    _usable: float = 0.0
+
+
+def _meshes(m: ModelConfig, t, n: int):
+    """Mesh sizes whose axes divide what they split (the cheap part of `validate`'s rules)."""
+    for pipe, data, fsdp, expert, context, tensor in _factorizations(n, 6):
+        if (m.n_layers % pipe or m.n_heads % tensor or m.n_kv_heads % tensor or m.d_ff % tensor
+                or m.vocab_size % tensor or t.seq_len % (2 * context if context > 1 else 1)):
+            continue
+        if expert > 1 and (m.moe.num_experts == 0 or m.moe.num_experts % expert):
+            continue
+        if t.batch_size % (data * fsdp * expert):
+            continue
+        if fsdp > 1 and m.d_model % fsdp:
+            continue
+        yield dict(zip(MESH_AXES, (pipe, data, fsdp, expert, context, tensor)))
+
+
+def _settings(cfg: Config, sizes: dict[str, int]):
+    """ParallelConfig variants for a mesh: ZeRO stage, remat, pipeline schedule and
+    microbatches or grad accumulation."""
+    t, m = cfg.train, cfg.model
+    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    per_replica = t.batch_size // dp
+    stages = [0] if sizes["fsdp"] == 1 else [1, 2, 3]
+    sp = sizes["tensor"] > 1 and t.seq_len % (sizes["tensor"] * sizes["context"]) == 0
+    for zero, remat in itertools.product(stages, ("none", "dots", "full")):
+        base = dict(zero_stage=zero, remat=remat, sequence_parallel=sp)
+        p = sizes["pipe"]
+        if p == 1:
+            for accum in (1, 2, 4, 8, 16):
+                if per_replica % accum == 0:
+                    yield dict(base, grad_accum=accum)
+            continue
+        for mult in (1, 2, 4, 8):
+            mb = p * mult
+            if per_replica % mb:
+                continue
+            yield dict(base, pipeline_schedule="1f1b", microbatches=mb)
+            yield dict(base, pipeline_schedule="gpipe", microbatches=mb)
+            if m.n_layers % (2 * p) == 0:
+                yield dict(base, pipeline_schedule="interleaved", microbatches=mb, virtual_stages=2)
+
+
+def _with(cfg: Config, sizes: dict[str, int], settings: dict) -> Config:
+    parallel = dataclasses.replace(
+        cfg.parallel, **{"pipeline_schedule": "1f1b", "microbatches": 4, "virtual_stages": 1,
+                         "grad_accum": 1, **settings})
+    return dataclasses.replace(cfg, mesh=config_lib.MeshConfig(**sizes), parallel=parallel)
+
+
+def enumerate_plans(cfg: Config, n: int, device: DeviceSpec, gpus_per_node: int) -> list[Plan]:
+    """Every layout of `cfg`'s model on n GPUs, predicted (fitting or not), fastest first."""
+    plans = []
+    for sizes in _meshes(cfg.model, cfg.train, n):
+        crosses = [a for a in ("tensor", "context") if crosses_nodes(sizes, (a,), gpus_per_node)]
+        for settings in _settings(cfg, sizes):
+            c = _with(cfg, sizes, settings)
+            kernel = attention_kernel(c, sizes, device)
+            plan = Plan(c, sizes, predict_memory(c, sizes, kernel),
+                        predict_time(c, sizes, device, gpus_per_node), kernel, crosses)
+            plan._usable = device.usable_bytes
+            plans.append(plan)
+    plans.sort(key=_rank)
+    return plans
+
+
+def _rank(plan: Plan) -> tuple[int, int]:
+    """Fastest first; step times within 0.5% of each other count as equal, and then the
+    simpler layout wins (fewer axes beyond data, a lower ZeRO stage, less remat, fewer
+    microsteps): the same speed is not worth more machinery."""
+    p, s = plan.cfg.parallel, plan.sizes
+    complexity = (sum(s[a] > 1 for a in MESH_AXES if a != "data") + p.zero_stage
+                  + ("none", "dots", "full").index(p.remat) + p.grad_accum.bit_length()
+                  + (p.microbatches.bit_length() if s["pipe"] > 1 else 0))
+    return round(math.log(plan.time["step_time_s"]) / math.log(1.005)), complexity
+
+
+def runnable(plan: Plan, n: int) -> bool:
+    """Whether `jaxpar.config.validate` accepts the plan's config (every rule, not only the
+    divisibility the enumeration checks)."""
+    try:
+        config_lib.validate(plan.cfg, n)
+    except ConfigError:
+        return False
+    return True
+
+
+# --- Explaining a plan ---------------------------------------------------------------------------
+
+
+def _feature_tests(plan: Plan) -> list[tuple[str, callable, str]]:
+    """(what this plan uses, a test for plans without it, how to say it)."""
+    s, p = plan.sizes, plan.cfg.parallel
+    out = []
+    if s["tensor"] > 1:
+        where = "across nodes" if "tensor" in plan.crosses else "inside the node"
+        out.append((f"tensor={s['tensor']} {where}", lambda q: q.sizes["tensor"] == 1,
+                    "tensor parallelism"))
+    if s["pipe"] > 1:
+        out.append((f"pipe={s['pipe']} ({p.pipeline_schedule}, {p.microbatches} microbatches)",
+                    lambda q: q.sizes["pipe"] == 1, "pipelining"))
+    if s["context"] > 1:
+        out.append((f"context={s['context']}", lambda q: q.sizes["context"] == 1,
+                    "context parallelism"))
+    if s["fsdp"] > 1:
+        stage = p.zero_stage
+        out.append((f"ZeRO-{stage} over fsdp={s['fsdp']}",
+                    lambda q, st=stage: q.cfg.parallel.zero_stage < st or q.sizes["fsdp"] == 1,
+                    "a lower ZeRO stage" if stage > 1 else "ZeRO"))
+    if p.remat != "none":
+        out.append((f"remat {p.remat}", lambda q: q.cfg.parallel.remat == "none", "remat"))
+    if s["pipe"] == 1 and p.grad_accum > 1:
+        out.append((f"grad_accum={p.grad_accum}", lambda q: q.cfg.parallel.grad_accum == 1,
+                    "gradient accumulation"))
+    return out
+
+
+def explain(plan: Plan, plans: list[Plan], device: DeviceSpec) -> str:
+    """One line: for each thing this plan uses, whether anything without it fits, and if so how
+    much slower the best such plan is."""
+    usable = device.usable_bytes / GIB
+    parts = []
+    for label, without, name in _feature_tests(plan):
+        rivals = [q for q in plans if without(q)]
+        fitting = [q for q in rivals if q.fits]
+        if not fitting:
+            least = min((q.memory["total"] for q in rivals), default=None)
+            need = "" if least is None else f" (the smallest needs {least / GIB:.1f} GiB of {usable:.1f})"
+            parts.append(f"{label}: no layout without {name} fits{need}")
+        else:
+            best = fitting[0]
+            slower = best.time["step_time_s"] / plan.time["step_time_s"] - 1
+            saved = (best.memory["total"] - plan.memory["total"]) / GIB
+            if slower > 0.005:
+                parts.append(f"{label}: {slower:.1%} faster than the best layout without {name}")
+            elif saved > 0:
+                parts.append(f"{label}: as fast as without {name}, {saved:.1f} GiB less per GPU")
+            else:
+                parts.append(f"{label}: as fast as without {name}")
+    if not parts:
+        parts.append(f"plain data parallelism: the model, its gradients and Adam state fit on "
+                     f"each GPU ({plan.memory['total'] / GIB:.1f} of {usable:.1f} GiB)")
+    if plan.crosses:
+        parts.append(f"{' and '.join(plan.crosses)} cross nodes: no layout keeping them inside a node fits")
+    return "; ".join(parts)
+
+
+# --- Output --------------------------------------------------------------------------------------
+
+
+def command(plan: Plan, path: str | None, overrides: list[str], gpus_per_node: int, n: int) -> str:
+    s, p = plan.sizes, plan.cfg.parallel
+    keys = {f"mesh.{a}": s[a] for a in MESH_AXES}
+    keys.update({"parallel.zero_stage": p.zero_stage, "parallel.remat": p.remat,
+                 "parallel.sequence_parallel": str(p.sequence_parallel).lower()})
+    if s["pipe"] > 1:
+        keys.update({"parallel.pipeline_schedule": p.pipeline_schedule,
+                     "parallel.microbatches": p.microbatches,
+                     "parallel.virtual_stages": p.virtual_stages})
+    else:
+        keys["parallel.grad_accum"] = p.grad_accum
+    if n > gpus_per_node:
+        keys["distributed.auto"] = "true"
+    mine = set(keys)
+    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in mine]
+    args = ([path] if path else []) + kept + [f"{k}={v}" for k, v in keys.items()]
+    return "python -m jaxpar.train " + " ".join(shlex.quote(a) for a in args)
+
+
+def to_json(plan: Plan, why: str, cmd: str) -> dict:
+    p, mem = plan.cfg.parallel, plan.memory
+    return {
+        "mesh": dict(plan.sizes),
+        "zero_stage": p.zero_stage,
+        "remat": p.remat,
+        "sequence_parallel": p.sequence_parallel,
+        "microbatches": p.microbatches if plan.sizes["pipe"] > 1 else None,
+        "schedule": p.pipeline_schedule if plan.sizes["pipe"] > 1 else None,
+        "virtual_stages": p.virtual_stages if plan.sizes["pipe"] > 1 else None,
+        "grad_accum": p.grad_accum,
+        "attention": plan.kernel,
+        "memory_per_device": {k: int(mem[k]) for k in
+                              ("params", "gradients", "optimizer", "activations", "loss",
+                               "buffers", "total")},
+        "step_time_s": plan.time["step_time_s"],
+        "mfu": plan.time["mfu"],
+        "time_breakdown_s": {"compute": plan.time["compute_s"],
+                             **{f"comm_{k}": v for k, v in plan.time["comm_s"].items()},
+                             "exposed_data_fsdp": plan.time["exposed_data_fsdp_s"],
+                             "bubble_fraction": plan.time["bubble_fraction"]},
+        "why": why,
+        "command": cmd,
+    }
+
+
+def format_human(result: dict) -> str:
+    g = result["gpus"]
+    lines = [f"{result['model']['params'] / 1e9:.2f} B parameters, batch {result['model']['batch_size']} "
+             f"x seq {result['model']['seq_len']} on {g['count']} x {g['name']} ({g['per_node']} per "
+             f"node); {result['layouts_considered']} layouts considered, {result['layouts_fitting']} fit "
+             f"in {g['usable_gib']:.1f} GiB", ""]
+    head = (f"{'#':>2} {'pipe':>4} {'data':>4} {'fsdp':>4} {'exp':>4} {'ctx':>4} {'tp':>4} "
+            f"{'zero':>4} {'remat':>5} {'sched':>11} {'mb/acc':>6} {'GiB':>6} {'step s':>8} {'MFU':>5}")
+    lines.append(head)
+    for i, pl in enumerate(result["plans"], 1):
+        m = pl["mesh"]
+        sched = f"{pl['schedule']}" + (f"x{pl['virtual_stages']}" if pl["schedule"] == "interleaved" else "") \
+            if pl["schedule"] else "-"
+        mb = pl["microbatches"] if pl["schedule"] else pl["grad_accum"]
+        lines.append(f"{i:>2} {m['pipe']:>4} {m['data']:>4} {m['fsdp']:>4} {m['expert']:>4} "
+                     f"{m['context']:>4} {m['tensor']:>4} {pl['zero_stage']:>4} {pl['remat']:>5} "
+                     f"{sched:>11} {mb:>6} {pl['memory_per_device']['total'] / GIB:>6.2f} "
+                     f"{pl['step_time_s']:>8.3f} {pl['mfu']:>5.1%}")
+    for i, pl in enumerate(result["plans"], 1):
+        mem = pl["memory_per_device"]
+        lines += ["", f"#{i}: " + pl["why"],
+                  "    memory GiB: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.items()),
+                  "    time s: " + ", ".join(f"{k} {v:.3g}" for k, v in pl["time_breakdown_s"].items()
+                                             if v),
+                  "    " + pl["command"]]
+        if "compiled_memory_per_device" in pl:
+            c = pl["compiled_memory_per_device"]
+            lines.append(f"    verified: predicted {mem['total'] / GIB:.2f} GiB, compiled "
+                         f"{c / GIB:.2f} GiB ({mem['total'] / c - 1:+.1%})")
+    for w in result.get("warnings", []):
+        lines.append("warning: " + w)
+    return "\n".join(lines)
+
+
+# --- Command line --------------------------------------------------------------------------------
+
+USAGE = """usage: python -m jaxpar.plan [CONFIG.yaml] [dotted.key=value ...] --gpus NxTYPE
+                              [--gpus-per-node 8] [--top 5] [--verify K] [--human]
+  --gpus 64xh100      how many GPUs of which type (known: """ + ", ".join(DEVICES) + """)
+  --gpus-per-node 8   GPUs sharing NVLink in one node (default 8)
+  --top 5             how many plans to print
+  --verify K          compile the top K for the target without a GPU (gpu-compile extra) and
+                      show predicted against compiled memory; drop a plan that does not fit
+  --human             a table instead of JSON
+exit codes: 0 plans printed, 2 bad input, 3 no layout fits"""
+
+
+@dataclass
+class Args:
+    path: str | None
+    overrides: list[str]
+    count: int
+    device: DeviceSpec
+    per_node: int
+    top: int
+    verify: int
+    human: bool
+
+
+def parse_gpus(text: str) -> tuple[int, DeviceSpec]:
+    count, sep, kind = text.lower().partition("x")
+    if not sep or not count.strip().isdigit() or int(count) < 1:
+        raise ConfigError(f"--gpus {text!r}: write the count and the type, e.g. --gpus 64xh100 "
+                          f"(known types: {', '.join(DEVICES)})")
+    if kind.strip() not in DEVICES:
+        raise ConfigError(f"--gpus {text!r}: unknown GPU type {kind.strip()!r}; known: "
+                          f"{', '.join(DEVICES)}")
+    return int(count), DEVICES[kind.strip()]
+
+
+def parse_args(argv: list[str]) -> Args:
+    flags = {"--gpus": None, "--gpus-per-node": "8", "--top": "5", "--verify": "0"}
+    human, rest = False, []
+    it = iter(argv)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        if name in flags:
+            value = value if eq else next(it, None)
+            if value is None or value.startswith("--"):
+                raise ConfigError(f"{name} needs a value (see --help)")
+            flags[name] = value
+        elif arg == "--human":
+            human = True
+        elif arg.startswith("--"):
+            raise ConfigError(f"unknown flag {arg!r}; known: --gpus, --gpus-per-node, --top, "
+                              "--verify, --human")
+        else:
+            rest.append(arg)
+    if flags["--gpus"] is None:
+        raise ConfigError(f"--gpus is required, e.g. --gpus 64xh100 (known types: {', '.join(DEVICES)})")
+    count, device = parse_gpus(flags["--gpus"])
+    numbers = {}
+    for name, least in (("--gpus-per-node", 1), ("--top", 1), ("--verify", 0)):
+        value = flags[name]
+        if not value.isdigit() or int(value) < least:
+            raise ConfigError(f"{name} {value!r}: give a whole number >= {least}")
+        numbers[name] = int(value)
+    per_node = numbers["--gpus-per-node"]
+    if count > per_node and count % per_node:
+        raise ConfigError(f"--gpus {count} does not divide into nodes of {per_node} GPUs "
+                          f"(--gpus-per-node); use a multiple of {per_node}, e.g. "
+                          f"{count - count % per_node} or {count + per_node - count % per_node}")
+    path, overrides = config_lib.parse_cli(rest)
+    return Args(path, overrides, count, device, min(per_node, count), numbers["--top"],
+                numbers["--verify"], human)
+
+
+def missing(cfg: Config, n: int, device: DeviceSpec, per_node: int, plans: list[Plan]) -> str:
+    """What a model that fits nowhere lacks: the smallest need now, and how many GPUs of this
+    type the planner would need (up to 64 times as many)."""
+    least = min((p.memory["total"] for p in plans), default=None)
+    usable = device.usable_bytes / GIB
+    now = (f"no layout of {n} x {device.key} fits: the smallest needs "
+           f"{least / GIB:.1f} GiB per GPU, {usable:.1f} GiB usable of {device.memory_bytes / 1e9:.0f} GB"
+           if least is not None else f"no layout of {n} x {device.key} divides this model and batch")
+    for more in (2, 4, 8, 16, 32, 64):
+        bigger = n * more
+        if bigger > per_node and bigger % per_node:
+            continue
+        fits = [p for p in enumerate_plans(cfg, bigger, device, per_node) if p.fits]
+        if any(runnable(p, bigger) for p in fits[:50]):
+            return f"{now}; needs >= {bigger} GPUs of {device.memory_bytes / 1e9:.0f} GB"
+    return (f"{now}; even {64 * n} GPUs do not make it fit at train.batch_size="
+            f"{cfg.train.batch_size}: lower the batch or the sequence length, or shrink the model")
+
+
+def plan_main(args: Args) -> tuple[dict, int]:
+    cfg = config_lib.load_config(args.path, args.overrides)
+    config_lib.check_types(cfg)
+    n, device = args.count, args.device
+    plans = enumerate_plans(cfg, n, device, args.per_node)
+    inside = [p for p in plans if not p.crosses]
+    candidates = [p for p in inside if p.fits] or [p for p in plans if p.fits]
+    chosen = []
+    for p in candidates:
+        if runnable(p, n):
+            chosen.append(p)
+        if len(chosen) >= args.top:
+            break
+    params = state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"]
+    result = {
+        "gpus": {"count": n, "type": device.key, "name": device.name, "per_node": args.per_node,
+                 "memory_bytes": device.memory_bytes, "usable_gib": device.usable_bytes / GIB},
+        "model": {"params": params, "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len},
+        "layouts_considered": len(plans),
+        "layouts_fitting": sum(p.fits for p in plans),
+        "plans": [],
+        "warnings": [],
+    }
+    if not chosen:
+        result["error"] = missing(cfg, n, device, args.per_node, plans)
+        return result, 3
+    for p in chosen:
+        result["plans"].append(to_json(p, explain(p, plans, device),
+                                       command(p, args.path, args.overrides, args.per_node, n)))
+    if args.verify:
+        verify(result, chosen, args, device)
+        if not result["plans"]:
+            result["error"] = "none of the verified plans fits once compiled"
+            return result, 3
+    return result, 0
+
+
+def verify(result: dict, chosen: list[Plan], args: Args, device: DeviceSpec) -> None:
+    """Compiles the top `args.verify` plans for the target; adds the compiled total to each and
+    drops (with a warning) those whose compiled program does not fit."""
+    from jaxpar import targets as targets_lib
+
+    target = targets_lib.resolve(f"{device.target}:{args.count}")
+    targets_lib.use_cpu_backend()
+    from jaxpar.inspect import compile_step
+    from jaxpar.train import build_trainer
+
+    kept = []
+    for entry, plan in zip(result["plans"], chosen):
+        if len(kept) >= args.verify and "compiled_memory_per_device" not in entry:
+            kept.append(entry)
+            continue
+        trainer = build_trainer(plan.cfg, plan.sizes, devices=targets_lib.devices(target))
+        mem = compile_step(trainer).memory_analysis()
+        total = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                    - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+        entry["compiled_memory_per_device"] = total
+        entry["predicted_over_compiled"] = entry["memory_per_device"]["total"] / total
+        if total > target.usable_bytes:
+            result["warnings"].append(
+                f"dropped {entry['command']}: compiled {total / GIB:.2f} GiB per GPU, over the "
+                f"{target.usable_bytes / GIB:.2f} GiB usable (predicted "
+                f"{entry['memory_per_device']['total'] / GIB:.2f})")
+            continue
+        kept.append(entry)
+    result["plans"] = kept
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(USAGE)
+        return 0
+    try:
+        args = parse_args(argv)
+        result, code = plan_main(args)
+    except ConfigError as e:
+        print(f"plan error: {e}", file=sys.stderr)
+        return 2
+    print(format_human(result) if args.human else json.dumps(result, indent=2))
+    if code == 3:
+        print(f"plan error: {result['error']}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

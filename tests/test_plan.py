@@ -1,0 +1,211 @@
+"""`python -m jaxpar.plan`: its memory model against XLA's compiled programs (a representative
+handful here; benchmarks/plan_memory.py has 25 layouts), the ZeRO paper's table, the
+Playbook's guidance as it falls out of the model, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks.plan_layouts import LAYOUTS, MODEL
+from jaxpar import config as config_lib
+from jaxpar import plan
+from jaxpar.config import MESH_AXES
+from jaxpar.sharding import shard_bytes
+from tests.parity import trainer_on
+
+GB = 10**9
+
+
+# --- The memory model against the compiled program (8 emulated CPU devices) ------------------
+
+# One pipeline (1F1B over pipe x data, no remat) and one ZeRO-3 layout with full remat (the
+# other 23 layouts, context, tensor and expert among them, are benchmarks/plan_memory.py's).
+COMPILED = ["p2-d4-1f1b", "fsdp8-z3-full"]
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_predicted_memory_within_10_percent_of_compiled(name):
+    layout = next(l for l in LAYOUTS if l["name"] == name)
+    overrides = MODEL + layout["overrides"]
+    compiled = plan.compiled_memory(overrides, layout["mesh"])
+    predicted = plan.predict_memory_for(overrides, layout["mesh"], kernel="xla")
+    assert predicted["total"] == pytest.approx(compiled["total"], rel=0.10), (predicted, compiled)
+    # The state is exact: XLA's arguments are the params and Adam's moments (+ the batch).
+    state = predicted["params"] + predicted["optimizer"]
+    assert state == pytest.approx(compiled["arguments"], rel=0.01)
+
+
+@pytest.mark.parametrize("stage, mesh, extra", [
+    (0, {"data": 2, "tensor": 2, "pipe": 2}, []),
+    (1, {"fsdp": 4, "tensor": 2}, []),
+    (2, {"fsdp": 2, "expert": 2, "tensor": 2}, ["model.moe.num_experts=4", "model.moe.every=2"]),
+    (3, {"fsdp": 4, "context": 2}, []),
+])
+def test_state_per_device_equals_the_trainers_shardings(stage, mesh, extra):
+    """params, gradients and optimizer state per device, as the trainer lays them out (its
+    shardings, from the model's own parameters; nothing compiled)."""
+    trainer = trainer_on([f"parallel.zero_stage={stage}", "model.d_model=64", "model.n_layers=4",
+                          *extra], mesh)
+    cfg = trainer.cfg
+    shapes, shardings = trainer.state_shape, trainer.state_shardings
+    sizes = dict(trainer.mesh.shape)
+    predicted = plan.predict_memory(cfg, sizes, kernel="xla")
+    assert predicted["params"] == shard_bytes(shapes["params"], shardings["params"])
+    assert predicted["gradients"] == shard_bytes(shapes["params"], trainer.grad_shardings)
+    moments = [x for x in jax.tree.leaves(shapes["opt_state"]) if x.ndim > 0]
+    moment_shardings = [s for x, s in zip(jax.tree.leaves(shapes["opt_state"]),
+                                          jax.tree.leaves(shardings["opt_state"])) if x.ndim > 0]
+    assert predicted["optimizer"] == shard_bytes(moments, moment_shardings)
+    total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
+    assert plan.state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"] == total
+
+
+# --- The ZeRO paper's table (Rajbhandari et al. 2020, Figure 1: 7.5B parameters, N_d = 64) -----
+
+
+def test_zero_paper_table_for_its_own_assumptions():
+    psi, n = 7.5e9, 64
+    paper = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}  # GB per device, mixed-precision Adam, K = 12
+    for stage, gb in paper.items():
+        got = plan.zero_state_bytes(psi, n, stage, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+        assert round(got["total"] / GB, 1) == gb
+    # The formulas themselves: (2 + 2 + K)Psi, 2Psi + 2Psi + KPsi/N, 2Psi + (2 + K)Psi/N, (2 + 2 + K)Psi/N.
+    k = 12
+    exact = {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
+             3: (4 + k) * psi / n}
+    for stage, value in exact.items():
+        assert plan.zero_state_bytes(psi, n, stage, 2, 2, k)["total"] == pytest.approx(value)
+
+
+def test_planner_state_follows_the_zero_rule_with_jaxpar_dtypes():
+    """The planner's per-device state of a real model equals the rule for jaxpar's dtypes
+    (float32 params and grads, two float32 Adam moments) when every tensor splits evenly."""
+    cfg = config_lib.load_config(None, ["model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=8",
+                                        "model.d_ff=2048", "model.vocab_size=4096", "model.n_layers=4"])
+    psi = plan.state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"]
+    sizes = {a: 1 for a in MESH_AXES} | {"fsdp": 8}
+    for stage in range(4):
+        c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=stage))
+        got = plan.predict_memory(c, sizes, kernel="xla")
+        want = plan.zero_state_bytes(psi, 8, stage)
+        for key in ("params", "gradients", "optimizer"):
+            assert got[key] == pytest.approx(want[key]), (stage, key)
+
+
+# --- The Playbook's guidance, out of the model -------------------------------------------------
+
+
+def llama(d, layers, heads, kv, ff, batch, seq, vocab=32000):
+    return [f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+            f"model.n_kv_heads={kv}", f"model.d_ff={ff}", f"model.vocab_size={vocab}",
+            f"model.max_seq_len={seq}", f"train.batch_size={batch}", f"train.seq_len={seq}"]
+
+
+def best(overrides, gpus, per_node=8, kind="h100", **device_changes):
+    cfg = config_lib.load_config(None, overrides)
+    device = dataclasses.replace(plan.DEVICES[kind], **device_changes)
+    plans = plan.enumerate_plans(cfg, gpus, device, per_node)
+    top = next(p for p in plans if p.fits and not p.crosses and plan.runnable(p, gpus))
+    return top, plans, device
+
+
+def test_data_parallelism_first_while_the_model_fits():
+    top, _, _ = best(llama(768, 12, 12, 12, 2048, batch=64, seq=1024), 8)
+    assert top.sizes["data"] == 8 and top.cfg.parallel.zero_stage == 0
+
+
+def test_zero_stages_rise_as_memory_tightens():
+    """Same 8 GPUs and batch, a growing model: ZeRO-0, then a sharded stage, then ZeRO-3."""
+    stages = []
+    for d, layers, ff in [(2048, 16, 8192), (3072, 28, 8192), (5120, 40, 13824)]:
+        top, _, _ = best(llama(d, layers, 32 if d < 5120 else 40, 8, ff, batch=64, seq=4096), 8)
+        stages.append(top.cfg.parallel.zero_stage if top.sizes["fsdp"] > 1 else 0)
+    assert stages[0] == 0 and stages[1] >= 1 and stages[2] == 3
+    assert stages == sorted(stages)
+
+
+def test_tensor_parallelism_stays_inside_the_node():
+    """A 30B-class model on 2 nodes of 8: the best plan uses tensor parallelism, within a node."""
+    top, plans, device = best(llama(6656, 60, 52, 4, 17920, batch=32, seq=4096), 16)
+    assert 1 < top.sizes["tensor"] <= 4 and not top.crosses
+    assert "inside the node" in plan.explain(top, plans, device)
+
+
+def test_pipeline_across_nodes_when_the_network_is_slow():
+    """A 13B model on 4 nodes of 8: over InfiniBand (50 GB/s a GPU) FSDP's traffic hides behind
+    the compute and nothing is pipelined; over 10 Gb/s Ethernet the best plan pipelines across
+    the nodes instead."""
+    model = llama(5120, 40, 40, 8, 13824, batch=64, seq=4096)
+    fast, _, _ = best(model, 32)
+    slow, _, _ = best(model, 32, network_bandwidth=1.25e9)
+    assert fast.sizes["pipe"] == 1
+    assert slow.sizes["pipe"] > 1 and plan.crosses_nodes(slow.sizes, ("pipe",), 8)
+
+
+def test_context_parallelism_for_long_sequences():
+    """One KV head (tensor cannot split attention), 8 sequences on 8 A100s, whose attention is
+    XLA's (a [T, T] score array per head; ring attention holds [T/c, T/c] blocks): at 4k tokens
+    data parallelism is best, at 32k only a split sequence fits. (On an H100 jaxpar's cuDNN
+    flash attention holds no [T, T] array while ring attention's blocks run XLA's, so there the
+    model rightly prefers cuDNN with data or tensor parallelism.)"""
+    model = llama(2048, 16, 16, 1, 8192, batch=8, seq=4096)
+    short, _, _ = best(model, 8, kind="a100")
+    long, plans, device = best(model[:-2] + ["model.max_seq_len=32768", "train.seq_len=32768"], 8,
+                               kind="a100")
+    assert short.sizes == {a: 1 for a in MESH_AXES} | {"data": 8}
+    assert long.sizes["context"] > 1
+    assert "no layout without context parallelism fits" in plan.explain(long, plans, device)
+
+
+# --- The command line ------------------------------------------------------------------------
+
+
+def test_cli_json_schema_and_runnable_command(capsys):
+    assert plan.main(["configs/gpt2-124m.yaml", "--gpus", "8xh100", "--top", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["plans"]) == 2
+    first = out["plans"][0]
+    for key in ("mesh", "zero_stage", "remat", "microbatches", "schedule", "grad_accum",
+                "memory_per_device", "step_time_s", "mfu", "why", "command"):
+        assert key in first
+    assert set(first["memory_per_device"]) >= {"params", "gradients", "optimizer", "activations", "total"}
+    assert 0 < first["mfu"] < 1
+    # The command is what `python -m jaxpar.train` takes, and validates on 8 devices.
+    args = first["command"].split()[3:]
+    path, overrides = config_lib.parse_cli(args)
+    config_lib.validate(config_lib.load_config(path, overrides), 8)
+
+
+def test_cli_human_table(capsys):
+    assert plan.main(["configs/gpt2-124m.yaml", "--gpus", "8xh100", "--top", "1", "--human"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m jaxpar.train configs/gpt2-124m.yaml" in out and "MFU" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpus", "8xv100"], ["unknown GPU type 'v100'", "h100", "h200", "a100", "b200"]),
+    (["--gpus", "12xh100"], ["does not divide into nodes of 8", "16"]),
+    (["--gpus", "h100"], ["e.g. --gpus 64xh100"]),
+    ([], ["--gpus is required"]),
+    (["--gpus", "8xh100", "--top", "0"], ["--top"]),
+    (["--gpus", "8xh100", "mesh.tensorr=2"], ["unknown config key"]),
+])
+def test_bad_input_exits_2_with_one_line(capsys, argv, words):
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plan error:") and err.count("\n") == 1 and "Traceback" not in err
+    for word in words:
+        assert word in err
+
+
+def test_nothing_fits_exits_3_saying_what_is_missing(capsys):
+    """A 7B model on one H100: it says how much the smallest layout needs and how many GPUs."""
+    model = llama(4096, 32, 32, 8, 11008, batch=8, seq=4096)
+    assert plan.main(model + ["--gpus", "1xh100"]) == 3
+    err = capsys.readouterr().err
+    assert "no layout of 1 x h100 fits" in err and "needs >= " in err and "GPUs of 86 GB" in err
