@@ -41,7 +41,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "xla", "cudnn"]
 Remat = Literal["none", "dots", "full"]
 ContextLayout = Literal["zigzag", "contiguous"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
 ZeroStage = Literal[0, 1, 2, 3]
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 DataErrors = Literal["strict", "replace", "skip"]
@@ -106,9 +106,20 @@ class ParallelConfig:
     remat: Remat = "none"  # none | dots | full: what each block keeps for the backward pass
     grad_accum: int = 1  # microsteps per optimizer step (the global batch is split into these)
     context_layout: ContextLayout = "zigzag"  # ring attention's sequence cut; zigzag evens causal work
-    pipeline_schedule: PipelineSchedule = "1f1b"  # gpipe | 1f1b | interleaved (when mesh.pipe > 1)
+    pipeline_schedule: PipelineSchedule = "1f1b"  # gpipe | 1f1b | interleaved | zb (when mesh.pipe > 1)
     microbatches: int = 4  # pipeline microbatches per step (when mesh.pipe > 1)
     virtual_stages: int = 1  # chunks per pipeline stage (interleaved schedule)
+
+
+@dataclass
+class SourceConfig:
+    """One prepared dataset of a mixture (`data.sources`)."""
+
+    path: str  # a directory of prepared token shards (python -m jaxpar.data prepare)
+    # Relative: sources [{weight: 0.7}, {weight: 0.3}] and [{weight: 7}, {weight: 3}] draw the same
+    # shares of the training sequences, held to 1% of the smallest weight.
+    weight: float  # its share of the training sequences (see above); positive and finite
+    name: str | None = None  # its name in the metrics (tokens_seen); None = the directory's name
 
 
 @dataclass
@@ -117,6 +128,11 @@ class DataConfig:
     # glob of text/JSONL/Parquet files (read into memory) | a directory of prepared token shards
     # (python -m jaxpar.data prepare; read a sequence at a time)
     source: str = "stdlib"  # stdlib | a path or glob | a directory of prepared shards (see above)
+    # A mixture of prepared datasets instead of data.source (which then stays unset, at stdlib):
+    # [{path: DIR, weight: 0.7}, {path: DIR2, weight: 0.3}]. Every global batch draws its rows from
+    # them in these proportions (grain's MapDataset.mix), each dataset shuffled and repeated on its
+    # own; data.max_documents applies to each. Metrics report the tokens seen per source.
+    sources: list[SourceConfig] | None = None  # a mixture (see above); None = data.source alone
     format: DataFormat = "auto"  # auto (by extension) | text | jsonl | parquet
     text_field: str = "text"  # the JSONL field (Parquet column) that holds a document
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
@@ -156,6 +172,10 @@ class TrainConfig:
     resume: str = "auto"  # auto (latest complete checkpoint in run_dir) | never | a step number
     on_nan: OnNaN = "stop"  # stop (error naming the step) | skip (drop that step's update)
     loss_chunks: int = 0  # the loss computes logits for seq/loss_chunks positions at a time; 0 = auto
+    # Evaluation: the loss on the validation split of prepared shards (prepare --val-fraction),
+    # without gradients, on the training mesh; the same batches every time, logged as eval_loss.
+    eval_every: int = 0  # evaluate every n steps and at the last step (0 = never)
+    eval_batches: int = 8  # batches of train.batch_size sequences per evaluation
 
 
 @dataclass
@@ -246,6 +266,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             return None
         (inner,) = [t for t in options if t is not type(None)]
         return _coerce(key, value, inner)
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r} ({type(value).__name__})")
+        (item,) = typing.get_args(hint)
+        return [_coerce_item(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if typing.get_origin(hint) is Literal:
         choices = typing.get_args(hint)
         # Compared with the type: True == 1 and 1.0 == 1, but neither is the choice 1.
@@ -264,6 +289,29 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     raise ConfigError(
         f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__})"
     )
+
+
+def _coerce_item(key: str, value: Any, item: Any) -> Any:
+    """One element of a list setting: a plain value, or a dataclass given as a mapping of its
+    fields (data.sources' {path, weight}); errors name the element, e.g. data.sources[1].weight."""
+    if not dataclasses.is_dataclass(item):
+        return _coerce(key, value, item)
+    fields = dataclasses.fields(item)
+    takes = ", ".join(f.name for f in fields)
+    if isinstance(value, item):  # built in Python
+        check_types(value, key + ".")
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping of {takes}, got {value!r}")
+    for name in value:
+        if name not in {f.name for f in fields}:
+            raise ConfigError(f"{key}: unknown key '{name}'; it takes {takes}")
+    for f in fields:
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in value:
+            raise ConfigError(f"{key}: '{f.name}' is missing; it takes {takes}")
+    hints = typing.get_type_hints(item)
+    return item(**{name: _coerce(f"{key}.{name}", v, hints[name]) for name, v in value.items()})
 
 
 def check_types(obj: Any, prefix: str = "") -> None:
@@ -391,13 +439,15 @@ def fit_default_mesh(num_devices: int) -> MeshConfig:
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """The config with its file paths made absolute (data.source, data.tokenizer, train.run_dir),
-    as the run's config.yaml stores them: `sample`, `export` or a reused config then find the
-    same files from any directory."""
+    """The config with its file paths made absolute (data.source, data.sources' paths,
+    data.tokenizer, train.run_dir), as the run's config.yaml stores them: `sample`, `export` or a
+    reused config then find the same files from any directory."""
     d, t = cfg.data, cfg.train
     absolute = lambda path: os.path.abspath(os.path.expanduser(path))  # noqa: E731
+    sources = None if d.sources is None else [dataclasses.replace(s, path=absolute(s.path))
+                                               for s in d.sources]
     data = dataclasses.replace(
-        d, source=d.source if d.source == "stdlib" else absolute(d.source),
+        d, source=d.source if d.source == "stdlib" else absolute(d.source), sources=sources,
         tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer))
     return dataclasses.replace(cfg, data=data, train=dataclasses.replace(t, run_dir=absolute(t.run_dir)))
 
@@ -479,6 +529,64 @@ def data_files(data: DataConfig) -> list[str]:
     if not files:
         raise ConfigError(f"data.source='{data.source}': no such file (or nothing matches the glob)")
     return files
+
+
+def source_names(data: DataConfig) -> list[str]:
+    """The metrics' name of each of data.sources: its `name`, else its directory's name."""
+    return [s.name if s.name is not None else os.path.basename(os.path.normpath(s.path))
+            for s in data.sources or []]
+
+
+def _prepared(path: str, key: str) -> bool:
+    """Whether `path` (setting `key`) is a finished directory of prepared shards; an unfinished
+    one is an error (resume it). Their contents are checked when opened (jaxpar.shards)."""
+    path = os.path.expanduser(path)
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return True
+    if os.path.isfile(os.path.join(path, "prepare.json")):
+        raise ConfigError(
+            f"{key}='{path}' has no manifest.json: its preparation did not finish; run the same "
+            "`python -m jaxpar.data prepare` command again, it resumes")
+    return False
+
+
+def _validate_data(cfg: Config) -> None:
+    """data.source or data.sources names data that exists; evaluation has a split to read."""
+    d, t = cfg.data, cfg.train
+    if d.sources is None:
+        if d.source != "stdlib" and not _prepared(d.source, "data.source"):
+            data_files(d)
+        if t.eval_every and (d.source == "stdlib" or not _prepared(d.source, "data.source")):
+            what = "the standard library" if d.source == "stdlib" else "raw files"
+            raise ConfigError(
+                f"train.eval_every={t.eval_every} evaluates on a validation split, and "
+                f"data.source='{d.source}' ({what}) has none: prepare it with one (python -m "
+                "jaxpar.data prepare SOURCES --out DIR --val-fraction 0.01) and train on "
+                "data.source=DIR, or set train.eval_every=0")
+        return
+    if d.source != "stdlib":
+        raise ConfigError(
+            f"data.source='{d.source}' and data.sources are both set; a run reads one of them: "
+            "put that directory into data.sources (with a weight), or remove data.sources")
+    if not d.sources:
+        raise ConfigError("data.sources is empty: give at least one {path: DIR, weight: W} "
+                          "(a directory from python -m jaxpar.data prepare), or remove data.sources "
+                          "to train on data.source")
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not (s.weight > 0 and math.isfinite(s.weight)):
+            raise ConfigError(f"{key}.weight={s.weight}: use a positive, finite weight (weights are "
+                              "relative: 0.7 and 0.3 draw as 7 and 3 do)")
+        if not _prepared(s.path, f"{key}.path"):
+            raise ConfigError(
+                f"{key}.path='{s.path}' is not a directory of prepared shards (no manifest.json): "
+                f"make one with python -m jaxpar.data prepare SOURCES --out {s.path}")
+    names = source_names(d)
+    for i, name in enumerate(names):
+        if names.index(name) != i:
+            raise ConfigError(
+                f"data.sources[{names.index(name)}] and data.sources[{i}] are both named '{name}' "
+                f"in the metrics; give one of them another name (data.sources[{i}].name)")
 
 
 def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
@@ -600,13 +708,15 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         if not ok:
             raise ConfigError(f"{key}={value}: use {want}")
 
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every}: use 0 (no evaluation) or a step count")
     positive = {
         "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
         "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.d_ff": m.d_ff,
         "model.max_seq_len": m.max_seq_len, "train.steps": t.steps, "train.batch_size": t.batch_size,
         "train.seq_len": t.seq_len, "train.log_every": t.log_every,
         "parallel.grad_accum": p.grad_accum, "runtime.cpu_devices": cfg.runtime.cpu_devices,
-        "model.max_documents_per_row": m.max_documents_per_row,
+        "model.max_documents_per_row": m.max_documents_per_row, "train.eval_batches": t.eval_batches,
     }
     if cfg.data.max_documents is not None:
         positive["data.max_documents"] = cfg.data.max_documents
@@ -665,15 +775,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
             f"train.loss_chunks={t.loss_chunks} must divide train.seq_len={t.seq_len} into pieces "
             f"that split evenly over the {seq_shards} devices holding the sequence; use 0 (auto) "
             f"or one of {fits}")
-    source = os.path.expanduser(cfg.data.source)
-    if cfg.data.source == "stdlib" or os.path.isfile(os.path.join(source, "manifest.json")):
-        pass  # prepared shards are checked when opened (tokenizer, sizes): jaxpar.shards
-    elif os.path.isfile(os.path.join(source, "prepare.json")):
-        raise ConfigError(
-            f"data.source='{cfg.data.source}' has no manifest.json: its preparation did not "
-            "finish; run the same `python -m jaxpar.data prepare` command again, it resumes")
-    else:
-        data_files(cfg.data)
+    _validate_data(cfg)
     if cfg.data.tokenizer != "byte" and not os.path.isfile(cfg.data.tokenizer):
         raise ConfigError(
             f"data.tokenizer='{cfg.data.tokenizer}' does not exist; use 'byte' or the path of a "

@@ -17,6 +17,12 @@ global batch of step s is the global samples [s*B, (s+1)*B). Process p of P read
 number of processes, and a run can continue at any step. The iterator's state is grain's, so a
 checkpoint can store and restore it.
 
+Mixtures (`data.sources`): several prepared datasets, each shuffled and repeated on its own,
+interleaved by grain's MapDataset.mix in fixed proportions; sample k of the mixture is a function
+of k alone, so the shares, the saved state and the tokens seen per source (`mixture_counts`)
+follow as above. Evaluation (`train.eval_every`) reads the val split of prepared shards
+(`prepare --val-fraction`), the same batches every time (`eval_dataset`).
+
 Sources: `stdlib` (the running interpreter's own standard library `.py` files: real text on every
 machine, no download), a plain-text file or glob (one document per file), JSONL (one document
 per line, in `data.text_field`) or Parquet (column `data.text_field`), `.gz`/`.zst` decompressed;
@@ -349,22 +355,46 @@ class PackedSequences:
         window = slice(start, start + self.seq_len + 1)
         return packed_sample(self.tokens[window], self.doc_ids[window])
 
+    def _getitems(self, indices) -> list[dict[str, np.ndarray]]:
+        """Several sequences at once (grain's batched read; see `batch_dataset`)."""
+        window = (np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
+                  + np.arange(self.seq_len + 1))
+        docs = self.doc_ids[window]
+        starts = np.zeros(docs.shape, dtype=bool)
+        starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        return split_rows(packed_rows(self.tokens[window], starts))
+
+
+def packed_rows(tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+    """Packed sequences from windows of seq_len + 1 consecutive stream tokens, [rows, seq_len + 1],
+    and where documents start in them (starts[r, j]: a document begins at window position j;
+    column 0 is not read): inputs, targets (shifted by one), positions, segment ids, loss mask."""
+    seq_len = tokens.shape[1] - 1
+    begins = starts[:, :seq_len].copy()  # the inputs' document starts
+    begins[:, 0] = True
+    index = np.arange(seq_len, dtype=np.int32)
+    # Position within the document: distance from the latest document start in the row.
+    latest = np.maximum.accumulate(np.where(begins, index, np.int32(0)), axis=1)
+    tokens = tokens.astype(np.int32, copy=False)
+    return {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": index - latest,
+        "segment_ids": np.cumsum(begins, axis=1, dtype=np.int32),
+        # 0 where the target begins another document (the end-of-document token predicting it).
+        "loss_mask": (~starts[:, 1:]).astype(np.float32),
+    }
+
+
+def split_rows(batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    return [{key: value[r] for key, value in batch.items()} for r in range(len(batch["inputs"]))]
+
 
 def packed_sample(tokens: np.ndarray, docs: np.ndarray) -> dict[str, np.ndarray]:
     """One packed sequence from seq_len + 1 consecutive stream tokens and their documents' ids
-    (any increasing numbering): inputs, targets (shifted by one), positions, segment ids, mask."""
-    seq_len = len(tokens) - 1
-    input_docs, target_docs = docs[:-1], docs[1:]
-    # Position within the document: distance from the latest document start in the window.
-    is_start = np.concatenate([[True], input_docs[1:] != input_docs[:-1]])
-    starts = np.maximum.accumulate(np.where(is_start, np.arange(seq_len), 0))
-    return {
-        "inputs": tokens[:-1].astype(np.int32, copy=False),
-        "targets": tokens[1:].astype(np.int32, copy=False),
-        "positions": (np.arange(seq_len) - starts).astype(np.int32),
-        "segment_ids": np.cumsum(is_start).astype(np.int32),
-        "loss_mask": (input_docs == target_docs).astype(np.float32),
-    }
+    (any increasing numbering): `packed_rows` of one row."""
+    starts = np.concatenate([[False], docs[1:] != docs[:-1]])
+    return split_rows(packed_rows(tokens[None], starts[None]))[0]
 
 
 def pack(documents: list[str], tokenizer, seq_len: int) -> PackedSequences:
@@ -399,34 +429,194 @@ def packed_source(cfg: DataConfig, tokenizer, seq_len: int):
     return pack(read_documents(cfg), tokenizer, seq_len)
 
 
+# --- Mixtures -----------------------------------------------------------------------------
+
+
+def mixture_proportions(weights: list[float]) -> tuple[int, ...]:
+    """data.sources' weights as the integers the mixture interleaves by: the smallest 100, the
+    others in proportion (rounded: to 1% of the smallest weight). grain's `MapDataset.mix` scales
+    its weights so that the smallest is 100 and truncates the rest to integers; given these, its
+    scale is 1 and they are used exactly as they are here, which `mixture_counts` relies on."""
+    smallest = min(weights)
+    return tuple(max(1, round(100 * w / smallest)) for w in weights)
+
+
+def mixture_counts(proportions: tuple[int, ...], n: int) -> list[int]:
+    """How many of the first `n` samples of the mixture come from each source.
+
+    grain's MapDataset.mix (transformations/mix.py in grain 0.2.18) sends sample k to the source
+    whose count of the first k + 1 samples exceeds its count of the first k, where source i's count
+    of the first n is what this loop computes: its share of the n, floored, out of what the sources
+    before it left. Exact, for any n (tests/test_mixture.py checks it against the samples grain
+    actually draws). A source's count stays close to n * weight / total: less than one sample
+    off with two sources, a few with more (under 3.2 for six sources, in 10,000 random trials)."""
+    counts, remaining, left = [], sum(proportions), n
+    for p in proportions:
+        rest = left * (remaining - p) // remaining
+        counts.append(left - rest)
+        left, remaining = rest, remaining - p
+    return counts
+
+
+def _source_seed(seed: int, index: int) -> int:
+    """The shuffle seed of a mixture's source `index`: train.seed for the first (a mixture of one
+    source draws what data.source would), independent 32-bit seeds for the others."""
+    return seed if index == 0 else int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+
+
+@dataclass
+class Mixture:
+    """Several sources (prepared shards, each a grain data source) drawn in fixed proportions."""
+
+    sources: list  # PreparedSequences (or PackedSequences), one per data.sources entry
+    proportions: tuple[int, ...]  # `mixture_proportions` of their weights
+    names: list[str]  # each source's name in the metrics
+
+    @property
+    def seq_len(self) -> int:
+        return self.sources[0].seq_len
+
+    def stream(self, *, seed: int, shuffle: bool = True) -> grain.MapDataset:
+        """The endless mixed stream: each source's own stream (`sample_stream`: shuffled with its
+        seed, repeated, so a small source comes round again sooner), interleaved by grain's
+        MapDataset.mix. Sample k of the mixture is a pure function of k -- no state besides the
+        position -- so a restored iterator, or any process's share, reads the same samples."""
+        streams = [sample_stream(source, seed=_source_seed(seed, i), shuffle=shuffle)
+                   for i, source in enumerate(self.sources)]
+        return grain.MapDataset.mix(streams, weights=list(self.proportions))
+
+    def counts(self, n: int) -> dict[str, int]:
+        """Samples each source gave to the first `n` samples of the stream."""
+        return dict(zip(self.names, mixture_counts(self.proportions, n)))
+
+
+def source_counter(cfg: DataConfig):
+    """For a mixture (data.sources): n -> {source name: how many of the first n global samples
+    came from it}; None for a single source. Needs only the config, not the data."""
+    from jaxpar.config import source_names
+
+    if cfg.sources is None:
+        return None
+    proportions = mixture_proportions([s.weight for s in cfg.sources])
+    names = source_names(cfg)
+    return lambda n: dict(zip(names, mixture_counts(proportions, n)))
+
+
+def training_source(cfg: DataConfig, tokenizer, seq_len: int):
+    """What a run trains on: `packed_source` of data.source, or the Mixture of data.sources."""
+    from jaxpar import shards
+    from jaxpar.config import source_names
+
+    if cfg.sources is None:
+        return packed_source(cfg, tokenizer, seq_len)
+    sources = [shards.PreparedSequences(os.path.expanduser(s.path), cfg.tokenizer, seq_len,
+                                        cfg.max_documents) for s in cfg.sources]
+    return Mixture(sources, mixture_proportions([s.weight for s in cfg.sources]), source_names(cfg))
+
+
+EVAL_SEED = 0  # the validation split's shuffle: the same eval batches whatever train.seed is
+
+
+def eval_dataset(cfg: DataConfig, seq_len: int, *, global_batch: int, batches: int,
+                 process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
+    """The `batches` evaluation batches (this process's rows of each), from the val split of the
+    prepared shards (`prepare --val-fraction`; of every source of a mixture, mixed in the same
+    proportions): the split's sequences shuffled with a fixed seed, without repeating any. The
+    same batches every time it is read from the start."""
+    from jaxpar import shards
+
+    if cfg.sources is None:
+        directories, keys = [os.path.expanduser(cfg.source)], ["data.source"]
+    else:
+        directories = [os.path.expanduser(s.path) for s in cfg.sources]
+        keys = [f"data.sources[{i}].path" for i in range(len(cfg.sources))]
+    vals = []
+    for directory, key in zip(directories, keys):
+        if "val" not in shards.read_manifest(directory)["splits"]:
+            raise ConfigError(
+                f"train.eval_every evaluates on a validation split, and {key}='{directory}' has "
+                f"none ({os.path.join(directory, shards.MANIFEST)}: prepared without "
+                "--val-fraction); prepare it again with --val-fraction 0.01 (into a new directory), "
+                "or set train.eval_every=0")
+        vals.append(shards.PreparedSequences(directory, cfg.tokenizer, seq_len, split="val"))
+    proportions = mixture_proportions([s.weight for s in cfg.sources] if cfg.sources else [1.0])
+
+    def taken(n_batches: int) -> list[int]:  # sequences each val split gives to n_batches batches
+        return mixture_counts(proportions, n_batches * global_batch)
+
+    def fits(n_batches: int) -> bool:
+        return all(count <= len(val) for count, val in zip(taken(n_batches), vals))
+
+    if not fits(batches):
+        most = next((b for b in range(batches - 1, 0, -1) if fits(b)), 0)
+        count, val, key = next((c, v, k) for c, v, k in zip(taken(batches), vals, keys) if c > len(v))
+        raise ConfigError(
+            f"train.eval_batches={batches}: {batches} batches of train.batch_size={global_batch} "
+            f"take {count} sequences of train.seq_len={seq_len} from the val split of {key}="
+            f"'{val.directory}', which holds {len(val)}; "
+            + (f"use train.eval_batches={most} or fewer, or " if most else "")
+            + "prepare it again with a larger --val-fraction")
+    source = vals[0] if cfg.sources is None else Mixture(vals, proportions, [v.directory for v in vals])
+    return batch_dataset(source, global_batch=global_batch, seed=EVAL_SEED, shuffle=cfg.shuffle,
+                         process_index=process_index, process_count=process_count)[:batches]
+
+
 # --- The per-process batch stream ---------------------------------------------------------
 
 
-def batch_dataset(packed: PackedSequences, *, global_batch: int, seed: int, shuffle: bool = True,
+def sample_stream(packed, *, seed: int, shuffle: bool = True) -> grain.MapDataset:
+    """The endless sequence stream of one source: its sequences shuffled with `seed`, a new
+    order every epoch (or in order, without `shuffle`)."""
+    stream = grain.MapDataset.source(packed)
+    if shuffle:
+        stream = stream.shuffle(seed=seed)
+    return stream.repeat()
+
+
+def batch_dataset(packed, *, global_batch: int, seed: int, shuffle: bool = True,
                   process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
     """Batches of this process's share: element s is its rows of global batch s.
 
     Row r of global batch s is global sample s*global_batch + r of the (shuffled, repeated)
-    sequence stream; process p holds rows [p*b, (p+1)*b) with b = global_batch / process_count.
+    sequence stream -- of one source, or a `Mixture`'s -- and process p holds rows [p*b, (p+1)*b)
+    with b = global_batch / process_count.
     """
     if global_batch % process_count:
         raise ConfigError(f"train.batch_size={global_batch} does not split over {process_count} processes")
     local = global_batch // process_count
-    stream = grain.MapDataset.source(packed)
-    if shuffle:
-        stream = stream.shuffle(seed=seed)
-    stream = stream.repeat()  # a new shuffle order every epoch
+    if isinstance(packed, Mixture):
+        stream = packed.stream(seed=seed, shuffle=shuffle)
+    else:
+        stream = sample_stream(packed, seed=seed, shuffle=shuffle)
 
-    def local_sample(k: int):
-        step, row = divmod(int(k), local)
-        return stream[step * global_batch + process_index * local + row]
+    def local_batch(step: int) -> dict[str, np.ndarray]:
+        first = int(step) * global_batch + process_index * local
+        # One batched read of the rows (MapDataset._getitems: grain's batch push-down, which its
+        # shuffle, repeat and mix pass on to the sources' own `_getitems`): per row, grain's
+        # per-element bookkeeping cost more than reading and packing the row
+        # (benchmarks/RESULTS.md, "Data loader").
+        rows = stream._getitems(list(range(first, first + local)))  # noqa: SLF001
+        return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
 
-    return grain.MapDataset.range(0, sys.maxsize // global_batch).map(local_sample).batch(local)
+    return grain.MapDataset.range(0, sys.maxsize // global_batch).map(local_batch)
+
+
+# How grain's iterator reads ahead: 2 threads, at most 16 batches. grain's default reads 500
+# elements ahead with 16 threads; our elements are whole batches (500 of configs/gpt2-124m.yaml's
+# 12 x 1024 rows hold 117 MiB, larger batches gigabytes), and on 2 cores its 16 threads contend for
+# the GIL: 2.0 M tokens/s at seq 256 x 16 rows against 5.0 M with these (best of 3 each;
+# benchmarks/RESULTS.md, "Data loader"): reading a batch is mostly small numpy calls, which hold it.
+READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
+
+
+def iter_dataset(dataset: grain.MapDataset) -> grain.IterDataset:
+    """`dataset` as the iterable training reads (with READ_OPTIONS)."""
+    return dataset.to_iter_dataset(READ_OPTIONS)
 
 
 def make_iterator(dataset: grain.MapDataset, state: dict | None = None):
     """A grain iterator over `dataset`; `it.get_state()` / `state=` save and restore its place."""
-    iterator = iter(dataset.to_iter_dataset())
+    iterator = iter(iter_dataset(dataset))
     if state is not None:
         iterator.set_state(state)
     return iterator

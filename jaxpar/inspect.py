@@ -1,7 +1,10 @@
 """`python -m jaxpar.inspect [CONFIG] [overrides] [--compare] [--human] [--schedule]`: compile, never run.
 
-`--schedule` prints the pipeline schedule (stage x tick: F3, B1, idle) and its bubble fraction
-instead, without compiling anything.
+`--schedule` prints the pipeline schedule instead, without compiling anything: one JSON object
+(`pipeline.describe_schedule`) with `bubble`, the idle fraction of the lowered table the runtime
+executes with a forward costing 1 and a backward 2 (zero-bubble: B 1, W 1), the published
+`textbook_bubble`, the time, ticks, buffer slots and the cost-weighted `timeline`; with
+`--human`, the timeline alone (one column per unit of time, '|' at each tick's exchange).
 
 Compiles the train step for the configured mesh and prints one JSON object: the mesh, the
 parameter count, the bytes each device holds (parameters, optimizer state and gradients from
@@ -214,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "--schedule" in flags:  # the pipeline's static timeline; nothing compiles
         p = cfg.parallel
-        print(pipeline_lib.format_schedule(pipeline_lib.build_schedule(
-            p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)))
+        schedule = pipeline_lib.build_schedule(
+            p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
+        print(pipeline_lib.format_schedule(schedule) if "--human" in flags
+              else json.dumps(pipeline_lib.describe_schedule(schedule), indent=2))
         return 0
     trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
     result = report(trainer, compile_step(trainer), compare="--compare" in flags, target=target)

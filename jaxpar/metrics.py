@@ -59,7 +59,9 @@ def device_memory_bytes(device: jax.Device) -> int | None:
 
 
 class MetricsWriter:
-    """One JSON object per logged step in metrics.jsonl, TensorBoard scalars, and a loss plot."""
+    """One JSON object per logged step in metrics.jsonl, TensorBoard scalars, and a loss plot
+    (the training loss, and eval_loss where a record has it). TensorBoard names: train/KEY,
+    eval/loss for eval_loss, train/KEY/NAME for a mapping (tokens_seen per source)."""
 
     def __init__(self, run_dir: str, purge_after: int = 0):
         """`purge_after`: the step the run resumed from; TensorBoard hides the earlier session's
@@ -76,6 +78,8 @@ class MetricsWriter:
             self._tb = SummaryWriter(run_dir, purge_step=purge_after + 1 if purge_after else None)
         self.steps: list[int] = []  # the whole run's curve, earlier sessions' records included
         self.losses: list[float] = []
+        self.eval_steps: list[int] = []  # the records that hold an eval_loss
+        self.eval_losses: list[float] = []
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in filter(str.strip, f):
                 try:
@@ -83,25 +87,50 @@ class MetricsWriter:
                     step, loss = record["step"], record["loss"]
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by a crash (resuming drops it, with a warning)
-                self.steps.append(step)
-                self.losses.append(loss)
+                self._add(step, loss, record.get("eval_loss"))
+
+    def _add(self, step: int, loss: float, eval_loss: float | None) -> None:
+        self.steps.append(step)
+        self.losses.append(loss)
+        if eval_loss is not None:
+            self.eval_steps.append(step)
+            self.eval_losses.append(eval_loss)
 
     def write(self, record: dict) -> None:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        self.steps.append(record["step"])
-        self.losses.append(record["loss"])
+        self._add(record["step"], record["loss"], record.get("eval_loss"))
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
+                if key == "eval_loss" and value is not None:
+                    self._tb.add_scalar("eval/loss", value, record["step"])
+                elif isinstance(value, dict):
+                    for name, v in value.items():
+                        self._tb.add_scalar(f"train/{key}/{name}", v, record["step"])
+                elif key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"train/{key}", value, record["step"])
 
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError:
+                self._abandon_tensorboard()
+                raise
         if self.steps:
             self.plot()
+
+    def _abandon_tensorboard(self) -> None:
+        """After a failed final flush (a full disk): stop tensorboardX's writer threads and mark
+        its event writers closed, or its atexit hook flushes again and prints the same ENOSPC as
+        a traceback at exit, after the one-line report of the full disk."""
+        for file_writer in (self._tb.all_writers or {}).values():
+            events = file_writer.event_writer
+            worker = getattr(events, "_worker", None)
+            if worker is not None and worker.is_alive():
+                worker.stop()
+            events._closed = True
 
     def plot(self) -> None:
         # A bare Figure (no pyplot): the caller's matplotlib backend, e.g. a notebook's, is untouched.
@@ -109,9 +138,12 @@ class MetricsWriter:
 
         fig = Figure(figsize=(6, 4))
         ax = fig.subplots()
-        ax.plot(self.steps, self.losses)
+        ax.plot(self.steps, self.losses, label="training loss")
+        if self.eval_steps:
+            ax.plot(self.eval_steps, self.eval_losses, marker="o", label="eval loss (val split)")
+            ax.legend()
         ax.set_xlabel("step")
-        ax.set_ylabel("training loss (nats/token)")
+        ax.set_ylabel("loss (nats/token)" if self.eval_steps else "training loss (nats/token)")
         ax.set_title(os.path.basename(os.path.abspath(self.run_dir)))
         ax.grid(alpha=0.3)
         fig.tight_layout()

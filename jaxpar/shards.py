@@ -43,6 +43,7 @@ standard library's files and the tokenizer.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -54,8 +55,8 @@ import time
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import (_Skipped, iter_documents, make_tokenizer, packed_sample, parquet_file,
-                         source_entries, stdlib_files)
+from jaxpar.data import (_Skipped, iter_documents, make_tokenizer, packed_rows, parquet_file,
+                         source_entries, split_rows, stdlib_files)
 
 FORMAT = "jaxpar-token-shards"
 VERSION = 1
@@ -450,28 +451,30 @@ def _map(path: str, dtype: str) -> np.ndarray:
     return np.frombuffer(mapped, dtype=dtype)
 
 
-def _read(fd: int, path: str, dtype: np.dtype, lo: int, hi: int) -> np.ndarray:
-    """Tokens [lo, hi) of a shard: one positioned read (from the page cache, once warm)."""
-    data = os.pread(fd, (hi - lo) * dtype.itemsize, lo * dtype.itemsize)
-    if len(data) != (hi - lo) * dtype.itemsize:
+def _read_into(fd: int, path: str, out: np.ndarray, lo: int) -> None:
+    """Tokens [lo, lo + len(out)) of a shard into `out`: one positioned read (from the page
+    cache, once warm)."""
+    if os.preadv(fd, [out], lo * out.itemsize) != out.nbytes:
         raise ConfigError(f"{path} is shorter than when the run opened it: a shard was changed "
                           "under a running job")
-    return np.frombuffer(data, dtype=dtype)
 
 
 class PreparedSequences:
     """Packed sequences over prepared shards (a grain data source): the same samples as
     `data.pack` over the same documents, with only the windows read in memory.
 
-    A window's tokens come with one positioned read (pread) and its documents by binary search
-    in the memory-mapped document index. Tokens are not read through a memory map on purpose:
-    every page a map touches (and the kernel maps up to 64 KiB around each fault) stays in the
-    process's resident memory, and grain prefetches hundreds of shuffled batches: a 200 MiB
-    corpus added 390 MiB of resident memory within 3 steps that way (nanoGPT recreates its
-    np.memmap every batch for the same reason). The document index is 8 bytes a document."""
+    A window's tokens come with one positioned read (preadv, straight into the batch's array)
+    and its documents by binary search in the memory-mapped document index; grain asks for a
+    batch's rows at once (`_getitems`), which are packed together. Tokens are not read through a
+    memory map on purpose: every page a map touches (and the kernel maps up to 64 KiB around each
+    fault) stays in the process's resident memory: a 200 MiB corpus added 390 MiB of resident
+    memory within 3 steps that way, when grain read 500 batches ahead (nanoGPT recreates its
+    np.memmap every batch for the same reason). The document index is 8 bytes a document. Pickled
+    (for grain's worker processes), it is its arguments: the shards are opened again there."""
 
     def __init__(self, directory: str, tokenizer: str, seq_len: int,
                  max_documents: int | None = None, split: str = "train"):
+        self._args = (directory, tokenizer, seq_len, max_documents, split)
         self.directory, self.seq_len = directory, seq_len
         manifest = read_manifest(directory)
         path = os.path.join(directory, MANIFEST)
@@ -507,11 +510,12 @@ class PreparedSequences:
             docs.append(n_docs)
             left = None if left is None else left - n_docs
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self._shard_starts = self.starts.tolist()  # for bisect: faster than numpy on a few items
         self.doc_base = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)])
         if len(self) == 0:
             raise ConfigError(
-                f"data: the corpus in {directory} has {int(self.starts[-1])} tokens, fewer than one "
-                f"sequence of train.seq_len={seq_len}")
+                f"data: the {'corpus' if split == 'train' else split + ' split'} in {directory} has "
+                f"{int(self.starts[-1])} tokens, fewer than one sequence of train.seq_len={seq_len}")
 
     @property
     def num_tokens(self) -> int:
@@ -525,29 +529,51 @@ class PreparedSequences:
         return max(self.num_tokens - 1, 0) // self.seq_len
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        begin = int(index) * self.seq_len
-        stop = begin + self.seq_len + 1
-        tokens, docs = [], []
-        shard = int(np.searchsorted(self.starts, begin, side="right")) - 1
-        position = begin
-        while position < stop:
-            lo = position - int(self.starts[shard])
-            hi = min(stop, int(self.starts[shard + 1])) - int(self.starts[shard])
-            if hi > lo:
-                tokens.append(self._tokens(shard, lo, hi))
-                at = np.arange(lo, hi, dtype=np.int64)
-                docs.append(self.doc_base[shard] + np.searchsorted(self.ends[shard], at, side="right"))
-                position += hi - lo
-            shard += 1
-        tokens = tokens[0] if len(tokens) == 1 else np.concatenate(tokens)
-        return packed_sample(tokens, np.concatenate(docs))
+        return self._getitems([index])[0]
 
-    def _tokens(self, shard: int, lo: int, hi: int) -> np.ndarray:
-        fd = os.open(self.paths[shard], os.O_RDONLY)
+    def _getitems(self, indices) -> list[dict[str, np.ndarray]]:
+        """Several sequences at once (grain's batched read; see `data.batch_dataset`): each
+        window's tokens read straight into one array, its document starts from the index (the
+        ends of the documents inside it, two binary searches per shard it spans), then packed
+        for all rows together (`data.packed_rows`)."""
+        width = self.seq_len + 1
+        tokens = np.empty((len(indices), width), dtype=self.dtype)
+        starts = np.zeros((len(indices), width), dtype=bool)
+        fds: dict[int, int] = {}
         try:
-            return _read(fd, self.paths[shard], self.dtype, lo, hi)
+            for row, index in enumerate(indices):
+                begin = int(index) * self.seq_len
+                shard = bisect.bisect_right(self._shard_starts, begin) - 1
+                at = 0
+                while at < width:
+                    base = self._shard_starts[shard]
+                    lo = begin + at - base
+                    hi = min(begin + width, self._shard_starts[shard + 1]) - base
+                    if hi > lo:
+                        if shard not in fds:
+                            fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
+                        _read_into(fds[shard], self.paths[shard], tokens[row, at:at + hi - lo], lo)
+                        # A document starts at each end of one inside the piece, and (documents
+                        # never cross shards) where a later shard's piece begins.
+                        ends = self.ends[shard]
+                        first, last = ends.searchsorted((lo + 1, hi))  # the ends in (lo, hi)
+                        inside = ends[first:last]
+                        starts[row, inside - lo + at] = True
+                        starts[row, at] = at > 0
+                        at += hi - lo
+                    shard += 1
         finally:
-            os.close(fd)
+            for fd in fds.values():
+                os.close(fd)
+        return split_rows(packed_rows(tokens, starts))
+
+    def __getstate__(self) -> dict:
+        """What a grain worker process (spawned) needs to open the shards again, rather than a
+        copy of every document index."""
+        return {"args": self._args}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(*state["args"])
 
     def __repr__(self) -> str:
         return (f"PreparedSequences({self.directory!r}, {self.num_documents} documents, "

@@ -110,6 +110,8 @@ class Trainer:
     init: Callable[[], Any]  # () -> state, born sharded
     step: Callable[[Any, dict], tuple[Any, dict]]  # jitted (state, batch) -> (state, metrics)
     # (with_grads=True: (state, metrics, the step's averaged gradients, laid out as grad_shardings))
+    # jitted (params, batch) -> (summed NLL, token count): the step's loss, no update, nothing donated
+    evaluate: Callable[[Any, dict], tuple[Any, Any]] | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -242,6 +244,38 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
     else:
         summed_grads = accumulated_grads
 
+    def summed_nll(params, batch):
+        """(summed NLL, token count) of the batch, computed as the step computes them: in
+        parallel.grad_accum microsteps of the same rows, without a gradient."""
+        accum = p.grad_accum
+        if accum == 1:
+            return loss_sum(params, batch)[1]
+
+        def microstep(carry, mb):
+            aux = loss_sum(params, mb)[1]
+            return {k: carry[k] + aux[k] for k in carry}, None
+
+        zeros = {k: jnp.zeros((), jnp.float32) for k in ("nll", "count")}
+        total, _ = jax.lax.scan(microstep, zeros, pipeline_lib.split_microbatches(batch, accum))
+        return total
+
+    def eval_step(params, batch):
+        """The training loss of `batch` under these params (train.eval_every), nothing updated."""
+        if context_layout is not None:
+            batch = {k: permute_to_layout(x, context=sizes["context"], layout=context_layout)
+                     for k, x in batch.items()}
+        with layout.scope():
+            if sizes["pipe"] > 1:
+                # The pipeline's loss comes from the call the step makes (its schedules hold
+                # backward actions too; jaxpar.parallel.pipeline has no forward-only one). Nothing
+                # reads the gradients and XLA removes their work: in the compiled XLA:CPU program
+                # of configs/tiny.yaml at mesh.pipe=2 (jax 0.12.0.1) the schedule's backward branch
+                # is empty and the program holds 19 dot ops, the train step 40.
+                _, aux = summed_grads(params, batch)
+            else:
+                aux = summed_nll(params, batch)
+        return aux["nll"], aux["count"]
+
     def train_step(state, batch):
         if context_layout is not None:  # ring attention's layout, applied once to every token array
             batch = {k: permute_to_layout(x, context=sizes["context"], layout=context_layout)
@@ -294,6 +328,8 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
         init=jax.jit(init, out_shardings=state_shardings),
         step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                      out_shardings=out_shardings, donate_argnums=0),
+        evaluate=jax.jit(eval_step, in_shardings=(shardings["params"], batch_sharding),
+                         out_shardings=(replicated, replicated)),
     )
 
 
@@ -310,11 +346,25 @@ def make_data(cfg: Config):
             f"({tokenizer.vocab_size}); raise model.vocab_size"
         )
     # Prepared shards (a directory, or the whole stdlib, cached) are memory-mapped; other sources
-    # are read and packed in memory. Either way the same documents give the same batches.
-    packed = data_lib.packed_source(cfg.data, tokenizer, cfg.train.seq_len)
+    # are read and packed in memory. Either way the same documents give the same batches. A
+    # mixture (data.sources) interleaves several prepared directories.
+    packed = data_lib.training_source(cfg.data, tokenizer, cfg.train.seq_len)
     return data_lib.batch_dataset(
         packed, global_batch=cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
         process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def make_eval_data(cfg: Config):
+    """The evaluation batches (train.eval_every > 0; else None): this process's rows of
+    train.eval_batches batches from the validation split (jaxpar.data.eval_dataset)."""
+    if not cfg.train.eval_every:
+        return None
+    from jaxpar import data as data_lib
+
+    return data_lib.eval_dataset(
+        cfg.data, cfg.train.seq_len, global_batch=cfg.train.batch_size,
+        batches=cfg.train.eval_batches, process_index=jax.process_index(),
+        process_count=jax.process_count())
 
 
 class Preemption:
@@ -564,6 +614,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
     t = cfg.train
     config_lib.check_run_dir(t.run_dir)
     dataset = make_data(cfg)  # before compiling: data errors are config errors
+    eval_data = make_eval_data(cfg)
     preemption.check_startup(1)
     trainer = build_trainer(cfg, sizes)
     preemption.check_startup(1)
@@ -603,7 +654,8 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
         preemption.check_startup(start + 1)
         if is_main:
             config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
-        return _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption)
+        return _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption,
+                     eval_data)
     except Exception as e:
         if _no_space(e) and not isinstance(e, DiskFull):
             raise _disk_full(ckpt, trainer, t.run_dir) from None
@@ -622,18 +674,37 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
         no_space_logs.__exit__()
 
 
+def _evaluate(trainer: Trainer, params, eval_data) -> float:
+    """eval_loss: the summed NLL over all tokens of the evaluation batches, read from a fresh
+    iterator (the same batches every time), divided by their token count."""
+    from jaxpar import data as data_lib
+
+    sums = None
+    for local in data_lib.make_iterator(eval_data):
+        out = trainer.evaluate(params, trainer.shard_batch(local))
+        sums = out if sums is None else tuple(a + b for a, b in zip(sums, out))  # on the devices
+    nll, count = (float(x) for x in sums)
+    return nll / max(count, 1.0)
+
+
 def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state, start: int,
-          preemption: Preemption) -> dict:
-    """Steps from `start` to train.steps: log, save, stop on a signal. Returns the summary."""
+          preemption: Preemption, eval_data=None) -> dict:
+    """Steps from `start` to train.steps: log, evaluate, save, stop on a signal. Returns the
+    summary."""
+    from jaxpar import data as data_lib
+
     t = cfg.train
     is_main = jax.process_index() == 0
     devices = list(trainer.mesh.devices.flat)
     flops_tok = metrics_lib.flops_per_token(cfg.model, t.seq_len)
     tokens_per_step = t.batch_size * t.seq_len
     iterator = _data_iterator(dataset, data_state, start)
+    # A mixture's samples per source are a function of the global sample count (the mixing is
+    # a fixed interleave), so the tokens seen per source need no bookkeeping, and survive a resume.
+    source_counts = data_lib.source_counter(cfg.data)
     clock = time.perf_counter()
-    first_loss = last_loss = compile_s = window_start = None
-    window_steps, step, stopped_by, skipped_steps = 0, start, None, 0
+    first_loss = last_loss = compile_s = window_start = eval_loss = tokens_seen = None
+    window_steps, step, stopped_by, skipped_steps, eval_s = 0, start, None, 0, 0.0
 
     def save(at: int, state, force: bool = False) -> None:
         if not (force or ckpt.should_save(at)):
@@ -661,7 +732,8 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
                 jax.block_until_ready(metrics)
                 compile_s, window_start, window_steps = time.perf_counter() - clock, time.perf_counter(), 0
             stop = preemption.agreed()  # read once: a signal arriving later waits a step
-            logged = step % t.log_every == 0 or step == t.steps
+            evaluated = eval_data is not None and (step % t.eval_every == 0 or step == t.steps)
+            logged = step % t.log_every == 0 or step == t.steps or evaluated
             # The host reads the device only here (logging, saving, stopping), never per step.
             if logged or ckpt.should_save(step) or stop:
                 loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
@@ -677,6 +749,10 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
             save(step, state, force=step == t.steps or stop is not None)
             if logged:
                 now = time.perf_counter()
+                if evaluated:  # after the step's update; its time is kept out of the step times
+                    eval_loss = _evaluate(trainer, state["params"], eval_data)
+                    spent = time.perf_counter() - now
+                    eval_s, window_start, now = eval_s + spent, window_start + spent, now + spent
                 step_time = (now - window_start) / window_steps if window_steps else None
                 tokens_per_sec = tokens_per_step / step_time if step_time else None
                 record = {
@@ -687,6 +763,12 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
                     **{k: float(v) for k, v in metrics.items()
                        if k not in ("loss", "tokens", "first_bad_step")},
                 }
+                if evaluated:
+                    record["eval_loss"] = eval_loss
+                if source_counts is not None:
+                    tokens_seen = {name: count * t.seq_len
+                                   for name, count in source_counts(step * t.batch_size).items()}
+                    record["tokens_seen"] = tokens_seen
                 first_loss = loss if first_loss is None else first_loss
                 last_loss = loss
                 if writer is not None:
@@ -704,7 +786,7 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
             writer.close()
     total_s = time.perf_counter() - clock
     run_steps = step - start - 1
-    run_s = total_s - (compile_s or 0.0)
+    run_s = total_s - (compile_s or 0.0) - eval_s
     tokens_per_sec = tokens_per_step * run_steps / run_s if run_steps > 0 else None
     return {
         "steps": step, "start_step": start, "first_loss": first_loss, "final_loss": last_loss,
@@ -712,6 +794,7 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
         "devices": len(devices), "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
         "run_dir": t.run_dir, "stopped_by": stopped_by, "skipped_steps": skipped_steps,
+        "eval_loss": eval_loss, "eval_seconds": eval_s, "tokens_seen": tokens_seen,
     }
 
 
@@ -723,8 +806,13 @@ def format_summary(s: dict) -> str:
     if s["first_loss"] is None:
         return f"nothing to do: {s['run_dir']} is already at step {s['steps']} (train.steps)"
     rate = metrics_lib.format_rate(s["tokens_per_sec"], s["mfu"])
+    data = "" if s.get("eval_loss") is None else f" | eval loss {s['eval_loss']:.3f}"
+    if seen := s.get("tokens_seen"):
+        total = max(sum(seen.values()), 1)
+        data += " | tokens seen: " + ", ".join(f"{name} {n:,} ({100 * n / total:.0f}%)"
+                                               for name, n in seen.items())
     return (f"done: {s['steps']} steps in {s['seconds']:.1f} s (compile {s['compile_seconds']:.1f} s)"
-            f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} | {rate}"
+            f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}{data} | {rate}"
             f" | {s['devices']} devices ({mesh}) | {s['run_dir']}"
             + (f" | {s['skipped_steps']} non-finite steps skipped" if s.get("skipped_steps") else ""))
 

@@ -238,7 +238,6 @@ def test_a_second_run_on_a_locked_run_dir_exits_2_and_writes_nothing(finished, t
 
 def _cli(run_dir, *extra, module="jaxpar.train"):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     args = [sys.executable, "-m", module, TINY_YAML, f"train.run_dir={run_dir}", *ONE_LAYOUT, *extra]
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -284,7 +283,6 @@ def test_a_full_disk_is_one_line_and_the_previous_checkpoint_is_intact(small_dis
     args = [TINY_YAML, f"train.run_dir={run}", *ONE_LAYOUT, "train.steps=40", "checkpoint.every=2",
             "checkpoint.keep=0"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
     command = ["-m", "jaxpar.train"] if check == "before the save" else ["-c", UNCHECKED]
     proc = subprocess.Popen([sys.executable, *command, *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

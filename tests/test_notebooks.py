@@ -1,9 +1,8 @@
 """The example notebooks run top to bottom, and are committed as their generator writes them.
 
 Each notebook executes in a fresh Jupyter kernel of this Python (the venv) with
-JAXPAR_NOTEBOOK_SMALL=1, which shrinks steps and sizes for CI. The kernel gets no XLA_FLAGS from
-this process (conftest.py sets them for the tests): each notebook sets up its own 8 devices, as
-it does on Colab.
+JAXPAR_NOTEBOOK_SMALL=1, which shrinks steps and sizes for CI. The kernel inherits the session's
+XLA_FLAGS (compile options only, conftest.py) and sets up its own 8 devices, as it does on Colab.
 """
 
 import importlib.util
@@ -47,7 +46,6 @@ def kernel_env(tmp_path_factory):
     """The kernel's environment; a kernel spec of this Python on JUPYTER_PATH where the
     installed `python3` spec would start another interpreter."""
     env = dict(os.environ, JAXPAR_NOTEBOOK_SMALL="1")
-    env.pop("XLA_FLAGS", None)
     try:
         spec = KernelSpecManager().get_kernel_spec("python3")
         ok = _runs_this_python(spec.argv)

@@ -17,12 +17,16 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.parallel.pipeline import (
     build_schedule,
     bubble_fraction,
+    describe_schedule,
     format_schedule,
     lower_schedule,
     merge_microbatches,
     pipeline_value_and_grad,
     split_microbatches,
+    schedule_time,
     stack_stages,
+    stash_limit,
+    textbook_bubble,
     unstack_stages,
     validate_pipeline,
 )
@@ -104,6 +108,7 @@ CASES = [
     ("gpipe", 2, 3, 1), ("1f1b", 2, 5, 1), ("interleaved", 2, 4, 2),
     ("gpipe", 4, 6, 1), ("1f1b", 4, 3, 1), ("interleaved", 4, 4, 2),
     ("gpipe", 8, 2, 1), ("1f1b", 8, 9, 1), ("interleaved", 8, 8, 2),
+    ("zb", 2, 5, 1), ("zb", 4, 3, 1), ("zb", 8, 9, 1),
 ]
 
 
@@ -171,6 +176,8 @@ def test_schedule_arguments_are_checked():
         build_schedule("interleaved", 4, 8, 1)
     with pytest.raises(ValueError, match="virtual_stages=2 needs 'interleaved'"):
         build_schedule("1f1b", 4, 8, 2)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs 'interleaved'"):
+        build_schedule("zb", 4, 8, 2)
     with pytest.raises(ValueError, match="unknown"):
         build_schedule("zero-bubble", 4, 8)
 
@@ -187,52 +194,99 @@ def test_mesh_and_schedule_must_agree():
 
 # ----------------------------------------------------------------------------- schedules
 
-
-@pytest.mark.parametrize("stages,microbatches", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 3), (8, 16)])
-def test_bubble_fraction_matches_formula(stages, microbatches):
-    p, m = stages, microbatches
-    formula = (p - 1) / (m + p - 1)
-    assert bubble_fraction(build_schedule("gpipe", p, m)) == pytest.approx(formula, abs=1e-12)
-    assert bubble_fraction(build_schedule("1f1b", p, m)) == pytest.approx(formula, abs=1e-12)
-    if m % p == 0:
-        interleaved = bubble_fraction(build_schedule("interleaved", p, m, 2))
-        assert interleaved < formula
-        assert interleaved == pytest.approx((p - 1) / (2 * m + p - 1), abs=1e-12)
+# The cost-weighted idle fraction of the lowered program (F=1, B=2; zero-bubble B=1, W=1) is
+# the textbook one, exactly, over a grid of stages, microbatches and chunks per stage.
+GRID = [(kind, p, m, v) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)
+        for kind, v in [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2),
+                        ("interleaved", 3)] if kind != "interleaved" or m % p == 0]
 
 
-@pytest.mark.parametrize("kind,virtual_stages", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("kind,stages,microbatches,virtual_stages", GRID)
+def test_cost_weighted_bubble_matches_theory(kind, stages, microbatches, virtual_stages):
+    p, m, v = stages, microbatches, virtual_stages
+    schedule = build_schedule(kind, p, m, v)
+    bubble = bubble_fraction(schedule)
+    if kind == "zb":
+        # Weight gradients fill the bubble entirely: (p-1)(F+B)/(m(F+B+W) + (p-1)(F+B)), below
+        # 1F1B's (p-1)(F+B+W)/... and above the paper's ZB-H1 (p-1)(F+B-W)/..., which needs a
+        # stage to run W while another runs F or B (stage-dependent control flow; module doc).
+        assert bubble == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)), abs=1e-12)
+        paper = textbook_bubble("zb", p, m)
+        assert paper == pytest.approx((p - 1) * (1 + 1 - 1) / (m * 3 + (p - 1) * (1 + 1 - 1)))
+        assert p == 1 or paper < bubble < textbook_bubble("1f1b", p, m)
+    else:
+        assert bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    # The bubble comes from the ticks the runtime scans: a tick lasts its running slots' costs.
+    lowered = lower_schedule(schedule)
+    costs = [{"F": 1, "B": 1 if kind == "zb" else 2, "W": 1}[phase] for phase in schedule.slots]
+    assert schedule_time(schedule) == int(np.sum(lowered.running * np.array(costs)))
+
+
+def test_issue_17_table():
+    """The idle fractions the issue's audit measured for one action per tick, now the textbook's."""
+    assert bubble_fraction(build_schedule("1f1b", 4, 8)) == pytest.approx(3 / 11)  # was 0.400
+    assert bubble_fraction(build_schedule("1f1b", 4, 16)) == pytest.approx(3 / 19)  # was 0.333
+    assert bubble_fraction(build_schedule("interleaved", 4, 8, 2)) == pytest.approx(3 / 19)  # 0.294
+    assert bubble_fraction(build_schedule("gpipe", 4, 8)) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize("kind,virtual_stages", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                                 ("zb", 1)])
 def test_schedule_runs_every_action_once_in_dependency_order(kind, virtual_stages):
     p, m, v = 4, 8, virtual_stages
     schedule = build_schedule(kind, p, m, v)
-    when = {}
-    for t, row in enumerate(schedule.actions):
-        for s, a in enumerate(row):
-            if a is not None:
-                key = (a.phase, a.microbatch, a.chunk * p + s)
-                assert key not in when
-                when[key] = t
-    assert len(when) == 2 * m * p * v
-    for (phase, i, c), t in when.items():
+    when = {}  # (phase, microbatch, model chunk) -> (tick, slot)
+    for t, tick in enumerate(schedule.ticks):
+        for k, row in enumerate(tick):
+            for s, a in enumerate(row):
+                if a is not None:
+                    assert a.phase == schedule.slots[k]
+                    key = (a.phase, a.microbatch, a.chunk * p + s)
+                    assert key not in when
+                    when[key] = (t, k)
+    assert len(when) == len(schedule.slots) * m * p * v
+    for (phase, i, c), (t, k) in when.items():
         if phase == "F" and c > 0:
-            assert when["F", i, c - 1] < t
+            assert when["F", i, c - 1][0] < t  # the activation arrives with the exchange
         if phase == "B":
-            assert when["F", i, c] < t
-            assert c == p * v - 1 or when["B", i, c + 1] < t
+            assert when["F", i, c] < (t, k)  # its own forward: an earlier slot, maybe this tick
+            assert c == p * v - 1 or when["B", i, c + 1][0] < t  # the gradient arrives
+        if phase == "W":
+            assert when["B", i, c] < (t, k)
+
+
+def test_every_tick_runs_one_forward_and_one_backward_in_steady_state():
+    schedule = build_schedule("1f1b", 4, 16)
+    steady = schedule.ticks[2 * 4 - 2: 16]  # after stage 0's first backward, before its last forward
+    assert steady and all(f is not None and b is not None for tick in steady for f, b in zip(*tick))
 
 
 @pytest.mark.parametrize("microbatches", [4, 16])
-def test_1f1b_stashes_at_most_stages_microbatches(microbatches):
-    assert lower_schedule(build_schedule("1f1b", 4, microbatches)).stash_slots == 4
-    assert lower_schedule(build_schedule("gpipe", 4, microbatches)).stash_slots == microbatches
+def test_1f1b_stash_does_not_grow_with_microbatches(microbatches):
+    # A hand-off takes a tick, so a microbatch is back at stage 0 2p-2 ticks after it left: the
+    # textbook bubble needs 2p-1 stashes there (stash_limit), for any m.
+    p = 4
+    assert stash_limit("1f1b", p) == 2 * p - 1
+    assert lower_schedule(build_schedule("1f1b", p, microbatches)).stash_slots == min(
+        microbatches, 2 * p - 1)
+    assert lower_schedule(build_schedule("zb", p, microbatches)).stash_slots == min(
+        microbatches, 2 * p - 1)
+    assert lower_schedule(build_schedule("gpipe", p, microbatches)).stash_slots == microbatches
 
 
 def test_format_schedule():
     text = format_schedule(build_schedule("1f1b", 2, 3))
     lines = text.splitlines()
-    assert lines[0].split() == ["stage", "0", "|", "F0", "F1", ".", "B0", "F2", "B1", ".", "B2"]
-    assert lines[1].split() == ["stage", "1", "|", ".", "F0", "B0", "F1", "B1", "F2", "B2", "."]
-    assert lines[2].startswith("bubble 0.2500")
+    # One column per unit of time: a backward is its label and '==' (cost 2); '|' = exchange.
+    assert lines[0].split() == ["stage", "0", "|", "F0", "|", "F1", ".", ".", "|", "F2", "B0", "==",
+                                "|", ".", "B1", "==", "|", "B2", "==", "|"]
+    assert lines[1].split() == ["stage", "1", "|", ".", "|", "F0", "B0", "==", "|", "F1", "B1", "==",
+                                "|", "F2", "B2", "==", "|", ".", ".", "|"]
+    assert lines[2].startswith("bubble 0.2500")  # (p-1)/(m+p-1)
     assert "F0.1" in format_schedule(build_schedule("interleaved", 2, 2, 2))
+    assert "W0" in format_schedule(build_schedule("zb", 2, 2))
+    described = describe_schedule(build_schedule("interleaved", 4, 8, 2))
+    assert described["bubble"] == pytest.approx(3 / 19) and described["timeline"][0].startswith("stage 0")
 
 
 # ----------------------------------------------------------------------------- memory
@@ -240,7 +294,7 @@ def test_format_schedule():
 
 @pytest.fixture(scope="module")
 def temp_bytes():
-    """Compiled temporaries for gpipe / 1f1b at m=4 and m=16, microbatch held fixed.
+    """Compiled temporaries for gpipe / 1f1b / zb at m=4 and m=16, microbatch held fixed.
 
     Activations ([256, 16], hidden [256, 64]) dwarf the parameters (4 layers of 16x64), so the
     stashed vjp residuals are what grows with m. Compile only; nothing runs.
@@ -251,7 +305,7 @@ def temp_bytes():
     stage_params = {"w1": f32(p, layers // p, width, hidden),
                     "w2": f32(p, layers // p, hidden, width)}
     sizes = {}
-    for kind in ("gpipe", "1f1b"):
+    for kind in ("gpipe", "1f1b", "zb"):
         for m in (4, 16):
             schedule = build_schedule(kind, p, m)
             head_fn = functools.partial(head_loss, batch=m * microbatch)
@@ -263,8 +317,12 @@ def temp_bytes():
     return sizes
 
 
-def test_1f1b_memory_flat_in_microbatches(temp_bytes):
-    assert temp_bytes["1f1b", 16] <= 1.25 * temp_bytes["1f1b", 4], temp_bytes
+@pytest.mark.parametrize("kind", ["1f1b", "zb"])
+def test_memory_flat_in_microbatches(kind, temp_bytes):
+    # p=2: at most 2p-1 = 3 stashes, so m=4 and m=16 hold the same (the inputs and their
+    # gradients, [m, microbatch, width], grow with m but are arguments and outputs, not temps).
+    assert temp_bytes[kind, 16] <= 1.1 * temp_bytes[kind, 4], temp_bytes
+    assert temp_bytes["zb", 16] <= 1.25 * temp_bytes["1f1b", 16], temp_bytes  # 1F1B's memory
 
 
 def test_gpipe_memory_grows_with_microbatches(temp_bytes):

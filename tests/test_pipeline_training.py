@@ -20,6 +20,15 @@ LAYOUTS = {
     "pipe8_gpipe": ({"pipe": 8}, ["parallel.pipeline_schedule=gpipe", "parallel.microbatches=4"]),
     "pipe2_data2_tensor2": ({"pipe": 2, "data": 2, "tensor": 2}, ["parallel.microbatches=4"]),
     "pipe2_fsdp4_zero3": ({"pipe": 2, "fsdp": 4}, ["parallel.zero_stage=3", "parallel.microbatches=2"]),
+    # Issue 17's hang: interleaved with fsdp, tensor and ZeRO-3 (its first step never finished).
+    "pipe2_fsdp2_tensor2_interleaved_zero3": (
+        {"pipe": 2, "fsdp": 2, "tensor": 2},
+        ["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
+         "parallel.microbatches=4", "parallel.zero_stage=3"]),
+    "pipe4_data2_zb": ({"pipe": 4, "data": 2}, ["parallel.pipeline_schedule=zb", "parallel.microbatches=8"]),
+    "pipe2_data2_fsdp2_zb_zero2": ({"pipe": 2, "data": 2, "fsdp": 2},
+                                   ["parallel.pipeline_schedule=zb", "parallel.microbatches=4",
+                                    "parallel.zero_stage=2"]),
 }
 # Starts from its own born-sharded init; the others from the single-device initial state put
 # onto their shardings (one init compile fewer each).
@@ -60,15 +69,23 @@ def test_pipeline_config_errors(overrides, match):
 
 
 def test_inspect_prints_the_schedule_and_its_bubble():
+    import json
+
     from tests.test_train import _run
 
-    proc = _run("jaxpar.inspect", TINY_YAML, *PIPE, "mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1",
-                "mesh.tensor=1", "parallel.microbatches=8", "--schedule", devices=8)
+    args = (TINY_YAML, *PIPE, "mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
+            "parallel.microbatches=8", "--schedule")
+    proc = _run("jaxpar.inspect", *args, devices=8)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    described = json.loads(proc.stdout)
+    assert described["bubble"] == pytest.approx(3 / 11)  # (p-1)/(m+p-1) for 1f1b, p=4, m=8
+    assert described["costs"] == {"F": 1, "B": 2}
+    proc = _run("jaxpar.inspect", *args, "--human", devices=8)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert sum(line.startswith("stage ") for line in lines) == 4
-    assert "F7" in proc.stdout and "B0" in proc.stdout
-    assert f"bubble {3 / 11:.4f}" in proc.stdout  # (p-1)/(m+p-1) for 1f1b, p=4, m=8
+    assert "F7" in proc.stdout and "B0 ==" in proc.stdout
+    assert f"bubble {3 / 11:.4f}" in proc.stdout
 
 
 def test_bf16_pipeline_hands_off_bf16_and_splits_the_vocabulary_over_tensor(single_device):

@@ -9,6 +9,7 @@ import gzip
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -144,6 +145,11 @@ def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prep
     expected = [next(iterator) for _ in range(4)]
     fresh = shards.PreparedSequences(str(prepared), "byte", 16)  # as after a restart
     assert_same_batches(take(batch_dataset(fresh, global_batch=8, seed=5), 4, state=state), expected)
+    # As grain's worker processes receive it: its arguments, opened again (no copy of the index).
+    pickled = pickle.dumps(source)
+    assert len(pickled) < 1000
+    assert_same_batches(take(batch_dataset(pickle.loads(pickled), global_batch=8, seed=5), 4,
+                             state=state), expected)
 
 
 def test_a_trained_tokenizer_prepares_the_same_ids_as_it_encodes(corpus, tmp_path):
@@ -301,6 +307,33 @@ def test_the_whole_stdlib_prepares_itself_once_and_packs_the_same_stream(tmp_pat
     assert isinstance(capped, data.PackedSequences)
 
 
+# --- The benchmark ---------------------------------------------------------------------------------
+
+
+def test_the_loader_benchmark_runs_and_says_whether_it_reaches_the_target(tmp_path, capsys,
+                                                                          monkeypatch):
+    """A smoke run of benchmarks/loader.py (no timing threshold: the numbers are the machine's)."""
+    import tempfile
+
+    from benchmarks import loader
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its work directory goes
+    out = tmp_path / "loader.json"
+    assert loader.main(["--corpus-mb", "2", "--bpe-mb", "0", "--steps", "3", "--repeats", "1",
+                        "--workers", "0", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for seq in (1024, 256):
+        assert f"seq {seq}: the training path (grain iterator, no workers) gives " in printed
+    assert "the target of 2 M tokens/s" in printed
+    r = json.loads(out.read_text())
+    assert r["machine"]["cores"] == os.cpu_count() and r["software"]["grain"]
+    (byte,) = r["prepare"]
+    assert byte["tokens"] > 1 << 20 and byte["tokens_per_sec"] > 0
+    assert [(e["seq_len"], e["rows"]) for e in r["loader"]] == loader.SHAPES
+    assert all(e["workers_0_tokens_per_sec"] > 0 for e in r["loader"])
+    assert not list(tmp_path.glob("jaxpar-loader-bench-*"))  # its temporary directory is gone
+
+
 # --- Memory does not grow with the corpus -------------------------------------------------------
 
 # One process prepares both corpora, then trains on each, and prints its peak RSS after each of
@@ -346,7 +379,7 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
     small, large = tmp_path / "small", tmp_path / "large"
     write_corpus(tmp_path / "small.jsonl", 20)
     write_corpus(tmp_path / "large.jsonl", 200)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # runtime.cpu_devices sets it
+    env = dict(os.environ)  # runtime.cpu_devices sets the device count
     result = subprocess.run(
         [sys.executable, "-c", PEAKS, tmp_path / "small.jsonl", small, tmp_path / "large.jsonl", large],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

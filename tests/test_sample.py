@@ -139,7 +139,6 @@ def test_generate_stops_at_max_seq_len_and_the_stop_token(model):
 
 def _run(module, *args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the CLIs set their own device count
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, cwd=ROOT,
                           env=env, timeout=300)
 

@@ -34,7 +34,6 @@ def test_twenty_steps_lower_the_loss_and_write_the_run_dir(tmp_path):
 
 def _run(module, *args, devices=2):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # the CLI sets its own device count (runtime.cpu_devices)
     return subprocess.run([sys.executable, "-m", module, *args, f"runtime.cpu_devices={devices}"],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 

@@ -1,22 +1,43 @@
-"""Pipeline parallelism: GPipe, 1F1B and interleaved 1F1B as one static schedule and one shard_map.
+"""Pipeline parallelism: GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1) as one static
+schedule and one shard_map.
 
 The layer stack is cut into `stages * virtual_stages` chunks. Chunk c lives on pipe device
 c % stages (Megatron-LM's interleaved placement; with virtual_stages=1 chunk c is stage c). The
-batch is split into `microbatches`. A schedule is a table built in Python before tracing: for every
-tick and every stage, one action -- forward or backward of one microbatch through one chunk -- or
-idle. The runtime scans over that table; at the end of every tick each device passes activations to
-the next device and gradients to the previous one with `jax.lax.ppermute`.
+batch is split into `microbatches`. A schedule is a table built in Python before tracing. Time
+advances in ticks; in one tick every stage runs up to one action in each of the schedule's slots,
+in order -- F (forward of one microbatch through one chunk), then B (its backward), then, for the
+zero-bubble schedule, W -- and then one exchange passes activations to the next device and
+gradients to the previous one (`jax.lax.ppermute`, both hand-offs at the same point). In steady
+state each stage runs a forward and a backward every tick, so a tick lasts F + B, not two
+backwards as when a tick held one action.
 
 Backward is explicit, not autodiff of a scanned forward: a forward runs `jax.vjp` of the chunk and
 stashes the pullback's residuals in a slot of a buffer; the matching backward rebuilds the pullback
-from that slot. Buffer sizes come from the schedule (a slot is reused as soon as its backward has
-run), so 1F1B stashes at most `stages` microbatches per device whatever `microbatches` is, while
-GPipe stashes all of them. What a stash holds is whatever `jax.vjp(stage_fn)` saves: wrap
-`stage_fn` (or its layers) in `jax.checkpoint` to stash less and recompute more.
+from that slot. Zero-bubble splits the backward in two: B applies the pullback for the input
+gradient only (what the previous stage waits for), W applies it again, later, for the weight
+gradient only; XLA drops the unused half of each. Buffer sizes come from the schedule (a slot is
+reused as soon as its last reader has run), so 1F1B stashes a bounded number of microbatches per
+device whatever `microbatches` is, while GPipe stashes all of them. What a stash holds is whatever
+`jax.vjp(stage_fn)` saves: wrap `stage_fn` (or its layers) in `jax.checkpoint` to stash less.
 
-Bubble (GPipe, Huang et al. 2019; Megatron-LM, Narayanan et al. 2021): one slot is one chunk forward or one chunk backward on
-one stage, forward and backward counted as equal. GPipe and 1F1B then idle (p-1)/(m+p-1) of all
-slots; interleaved with v virtual stages idles about (p-1)/(v*m+p-1).
+Control flow is the same on every device. Each slot runs under `lax.cond` whose predicate is the
+tick's, not the stage's: "does any stage run an F this tick" (read from the table); a stage with
+nothing to do in a slot that runs computes on a scratch slot and its results are dropped with
+`jnp.where`. So every device executes the same collectives in the same order. A stage-dependent
+branch would not: GSPMD puts the data / fsdp / tensor collectives of a chunk inside the branch
+that runs it, and XLA:CPU's collective-permute waits for every device its source-target pairs name,
+those of the other stages included -- which sit in another branch: the step hung.
+
+Cost and bubble (GPipe, Huang et al. 2019; Megatron-LM, Narayanan et al. 2021; zero-bubble, Qi et
+al. 2023): a forward costs 1, a backward 2 (zero-bubble: B 1 and W 1). Every device runs a slot
+when any stage does, so a tick costs the sum of its running slots' costs, and the idle fraction is
+1 - (work of all actions) / (stages * sum of tick costs), computed from the lowered table the
+runtime scans (`bubble_fraction`). With the tick order above it is exactly (p-1)/(m+p-1) for GPipe
+and 1F1B and (p-1)/(v*m+p-1) for interleaved. Zero-bubble reaches (p-1)(F+B)/(m(F+B+W) +
+(p-1)(F+B)) = 2(p-1)/(3m+2(p-1)): the weight gradients leave the bubble entirely, which is the
+least this runtime allows (F runs on m+p-1 ticks, B on m+p-1, W on m); the paper's ZB-H1 reaches
+(p-1)/(3m+p-1) by letting one stage run a W while another runs an F or B, which needs
+stage-dependent control flow.
 """
 
 from __future__ import annotations
@@ -31,11 +52,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 class Action(NamedTuple):
-    """One slot of work: phase "F" (forward) or "B" (backward) of `microbatch` through `chunk`.
+    """One slot of work: phase "F" (forward), "B" (backward; zero-bubble: the input gradient
+    only) or "W" (zero-bubble: the weight gradient) of `microbatch` through `chunk`.
 
     `chunk` is the virtual chunk on its stage, 0..virtual_stages-1; the model chunk it holds is
     chunk * stages + stage.
@@ -48,13 +70,34 @@ class Action(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """A static pipeline schedule: `actions[tick][stage]` is an Action or None (idle)."""
+    """A static pipeline schedule: `ticks[t][k][stage]` is the Action that `stage` runs in slot k
+    (phase `slots[k]`) of tick t, or None (idle)."""
 
     kind: str
     stages: int
     microbatches: int
     virtual_stages: int
-    actions: tuple[tuple[Action | None, ...], ...]
+    slots: tuple[str, ...]
+    ticks: tuple[tuple[tuple[Action | None, ...], ...], ...]
+
+    @property
+    def actions(self) -> tuple[tuple[Action | None, ...], ...]:
+        """The slots that run, in execution order: `actions[n][stage]`, an Action or None."""
+        return tuple(row for tick in self.ticks for row in tick if any(row))
+
+
+def phase_costs(kind: str) -> dict[str, int]:
+    """Cost of one chunk's action, in forwards: B = 2F; zero-bubble splits it into B = W = F."""
+    return {"F": 1, "B": 1, "W": 1} if kind == "zb" else {"F": 1, "B": 2}
+
+
+def textbook_bubble(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The published idle fraction: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for
+    interleaved, (p-1)(F+B-W)/(m(F+B+W) + (p-1)(F+B-W)) = (p-1)/(3m+p-1) for ZB-H1."""
+    p, m, v = stages, microbatches, virtual_stages
+    if kind == "zb":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (v * m + p - 1)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -85,158 +128,249 @@ def validate_pipeline(kind: str, stages: int, microbatches: int, virtual_stages:
 # ----------------------------------------------------------------------------- schedules
 
 
-def _stage_program(kind: str, p: int, m: int, v: int, stage: int) -> list[Action]:
-    """The order in which one stage runs its 2*m*v actions.
-
-    Forwards visit microbatches in groups of p, every chunk of a group before the next group
-    (Megatron-LM's interleaved order; with v=1 simply 0..m-1); backwards do the same with the
-    chunks reversed. After `warmup` forwards the stage alternates one forward, one backward.
-    """
-    def order(k: int, phase: str) -> Action:
+def _phase_order(p: int, m: int, v: int, phase: str) -> list[Action]:
+    """The order in which a stage runs its m*v actions of one phase: microbatches in groups of p,
+    every chunk of a group before the next group (Megatron-LM's interleaved order; with v=1
+    simply 0..m-1); backward phases visit the chunks in reverse."""
+    def order(k: int) -> Action:
         group, within = divmod(k, p * v)
         chunk = within // p
-        return Action(phase, group * p + within % p, v - 1 - chunk if phase == "B" else chunk)
+        return Action(phase, group * p + within % p, chunk if phase == "F" else v - 1 - chunk)
+    return [order(k) for k in range(m * v)]
 
-    n = m * v
-    forwards = [order(k, "F") for k in range(n)]
-    backwards = [order(k, "B") for k in range(n)]
-    warmup = {"gpipe": n, "1f1b": p - stage - 1, "interleaved": 2 * (p - stage - 1) + (v - 1) * p}
-    w = min(warmup[kind], n)
-    steady = [a for pair in zip(forwards[w:], backwards) for a in pair]
-    return forwards[:w] + steady + backwards[n - w:]
+
+def stash_limit(kind: str, stages: int, virtual_stages: int = 1) -> int | None:
+    """How many microbatch-chunks a stage may hold stashed before its next forward waits (None:
+    no limit, GPipe). 2p-1 (+ p per extra chunk) is what the textbook bubble needs when a hand-off
+    takes a tick: a microbatch returns to stage 0 2p-2 ticks after it left."""
+    if kind == "gpipe":
+        return None
+    return 2 * stages - 1 + (virtual_stages - 1) * stages
 
 
 def build_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Schedule `kind` ('gpipe', '1f1b', 'interleaved') as a tick-by-stage table of Actions.
+    """Schedule `kind` ('gpipe', '1f1b', 'interleaved', 'zb') as ticks of slots of Actions.
 
-    Each stage runs its program in order, one action per tick, as soon as the inputs are there:
-    a forward needs the previous chunk's forward, a backward needs its own forward and the next
-    chunk's backward, each finished on an earlier tick (that tick's ppermute delivers it).
+    Every tick, each stage runs, slot by slot, the next action of that phase in its order
+    (`_phase_order`) when its inputs are there: a forward needs the previous chunk's forward from
+    an earlier tick (the exchange between ticks delivers it), a backward needs its own forward (an
+    earlier slot; the last chunk's backward can run in the tick of its forward) and the next
+    chunk's backward from an earlier tick. GPipe starts a stage's backwards after all its
+    forwards; 1F1B, interleaved and zero-bubble hold at most `stash_limit` stashes. Zero-bubble's
+    W slot runs on the ticks where stage 0 runs a B -- every stage then takes its oldest pending
+    weight gradient -- so W costs m slots in all and none of the warm-up or cool-down.
     """
     validate_pipeline(kind, stages, microbatches, virtual_stages)
-    p, v = stages, virtual_stages
-    last = p * v - 1
-    programs = [_stage_program(kind, p, microbatches, v, s) for s in range(p)]
-    finished: dict[tuple[str, int, int], int] = {}  # (phase, microbatch, model chunk) -> tick
-    cursor = [0] * p
-    ticks: list[tuple[Action | None, ...]] = []
+    p, m, v = stages, microbatches, virtual_stages
+    last, n = p * v - 1, m * v
+    slots = ("F", "B", "W") if kind == "zb" else ("F", "B")
+    queues = {phase: _phase_order(p, m, v, phase) for phase in slots}
+    cursor = {phase: [0] * p for phase in slots}
+    limit = stash_limit(kind, p, v)
+    stashed = [0] * p
+    finished: dict[tuple[str, int, int], tuple[int, int]] = {}  # (phase, mb, chunk) -> (tick, slot)
+    ticks = []
 
-    def ready(a: Action, c: int, tick: int) -> bool:
-        def done(*key):
-            return finished.get(key, tick) < tick
-        if a.phase == "F":
-            return c == 0 or done("F", a.microbatch, c - 1)
-        return done("F", a.microbatch, c) and (c == last or done("B", a.microbatch, c + 1))
+    def done(key, when) -> bool:
+        return key in finished and finished[key] < when
 
-    while any(cursor[s] < len(programs[s]) for s in range(p)):
-        tick = len(ticks)
-        row = []
-        for s in range(p):
-            a = programs[s][cursor[s]] if cursor[s] < len(programs[s]) else None
-            row.append(a if a is not None and ready(a, a.chunk * p + s, tick) else None)
-        if not any(row):
-            raise RuntimeError(f"{kind} schedule deadlocked at tick {tick}")  # a bug here
-        for s, a in enumerate(row):
-            if a is not None:
-                finished[(a.phase, a.microbatch, a.chunk * p + s)] = tick
-                cursor[s] += 1
-        ticks.append(tuple(row))
-    return Schedule(kind, stages, microbatches, virtual_stages, tuple(ticks))
+    while any(cursor[phase][s] < n for phase in slots for s in range(p)):
+        t, tick = len(ticks), []
+        for k, phase in enumerate(slots):
+            row = []
+            for s in range(p):
+                if cursor[phase][s] == n:
+                    row.append(None)
+                    continue
+                a = queues[phase][cursor[phase][s]]
+                c = a.chunk * p + s
+                if phase == "F":
+                    ok = ((c == 0 or done(("F", a.microbatch, c - 1), (t, 0)))
+                          and (limit is None or stashed[s] < limit))
+                elif phase == "B":
+                    ok = (done(("F", a.microbatch, c), (t, k))
+                          and (c == last or done(("B", a.microbatch, c + 1), (t, 0)))
+                          and (kind != "gpipe" or cursor["F"][s] == n))
+                else:
+                    ok = done(("B", a.microbatch, c), (t, k)) and tick[1][0] is not None
+                row.append(a if ok else None)
+            for s, a in enumerate(row):
+                if a is not None:
+                    finished[(phase, a.microbatch, a.chunk * p + s)] = (t, k)
+                    cursor[phase][s] += 1
+                    stashed[s] += phase == "F"
+            tick.append(tuple(row))
+        for s, a in enumerate(tick[-1]):  # the last slot frees the stash (B, or zero-bubble's W)
+            stashed[s] -= a is not None
+        if not any(a for row in tick for a in row):
+            raise RuntimeError(f"{kind} schedule deadlocked at tick {t}")  # a bug here
+        ticks.append(tuple(tick))
+    return Schedule(kind, p, m, v, slots, tuple(ticks))
 
 
 def bubble_fraction(schedule: Schedule) -> float:
-    """Idle slots / all slots (ticks * stages); a forward and a backward are one slot each."""
-    slots = [a for row in schedule.actions for a in row]
-    return sum(a is None for a in slots) / len(slots)
+    """Idle fraction of the program the runtime executes (`lower_schedule`'s table): 1 - the
+    cost of all actions / (stages * the time of all ticks), where a tick lasts the summed cost of
+    the slots that run in it (`phase_costs`: F=1, B=2; zero-bubble B=1, W=1)."""
+    lowered = lower_schedule(schedule)
+    cost = np.array([phase_costs(schedule.kind)[phase] for phase in schedule.slots])
+    time = float(np.sum(lowered.running * cost))
+    work = float(np.sum(lowered.table[:, :, [_ON[phase] for phase in schedule.slots]] * cost))
+    return 1.0 - work / (schedule.stages * time)
+
+
+def schedule_time(schedule: Schedule) -> int:
+    """Length of the step in forwards of one chunk: the summed cost of every tick's running slots."""
+    cost = phase_costs(schedule.kind)
+    return sum(cost[phase] for tick in schedule.ticks
+               for phase, row in zip(schedule.slots, tick) if any(row))
 
 
 def format_schedule(schedule: Schedule) -> str:
-    """Text timeline: one row per stage, one column per tick (F3 / B1 / '.'; F3.1 = chunk 1)."""
-    def cell(a: Action | None) -> str:
-        if a is None:
-            return "."
-        return f"{a.phase}{a.microbatch}" + (f".{a.chunk}" if schedule.virtual_stages > 1 else "")
+    """Cost-weighted text timeline: one row per stage, one column per unit of time (a forward of
+    one chunk). An action is its label (F3 / B1 / W1; F3.1 = chunk 1) in its first column and '='
+    in the rest; '.' is idle; '|' marks the exchange at the end of each tick."""
+    costs = phase_costs(schedule.kind)
 
-    cells = [[cell(row[s]) for row in schedule.actions] for s in range(schedule.stages)]
-    width = max(len(c) for line in cells for c in line)
-    lines = [f"stage {s} | " + " ".join(c.ljust(width) for c in line)
-             for s, line in enumerate(cells)]
-    lines.append(f"bubble {bubble_fraction(schedule):.4f} (idle slots / all slots, "
-                 f"{schedule.kind}, stages={schedule.stages}, "
-                 f"microbatches={schedule.microbatches}, virtual_stages={schedule.virtual_stages})")
+    def label(a: Action | None) -> str:
+        return "." if a is None else f"{a.phase}{a.microbatch}" + (
+            f".{a.chunk}" if schedule.virtual_stages > 1 else "")
+
+    width = max(len(label(a)) for tick in schedule.ticks for row in tick for a in row)
+    lines = []
+    for s in range(schedule.stages):
+        cells = []
+        for tick in schedule.ticks:
+            for phase, row in zip(schedule.slots, tick):
+                if any(row):
+                    a = row[s]
+                    rest = "." if a is None else "=" * width
+                    cells += [label(a).ljust(width)] + [rest.ljust(width)] * (costs[phase] - 1)
+            cells.append("|")
+        lines.append(f"stage {s} | " + " ".join(cells))
+    cost_text = " ".join(f"{phase}={costs[phase]}" for phase in schedule.slots)
+    lines.append(f"bubble {bubble_fraction(schedule):.4f} (idle / stages x time, {cost_text}; "
+                 f"{schedule.kind}, stages={schedule.stages}, microbatches={schedule.microbatches}, "
+                 f"virtual_stages={schedule.virtual_stages}; time {schedule_time(schedule)}, "
+                 f"{len(schedule.ticks)} ticks)")
     return "\n".join(lines)
+
+
+def describe_schedule(schedule: Schedule) -> dict[str, Any]:
+    """The schedule as `inspect --schedule` reports it (JSON): the cost-weighted bubble of the
+    lowered program, the published one, time, ticks, buffer slots and the timeline."""
+    lowered = lower_schedule(schedule)
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    return {"schedule": schedule.kind, "stages": p, "microbatches": m, "virtual_stages": v,
+            "costs": phase_costs(schedule.kind), "bubble": bubble_fraction(schedule),
+            "textbook_bubble": textbook_bubble(schedule.kind, p, m, v),
+            "time": schedule_time(schedule), "ticks": len(schedule.ticks),
+            "stash_slots": lowered.stash_slots, "activation_slots": lowered.activation_slots,
+            "gradient_slots": lowered.gradient_slots,
+            "timeline": format_schedule(schedule).splitlines()}
 
 
 # ----------------------------------------------------------------------------- lowering
 
 
 class Lowered(NamedTuple):
-    """A schedule as the runtime reads it: int32 `table[tick, stage, field]` (fields: FIELDS) and
-    how many slots each buffer needs. Activation and gradient slot n (one past the last) is a
-    scratch slot for writes that mean nothing; a stash slot is written by a forward and read by
-    the matching backward."""
+    """A schedule as the runtime reads it: int32 `table[tick, stage, field]` (fields: FIELDS),
+    `running[tick, k]` = 1 when any stage runs slot k (phase `slots[k]`) in that tick -- the
+    predicate every device's `lax.cond` reads -- and `heads[tick]` = 1 when some stage's forward
+    is the last chunk's (the head runs), and how many slots each buffer needs. Activation and
+    gradient slot n (one past the last) is a scratch slot for writes that mean nothing; a stash
+    slot is written by a forward and read by the matching backward (zero-bubble: and its W)."""
 
     table: np.ndarray
+    running: np.ndarray
+    heads: np.ndarray
     activation_slots: int
     stash_slots: int
     gradient_slots: int
 
 
-FIELDS = ("code", "microbatch", "chunk", "act_slot", "stash_slot", "grad_slot",
-          "recv_act_slot", "recv_grad_slot", "first")  # first: 1 if this is model chunk 0
-IDLE, FORWARD, FORWARD_HEAD, BACKWARD = 0, 1, 2, 3  # "code"; the head runs after the last chunk
+FIELDS = (
+    "f_on", "f_microbatch", "f_chunk", "f_first", "f_head", "f_act_slot", "f_stash_slot",
+    "f_grad_slot",  # forward: input from act slot (or the inputs if first), head cotangent here
+    "b_on", "b_microbatch", "b_chunk", "b_first", "b_stash_slot", "b_grad_slot",  # backward / B
+    "w_on", "w_chunk", "w_stash_slot", "w_grad_slot",  # zero-bubble's weight gradient
+    "recv_act_slot", "recv_grad_slot")  # where this tick's exchange writes what arrives
+_F = {name: k for k, name in enumerate(FIELDS)}
+_ON = {"F": _F["f_on"], "B": _F["b_on"], "W": _F["w_on"]}
+# Positions within a tick, for buffer lifetimes: the slots in order, then the exchange.
+_AT = {"F": 0, "B": 1, "W": 2, "exchange": 3}
 
 
-def _allocate(lifetimes: dict[Any, tuple[int, int]]) -> tuple[dict[Any, int], int]:
-    """Slots for values written at the end of tick w and read during tick r (w < r), greedily."""
-    busy_until: list[int] = []
+def _allocate(lifetimes: dict[Any, tuple[tuple[int, int], tuple[int, int]]]) -> tuple[dict[Any, int], int]:
+    """Slots for values written at (tick, position) w and last read at r > w, greedily; a slot is
+    free again for a write strictly after its last read."""
+    busy_until: list[tuple[int, int]] = []
     slot_of = {}
     for key, (w, r) in sorted(lifetimes.items(), key=lambda kv: kv[1]):
-        slot = next((k for k, until in enumerate(busy_until) if until <= w), len(busy_until))
+        slot = next((k for k, until in enumerate(busy_until) if until < w), len(busy_until))
         busy_until[slot:slot + 1] = [r]
         slot_of[key] = slot
     return slot_of, len(busy_until)
 
 
 def lower_schedule(schedule: Schedule) -> Lowered:
-    """Turn a Schedule into the int table the shard_map scans over, with buffer slots assigned."""
+    """Turn a Schedule into the int tables the shard_map scans over, with buffer slots assigned."""
     p, v = schedule.stages, schedule.virtual_stages
     last = p * v - 1
+    zb = "W" in schedule.slots
     when = {(a.phase, a.microbatch, a.chunk * p + s): t
-            for t, row in enumerate(schedule.actions) for s, a in enumerate(row) if a is not None}
+            for t, tick in enumerate(schedule.ticks) for row in tick
+            for s, a in enumerate(row) if a is not None}
+    freed_by = "W" if zb else "B"  # the stash's and the cotangent's last reader
     acts, stash, grads = ([{} for _ in range(p)] for _ in range(3))
     for (phase, i, c), t in when.items():
-        s = c % p
-        if phase == "F" and c > 0:
-            acts[s][i, c] = (when["F", i, c - 1], t)
-        if phase == "F":
-            stash[s][i, c] = (t, when["B", i, c])
-        if phase == "B":
-            grads[s][i, c] = (when["F", i, c] if c == last else when["B", i, c + 1], t)
+        if phase != "F":
+            continue
+        s, end = c % p, (when[freed_by, i, c], _AT[freed_by])
+        if c > 0:
+            acts[s][i, c] = ((when["F", i, c - 1], _AT["exchange"]), (t, _AT["F"]))
+        stash[s][i, c] = ((t, _AT["F"]), end)
+        grads[s][i, c] = ((t, _AT["F"]) if c == last else (when["B", i, c + 1], _AT["exchange"]), end)
     allocated = [[_allocate(per_stage) for per_stage in kind] for kind in (acts, stash, grads)]
     act_slot, stash_slot, grad_slot = ([slots for slots, _ in kind] for kind in allocated)
     n_act, n_stash, n_grad = (max(n for _, n in kind) for kind in allocated)
 
-    table = np.zeros((len(schedule.actions), p, len(FIELDS)), np.int32)
-    table[..., [3, 5, 6, 7]] = [n_act, n_grad, n_act, n_grad]  # scratch slots by default
-    for t, row in enumerate(schedule.actions):
-        for s, a in enumerate(row):
-            if a is None:
-                continue
-            i, c = a.microbatch, a.chunk * p + s
-            entry = table[t, s]
-            entry[0] = BACKWARD if a.phase == "B" else FORWARD_HEAD if c == last else FORWARD
-            entry[1], entry[2], entry[8] = i, a.chunk, c == 0
-            entry[4] = stash_slot[s][i, c]
-            if a.phase == "F" and c > 0:
-                entry[3] = act_slot[s][i, c]
-            if a.phase == "B" or c == last:
-                entry[5] = grad_slot[s][i, c]
-            if a.phase == "F" and c < last:  # activation goes to the next chunk's device
-                table[t, (s + 1) % p, 6] = act_slot[(s + 1) % p][i, c + 1]
-            if a.phase == "B" and c > 0:  # gradient goes to the previous chunk's device
-                table[t, (s - 1) % p, 7] = grad_slot[(s - 1) % p][i, c - 1]
-    return Lowered(table, n_act, n_stash, n_grad)
+    table = np.zeros((len(schedule.ticks), p, len(FIELDS)), np.int32)
+    for name, scratch in [("f_act_slot", n_act), ("f_grad_slot", n_grad), ("b_grad_slot", n_grad),
+                          ("w_grad_slot", n_grad), ("recv_act_slot", n_act),
+                          ("recv_grad_slot", n_grad)]:
+        table[..., _F[name]] = scratch
+    running = np.zeros((len(schedule.ticks), len(schedule.slots)), np.int32)
+    heads = np.zeros((len(schedule.ticks),), np.int32)
+    for t, tick in enumerate(schedule.ticks):
+        for k, (phase, row) in enumerate(zip(schedule.slots, tick)):
+            running[t, k] = any(row)
+            for s, a in enumerate(row):
+                if a is None:
+                    continue
+                i, c = a.microbatch, a.chunk * p + s
+                e = table[t, s]
+                if phase == "F":
+                    e[[_F["f_on"], _F["f_microbatch"], _F["f_chunk"], _F["f_first"],
+                       _F["f_head"]]] = 1, i, a.chunk, c == 0, c == last
+                    e[_F["f_stash_slot"]] = stash_slot[s][i, c]
+                    if c > 0:
+                        e[_F["f_act_slot"]] = act_slot[s][i, c]
+                    if c == last:
+                        e[_F["f_grad_slot"]] = grad_slot[s][i, c]
+                        heads[t] = 1
+                    else:  # the activation goes to the next chunk's device
+                        table[t, (s + 1) % p, _F["recv_act_slot"]] = act_slot[(s + 1) % p][i, c + 1]
+                elif phase == "B":
+                    e[[_F["b_on"], _F["b_microbatch"], _F["b_chunk"], _F["b_first"]]] = (
+                        1, i, a.chunk, c == 0)
+                    e[_F["b_stash_slot"]], e[_F["b_grad_slot"]] = stash_slot[s][i, c], grad_slot[s][i, c]
+                    if c > 0:  # the gradient goes to the previous chunk's device
+                        table[t, (s - 1) % p, _F["recv_grad_slot"]] = grad_slot[(s - 1) % p][i, c - 1]
+                else:
+                    e[[_F["w_on"], _F["w_chunk"]]] = 1, a.chunk
+                    e[_F["w_stash_slot"]], e[_F["w_grad_slot"]] = stash_slot[s][i, c], grad_slot[s][i, c]
+    return Lowered(table, running, heads, n_act, n_stash, n_grad)
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -392,6 +526,7 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
                    stage_params, head_params, inputs, targets, side):
     """One device: stage_params leaves [v, layers_per_chunk, ...]; scans the schedule's ticks."""
     p, lowered = schedule.stages, lower_schedule(schedule)
+    zb = "W" in schedule.slots
     stage = jax.lax.axis_index(axis_name)
     index = functools.partial(jax.lax.dynamic_index_in_dim, axis=0, keepdims=False)
     update = functools.partial(jax.lax.dynamic_update_index_in_dim, axis=0)
@@ -402,6 +537,8 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
     ring = schedule.virtual_stages > 1  # chunk j*p + p-1 (last device) feeds (j+1)*p (device 0)
     to_next = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     to_prev = [(b, a) for a, b in to_next]
+    param_zeros = lambda: jax.tree.map(jnp.zeros_like, chunk_params(0))  # noqa: E731
+    head_zeros = lambda: jax.tree.map(jnp.zeros_like, head_params)  # noqa: E731
 
     def buffer(slots, like):
         return jnp.broadcast_to(jnp.zeros_like(like), (slots, *like.shape))
@@ -417,60 +554,98 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
         input_grads=jnp.zeros_like(inputs),
         loss=jnp.zeros((), jnp.float32))
 
-    def tick(carry, rows):
-        row = index(rows, stage)  # this device's action, FIELDS
-        code, mb, j, act_slot, stash_slot, grad_slot, recv_act, recv_grad, first = row
-        params = chunk_params(j)
-        h = jnp.where(first, index(inputs, mb), index(carry["acts"], act_slot))
-        # Branches return small values, written to the buffers below. Their stash output is
-        # rewritten to stash_slot, so branches that do not stash return that slot unchanged
-        # (updating the buffers inside lax.switch made XLA copy whole buffers).
-        idle = dict(send_act=h_zeros, send_grad=h_zeros, head_cotangent=h_zeros,
-                    dparams=jax.tree.map(jnp.zeros_like, params), loss=jnp.zeros((), jnp.float32),
-                    dhead=jax.tree.map(jnp.zeros_like, head_params))
-        current_stash = lambda: [index(b, stash_slot) for b in carry["stash"]]  # noqa: E731
+    def pullback_of(carry, j, slot):
+        """The pullback of chunk j, rebuilt from stash slot `slot` and the chunk's params."""
+        param_leaves, rest = jax.tree.leaves(chunk_params(j)), iter(
+            [index(b, slot) for b in carry["stash"]])
+        leaves = [param_leaves[src] if src >= 0 else next(rest) for src in sources]
+        return jax.tree.unflatten(treedef, leaves)
 
-        def forward(with_head):
-            y, pullback = jax.vjp(lambda p_, h_: stage_fn(p_, h_, side_of(mb)), params, h)
-            leaves = jax.tree.leaves(pullback)
-            if _param_sources(leaves, params) != sources:
-                raise RuntimeError("stage_fn's vjp residuals changed between traces")
-            out = dict(idle, stash=[x for x, src in zip(leaves, sources) if src < 0])
-            if not with_head:
-                return dict(out, send_act=y.astype(h.dtype))
+    def forward_slot(carry, f, head_runs):
+        """Every stage runs a forward (an idle one on a scratch input, its results dropped). Small
+        outputs only; the buffers are written outside the cond (inside, XLA copied them whole)."""
+        on = f["f_on"] == 1
+        h = jnp.where(f["f_first"] == 1, index(inputs, f["f_microbatch"]),
+                      index(carry["acts"], f["f_act_slot"]))
+        mb, params = f["f_microbatch"], chunk_params(f["f_chunk"])
+        y, pullback = jax.vjp(lambda p_, h_: stage_fn(p_, h_, side_of(mb)), params, h)
+        leaves = jax.tree.leaves(pullback)
+        if _param_sources(leaves, params) != sources:
+            raise RuntimeError("stage_fn's vjp residuals changed between traces")
+        kept = [index(b, f["f_stash_slot"]) for b in carry["stash"]]
+        new = [x for x, src in zip(leaves, sources) if src < 0]
+        stash = [jnp.where(on, x, old) for x, old in zip(new, kept)]
+
+        def head():
             tgt = jax.tree.map(lambda a: index(a, mb), targets)
             loss, (dhead, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, y, tgt)
-            return dict(out, head_cotangent=dy.astype(h.dtype), loss=loss.astype(jnp.float32),
-                        dhead=dhead)
+            return loss.astype(jnp.float32), dhead, dy.astype(h.dtype)
 
-        def backward():
-            stashed = current_stash()
-            param_leaves, rest = jax.tree.leaves(params), iter(stashed)
-            leaves = [param_leaves[src] if src >= 0 else next(rest) for src in sources]
-            dparams, dh = jax.tree.unflatten(treedef, leaves)(index(carry["grads"], grad_slot))
-            return dict(idle, stash=stashed, send_grad=dh.astype(h.dtype), dparams=dparams)
+        def no_head():
+            return jnp.zeros((), jnp.float32), head_zeros(), h_zeros
 
-        out = jax.lax.switch(code, [lambda: dict(idle, stash=current_stash()),
-                                    lambda: forward(False), lambda: forward(True), backward])
-        input_grad = jnp.where((code == BACKWARD) & (first == 1), out["send_grad"],
-                               index(carry["input_grads"], mb))
-        new = dict(
-            stash=[update(b, x, stash_slot) for b, x in zip(carry["stash"], out["stash"])],
-            stage_grads=jax.tree.map(lambda g, d: update(g, index(g, j) + d, j),
-                                     carry["stage_grads"], out["dparams"]),
-            head_grads=jax.tree.map(jnp.add, carry["head_grads"], out["dhead"]),
-            input_grads=update(carry["input_grads"], input_grad, mb),
-            loss=carry["loss"] + out["loss"],
-            grads=update(carry["grads"], out["head_cotangent"],
-                         jnp.where(code == FORWARD_HEAD, grad_slot, lowered.gradient_slots)))
-        # The only point-to-point traffic: activations forward, gradients backward.
-        arrived_act = jax.lax.ppermute(out["send_act"], axis_name, to_next)
-        arrived_grad = jax.lax.ppermute(out["send_grad"], axis_name, to_prev)
-        new["acts"] = update(carry["acts"], arrived_act, recv_act)
-        new["grads"] = update(new["grads"], arrived_grad, recv_grad)
-        return new, None
+        loss, dhead, dy = jax.lax.cond(head_runs, head, no_head)
+        mine = on & (f["f_head"] == 1)
+        return dict(send_act=y.astype(h.dtype), stash=stash, loss=jnp.where(mine, loss, 0.0),
+                    dhead=jax.tree.map(lambda d: jnp.where(mine, d, 0), dhead), head_cotangent=dy)
 
-    carry, _ = jax.lax.scan(tick, carry, jnp.asarray(lowered.table))
+    def no_forward(carry, f, head_runs):
+        return dict(send_act=h_zeros, stash=[index(b, f["f_stash_slot"]) for b in carry["stash"]],
+                    loss=jnp.zeros((), jnp.float32), dhead=head_zeros(), head_cotangent=h_zeros)
+
+    def backward_slot(carry, b):
+        """B: the chunk's input gradient (to the previous stage), and unless zero-bubble defers
+        it to W, its weight gradient."""
+        pullback = pullback_of(carry, b["b_chunk"], b["b_stash_slot"])
+        dparams, dh = pullback(index(carry["grads"], b["b_grad_slot"]))
+        on = b["b_on"] == 1
+        dparams = param_zeros() if zb else jax.tree.map(lambda d: jnp.where(on, d, 0), dparams)
+        return dict(send_grad=dh.astype(h_zeros.dtype), dparams=dparams)
+
+    def no_backward(carry, b):
+        return dict(send_grad=h_zeros, dparams=param_zeros())
+
+    def weight_slot(carry, w):
+        """Zero-bubble's W: the weight gradient from the same stash and cotangent as its B."""
+        pullback = pullback_of(carry, w["w_chunk"], w["w_stash_slot"])
+        dparams, _ = pullback(index(carry["grads"], w["w_grad_slot"]))
+        return jax.tree.map(lambda d: jnp.where(w["w_on"] == 1, d, 0), dparams)
+
+    def add_to_chunk(grads, j, d):
+        return jax.tree.map(lambda g, x: update(g, index(g, j) + x, j), grads, d)
+
+    def tick(carry, xs):
+        rows, running, head_runs = xs
+        r = dict(zip(FIELDS, index(rows, stage)))  # this device's actions (same on its stage)
+        # Slot F. The predicates are the tick's, the same on every device (module docstring).
+        fo = jax.lax.cond(running[0] == 1, forward_slot, no_forward, carry, r, head_runs == 1)
+        carry = dict(
+            carry,
+            stash=[update(buf, x, r["f_stash_slot"]) for buf, x in zip(carry["stash"], fo["stash"])],
+            loss=carry["loss"] + fo["loss"],
+            head_grads=jax.tree.map(jnp.add, carry["head_grads"], fo["dhead"]),
+            grads=update(carry["grads"], fo["head_cotangent"],
+                         jnp.where((r["f_on"] == 1) & (r["f_head"] == 1), r["f_grad_slot"],
+                                   lowered.gradient_slots)))
+        # Slot B.
+        bo = jax.lax.cond(running[1] == 1, backward_slot, no_backward, carry, r)
+        input_grad = jnp.where((r["b_on"] == 1) & (r["b_first"] == 1), bo["send_grad"],
+                               index(carry["input_grads"], r["b_microbatch"]))
+        carry = dict(carry, input_grads=update(carry["input_grads"], input_grad, r["b_microbatch"]))
+        if not zb:
+            carry["stage_grads"] = add_to_chunk(carry["stage_grads"], r["b_chunk"], bo["dparams"])
+        else:  # Slot W.
+            dw = jax.lax.cond(running[2] == 1, weight_slot, lambda *_: param_zeros(), carry, r)
+            carry["stage_grads"] = add_to_chunk(carry["stage_grads"], r["w_chunk"], dw)
+        # The exchange: activations forward, gradients backward, every tick on every device.
+        arrived_act = jax.lax.ppermute(fo["send_act"], axis_name, to_next)
+        arrived_grad = jax.lax.ppermute(bo["send_grad"], axis_name, to_prev)
+        carry["acts"] = update(carry["acts"], arrived_act, r["recv_act_slot"])
+        carry["grads"] = update(carry["grads"], arrived_grad, r["recv_grad_slot"])
+        return carry, None
+
+    carry, _ = jax.lax.scan(tick, carry, (jnp.asarray(lowered.table), jnp.asarray(lowered.running),
+                                          jnp.asarray(lowered.heads)))
     total = lambda x: jax.lax.psum(x, axis_name)  # noqa: E731
     # Summed in float32: a bfloat16 all-reduce here aborts XLA:CPU's AllReducePromotion pass
     # ("Invalid binary instruction opcode copy", jax 0.12.0.1) once data and tensor are > 1.
