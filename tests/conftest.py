@@ -66,17 +66,19 @@ jax.config.update("jax_enable_x64", False)
 # the few-but-slow ones (subprocess runs, H100 compiles) to the end, where one worker runs the last
 # of them alone. Longest first instead: the files below in decreasing cost, any file not listed
 # (a new one, of unknown cost) before them all, the cheap ones last to fill in the end.
-# Seconds of each file alone on 2 cores (pytest -n 0 --durations=0, summed; the session
-# compilation cache warm only within the file). Rough is fine: only the order matters.
+# CPU seconds of each file (pytest -n 0, one file after another sharing one compilation cache,
+# on a 2-core machine that other jobs loaded; before the -O0 flag above). Rough is fine: only
+# the order matters.
 FILE_SECONDS = {
-    "test_multiprocess.py": 240, "test_faults.py": 125, "test_resume.py": 150,
-    "test_train.py": 110, "test_notebooks.py": 100, "test_layouts.py": 90,
-    "test_gpu_program.py": 70, "test_ring_attention.py": 65, "test_sample.py": 55,
-    "test_moe_training.py": 55, "test_any_mesh.py": 55, "test_gpu_memory.py": 55,
-    "test_pipeline.py": 50, "test_experts.py": 50, "test_pipeline_training.py": 45,
-    "test_bench.py": 30, "test_context_training.py": 28, "test_checkpoint.py": 25,
-    "test_memory.py": 25, "test_loss.py": 20, "test_attention.py": 12, "test_model.py": 10,
-    "test_config.py": 5, "test_data.py": 3, "test_seam.py": 3,
+    "test_multiprocess.py": 135, "test_resume.py": 125, "test_notebooks.py": 110,
+    "test_train.py": 100, "test_faults.py": 100, "test_pipeline_training.py": 95,
+    "test_pipeline_grid.py": 85, "test_pipeline.py": 75, "test_layouts.py": 60,
+    "test_ring_attention.py": 60, "test_moe_training.py": 58, "test_any_mesh.py": 55,
+    "test_gpu_program.py": 50, "test_experts.py": 45, "test_sample.py": 45,
+    "test_gpu_memory.py": 40, "test_plan.py": 40, "test_bench.py": 38, "test_memory.py": 30,
+    "test_prepare.py": 25, "test_checkpoint.py": 22, "test_eval.py": 20, "test_loss.py": 15,
+    "test_model.py": 13, "test_attention.py": 11, "test_config.py": 9, "test_seam.py": 5,
+    "test_data.py": 5, "test_mixture.py": 2,
 }
 
 

@@ -31,6 +31,7 @@ WITHOUT_GRAIN = textwrap.dedent("""
 def test_bench_runs_without_grain_and_writes_sane_json(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the bench records the flags in force: here only its own
     proc = subprocess.run(
         [sys.executable, "-c", WITHOUT_GRAIN, *TINY, "--steps", "3", "--warmup", "1",
          "--json", str(out), "--tag", "smoke", "--xla-flag=--xla_cpu_enable_fast_math=false",
