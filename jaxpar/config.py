@@ -618,17 +618,18 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
 
     try:
         validate_pipeline(par.pipeline_schedule, p, par.microbatches, par.virtual_stages,
-                          layers=cfg.model.n_layers, batch=t.batch_size)
+                          layers=cfg.model.n_layers)
     except ValueError as e:
         raise ConfigError(f"mesh.pipe={p}, parallel.pipeline_schedule={par.pipeline_schedule}: {e}") from None
     data_parallel = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    if t.batch_size % (par.microbatches * data_parallel):
+    # Each of parallel.grad_accum pipelined passes takes batch / grad_accum rows, in microbatches.
+    per_row = par.grad_accum * par.microbatches * data_parallel
+    if t.batch_size % per_row:
         raise ConfigError(
-            f"train.batch_size={t.batch_size} must split into parallel.microbatches={par.microbatches} "
-            f"microbatches that each split over data*fsdp*expert={data_parallel}; "
-            f"try a multiple of {par.microbatches * data_parallel}")
+            f"train.batch_size={t.batch_size} must split into parallel.grad_accum={par.grad_accum} "
+            f"x parallel.microbatches={par.microbatches} microbatches that each split over "
+            f"data*fsdp*expert={data_parallel}; try a multiple of {per_row}")
     for key, value, why in [
-        ("parallel.grad_accum", par.grad_accum != 1, "microbatches already accumulate; set it to 1"),
         ("model.moe.num_experts", cfg.model.moe.num_experts != 0, "MoE layers are not pipelined yet"),
         ("mesh.context", sizes["context"] != 1, "ring attention is not pipelined yet"),
         ("model.attention=cudnn", cfg.model.attention == "cudnn",

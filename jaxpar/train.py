@@ -238,9 +238,26 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
     if sizes["pipe"] > 1:
         pipeline_schedule = pipeline_lib.build_schedule(
             p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
-        summed_grads = functools.partial(
+        rows = cfg.train.batch_size // (p.grad_accum * p.microbatches)  # one pipeline microbatch
+        pipelined_grads = functools.partial(
             pipeline_lib.model_value_and_grad, abstract_model, schedule=pipeline_schedule,
-            mesh=mesh, axis_name=layout.rules["activations"]["layers"][0], loss_chunks=loss_chunks(cfg, sizes, rows=cfg.train.batch_size // p.microbatches))
+            mesh=mesh, axis_name=layout.rules["activations"]["layers"][0],
+            loss_chunks=loss_chunks(cfg, sizes, rows=rows))
+
+        def summed_grads(params, batch):
+            """The pipeline's summed gradients and statistics, over parallel.grad_accum
+            pipelined passes (each of batch / grad_accum rows, in parallel.microbatches)."""
+            if p.grad_accum == 1:
+                return pipelined_grads(params, batch)
+
+            def microstep(carry, mb):
+                return jax.tree.map(jnp.add, carry, pipelined_grads(params, mb)), None
+
+            micro = pipeline_lib.split_microbatches(batch, p.grad_accum)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                 jax.eval_shape(pipelined_grads, params, jax.tree.map(lambda x: x[0], micro)))
+            total, _ = jax.lax.scan(microstep, zeros, micro)
+            return total
     else:
         summed_grads = accumulated_grads
 

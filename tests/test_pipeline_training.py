@@ -1,4 +1,5 @@
-"""Pipelined training (GPipe, 1F1B, interleaved over `pipe`) equals the single-device run: the
+"""Pipelined training (GPipe, 1F1B, interleaved, zero-bubble over `pipe`; with gradient
+accumulation across pipelined passes) equals the single-device run: the
 same first-step gradients of every parameter group (stages, head, embedding) and the same SGD
 losses (tests/parity.py)."""
 
@@ -29,6 +30,8 @@ LAYOUTS = {
     "pipe2_data2_fsdp2_zb_zero2": ({"pipe": 2, "data": 2, "fsdp": 2},
                                    ["parallel.pipeline_schedule=zb", "parallel.microbatches=4",
                                     "parallel.zero_stage=2"]),
+    # Gradient accumulation across pipelined passes: 2 passes of 8 rows, each in 2 microbatches.
+    "pipe2_data4_accum2": ({"pipe": 2, "data": 4}, ["parallel.microbatches=2", "parallel.grad_accum=2"]),
 }
 # Starts from its own born-sharded init; the others from the single-device initial state put
 # onto their shardings (one init compile fewer each).
@@ -59,7 +62,7 @@ def test_pipelined_training_matches_single_device(layout, single_device):
 @pytest.mark.parametrize("overrides, match", [
     (["model.n_layers=6"], r"layers=6"),
     (["train.batch_size=12", "parallel.microbatches=8"], r"batch=12|batch_size=12"),
-    (["parallel.grad_accum=2"], r"parallel.grad_accum"),
+    (["parallel.grad_accum=4"], r"parallel.grad_accum=4 x parallel.microbatches=4 .* multiple of 32"),
 ])
 def test_pipeline_config_errors(overrides, match):
     cfg = tiny_config(PIPE + ["mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
