@@ -1,7 +1,7 @@
 # `make train`: create .venv, install jaxpar with its test extras, run the default job.
 # `make test`: the same environment plus the `gpu-compile` extra (the CUDA plugin and cuDNN, so
-# that the tests compile real H100 programs on this GPU-less machine), then the whole suite on 8
-# emulated CPU devices.
+# that the tests compile real H100 programs on this GPU-less machine) and the .venv-hf sidecar,
+# then the whole suite on 8 emulated CPU devices.
 #
 # jax >= 0.12 needs Python >= 3.12; the project is tested on 3.12. PYTHON picks the interpreter:
 # set it to override; otherwise python3.12 on PATH, else the newest 3.12.x that pyenv has, else
@@ -25,7 +25,7 @@ STAMP := $(VENV)/.installed
 GPU_STAMP := $(VENV)/.installed-gpu-compile
 ARGS ?=
 
-.PHONY: install install-gpu-compile train test inspect clean python
+.PHONY: install install-gpu-compile train test inspect clean python hf-reference
 
 python:
 	@if [ -z "$(PYTHON)" ]; then \
@@ -47,6 +47,25 @@ $(GPU_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e ".[test,gpu-compile]"
 	touch $(GPU_STAMP)
 
+# The Hugging Face reference for tests/test_convert.py: CPU torch + transformers in a separate
+# Python 3.11 environment (PyPI's Linux torch wheels for jaxpar's Python need the CUDA libraries).
+# A CPU torch wheel in /opt/wheels is used when there is one, else torch from PyPI.
+HF_VENV := .venv-hf
+HF_PYTHON ?= python3.11
+HF_STAMP := $(HF_VENV)/.installed
+TORCH_WHEEL := $(firstword $(wildcard /opt/wheels/torch-*+cpu-cp311-*.whl))
+
+$(HF_STAMP): pyproject.toml
+	rm -rf $(HF_VENV)
+	$(HF_PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/pip install --quiet $(or $(TORCH_WHEEL),torch) $$($(HF_VENV)/bin/python -c \
+	  'import tomllib; extra = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["hf-reference"]; print(" ".join(d for d in extra if not d.startswith("torch")))')
+	touch $(HF_STAMP)
+
+hf-reference: $(HF_STAMP)
+
+.venv-hf: $(HF_STAMP)
+
 install: $(STAMP)
 
 install-gpu-compile: $(GPU_STAMP)
@@ -57,8 +76,11 @@ train: $(STAMP)
 inspect: $(STAMP)
 	$(BIN)/python -m jaxpar.inspect $(ARGS) --human
 
+# Without Python 3.11 (or a torch for it) there is no .venv-hf: the suite still runs, and
+# tests/test_convert.py says it skipped (CI, with JAXPAR_TESTS_REQUIRE_HF=1, fails instead).
 test: $(GPU_STAMP)
+	@$(MAKE) --no-print-directory hf-reference || echo "make: could not build $(HF_VENV); the Hugging Face parity tests will skip" >&2
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(HF_VENV) runs

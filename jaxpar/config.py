@@ -47,6 +47,7 @@ DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 DataErrors = Literal["strict", "replace", "skip"]
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
+RopeScaling = Literal["none", "llama3"]
 
 
 class ConfigError(ValueError):
@@ -66,6 +67,20 @@ class MoEConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    """Rotary frequencies rescaled for long context, as Llama 3.1+ checkpoints ship them
+    (Hugging Face rope_type "llama3"): wavelengths above original_max_len / low_freq_factor are
+    divided by `factor`, those below original_max_len / high_freq_factor kept, the ones between
+    interpolated."""
+
+    type: RopeScaling = "none"  # none | llama3
+    factor: float = 8.0  # llama3: how much longer the context became
+    low_freq_factor: float = 1.0  # llama3: low-frequency band edge
+    high_freq_factor: float = 4.0  # llama3: high-frequency band edge
+    original_max_len: int = 8192  # llama3: the context length the model was pre-trained with
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 512  # >= the tokenizer's vocabulary; divisible by mesh.tensor
     d_model: int = 128  # residual stream width; divisible by model.n_heads (head_dim even)
@@ -75,11 +90,14 @@ class ModelConfig:
     d_ff: int = 384  # SwiGLU hidden size
     max_seq_len: int = 2048  # longest train.seq_len the model accepts
     rope_theta: float = 10000.0  # rotary embedding base
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # long-context rotary (llama3)
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # weights ~ N(0, init_std^2); output projections / sqrt(2 * n_layers)
     tie_embeddings: bool = False  # output head shares the embedding table
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     dtype: Dtype = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
     param_dtype: Dtype = "float32"  # parameters and optimizer state
+    fp8: bool = False  # block matmuls (attention projections, MLP, experts) in float8: e4m3 forward, e5m2 grads
     # auto: cudnn where its packed kernel runs (Hopper+ GPU, 16-bit, not pipelined, no ring), else
     # xla; models/attention.py (kernel_for) has the rule.
     attention: Attention = "auto"  # auto | xla | cudnn
@@ -176,6 +194,10 @@ class TrainConfig:
     # without gradients, on the training mesh; the same batches every time, logged as eval_loss.
     eval_every: int = 0  # evaluate every n steps and at the last step (0 = never)
     eval_batches: int = 8  # batches of train.batch_size sequences per evaluation
+    # Start from existing weights: a run directory (its newest intact checkpoint's params) or a
+    # Hugging Face model directory (python -m jaxpar.convert); the model's shape and tokenizer come
+    # from there, the optimizer state is fresh and the run starts at step 0. Ignored on resume.
+    init_from: str | None = None  # a run directory or a Hugging Face model directory (see above)
 
 
 @dataclass
@@ -440,8 +462,8 @@ def fit_default_mesh(num_devices: int) -> MeshConfig:
 
 def resolve_paths(cfg: Config) -> Config:
     """The config with its file paths made absolute (data.source, data.sources' paths,
-    data.tokenizer, train.run_dir), as the run's config.yaml stores them: `sample`, `export` or a
-    reused config then find the same files from any directory."""
+    data.tokenizer, train.run_dir, train.init_from), as the run's config.yaml stores them:
+    `sample`, `export` or a reused config then find the same files from any directory."""
     d, t = cfg.data, cfg.train
     absolute = lambda path: os.path.abspath(os.path.expanduser(path))  # noqa: E731
     sources = None if d.sources is None else [dataclasses.replace(s, path=absolute(s.path))
@@ -449,7 +471,9 @@ def resolve_paths(cfg: Config) -> Config:
     data = dataclasses.replace(
         d, source=d.source if d.source == "stdlib" else absolute(d.source), sources=sources,
         tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer))
-    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(t, run_dir=absolute(t.run_dir)))
+    init_from = None if t.init_from is None else absolute(t.init_from)
+    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(
+        t, run_dir=absolute(t.run_dir), init_from=init_from))
 
 
 def to_dict(cfg: Config) -> dict:
@@ -687,6 +711,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     if m.attention == "cudnn" and m.dtype == "float32":
         raise ConfigError("model.attention=cudnn takes bfloat16 or float16 activations, but "
                           "model.dtype=float32; use model.dtype=bfloat16, or attention auto or xla")
+    if m.fp8 and m.param_dtype != "float32":
+        raise ConfigError(f"model.fp8 quantizes each step from float32 master weights, but "
+                          f"model.param_dtype={m.param_dtype}; use model.param_dtype=float32")
     if t.resume not in ("auto", "never") and not t.resume.isdigit():
         raise ConfigError(f"train.resume={t.resume!r}: use auto, never, or a checkpoint step number")
     if t.steps > INT32_MAX:
@@ -736,6 +763,14 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
             f"model.d_model/model.n_heads = {m.d_model // m.n_heads} is odd; rotary embeddings "
             "need an even head dimension"
         )
+    rs = m.rope_scaling
+    if rs.type == "llama3" and not (rs.factor >= 1 and 0 < rs.low_freq_factor < rs.high_freq_factor
+                                    and rs.original_max_len >= 1):
+        raise ConfigError(
+            f"model.rope_scaling: factor={rs.factor}, low_freq_factor={rs.low_freq_factor}, "
+            f"high_freq_factor={rs.high_freq_factor}, original_max_len={rs.original_max_len}; "
+            "llama3 scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+            "original_max_len >= 1")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} is above model.max_seq_len={m.max_seq_len}; "

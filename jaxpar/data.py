@@ -71,6 +71,17 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
+def _eos_token(directory: str) -> str | None:
+    """The eos_token of a Hugging Face tokenizer_config.json in `directory`, or None."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            eos = json.load(f).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) else None
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizer.json`, read from disk (never fetched)."""
 
@@ -85,8 +96,11 @@ class HFTokenizer:
                               "give a Hugging Face tokenizer.json, or 'byte'") from None
         self.vocab_size = self._tok.get_vocab_size()
         eod = self._tok.token_to_id(EOD_TOKEN)
+        if eod is None:  # an imported model's (jaxpar.convert): the eos_token it was trained with
+            eod = self._tok.token_to_id(_eos_token(os.path.dirname(path)) or EOD_TOKEN)
         if eod is None:
-            raise ConfigError(f"data.tokenizer='{path}' has no '{EOD_TOKEN}' token to end documents")
+            raise ConfigError(f"data.tokenizer='{path}' has no '{EOD_TOKEN}' token to end documents"
+                              " (nor an eos_token in a tokenizer_config.json beside it)")
         self.eod_id = eod
 
     def encode(self, text: str) -> np.ndarray:

@@ -1,5 +1,6 @@
 """`python -m jaxpar.export RUN_DIR --out DIR [--max-shard-bytes N] [--step N]`: a run's newest
-intact checkpoint as a Hugging Face Llama checkpoint (safetensors + config.json).
+intact checkpoint as a Hugging Face Llama checkpoint (safetensors + config.json). The same command
+is `python -m jaxpar.convert to-hf` (jaxpar.convert also imports: from-hf).
 
 The params are restored alone (not the optimizer state) onto one CPU device, renamed and laid out
 as `LlamaForCausalLM` expects (the table in `jaxpar/models/llama.py`): our einsum weights
@@ -8,7 +9,10 @@ as `LlamaForCausalLM` expects (the table in `jaxpar/models/llama.py`): our einsu
 (model.param_dtype, float32 by default). The files follow `save_pretrained`: one
 `model.safetensors` when everything fits in `--max-shard-bytes`, otherwise
 `model-00001-of-0000N.safetensors` ... plus `model.safetensors.index.json` (the weight map).
-Mixture-of-experts models have no Llama counterpart and are refused.
+Mixture-of-experts models have no Llama counterpart and are refused. A model with q/k/v biases
+(model.qkv_bias) is written as `Qwen2ForCausalLM`, any other as `LlamaForCausalLM`; rotary scaling
+(model.rope_scaling) goes into config.json's rope_scaling. The run's tokenizer.json (and the
+tokenizer_config.json beside it, if any) is copied along when data.tokenizer names one.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]
     q/k/v_proj.weight: wq [E, N, H] -> [N*H, E]; o_proj.weight: wo [N, H, E] -> [E, N*H];
     gate/up_proj.weight: [E, F] -> [F, E]; down_proj.weight: [F, E] -> [E, F];
     lm_head.weight: [E, V] -> [V, E], absent when model.tie_embeddings (HF ties it to the
-    embedding). Norm scales and the embedding [V, E] are copied as they are.
+    embedding). Norm scales and the embedding [V, E] are copied as they are; with
+    model.qkv_bias, q/k/v_proj.bias: [N, H] -> [N*H].
     """
     if model_cfg.moe.num_experts:
         raise ConfigError("model.moe.num_experts > 0: a mixture-of-experts model has no Hugging "
@@ -50,6 +55,9 @@ def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]
         out[prefix + "self_attn.q_proj.weight"] = _linear(p["blocks.attn.wq"][layer], 1)
         out[prefix + "self_attn.k_proj.weight"] = _linear(p["blocks.attn.wk"][layer], 1)
         out[prefix + "self_attn.v_proj.weight"] = _linear(p["blocks.attn.wv"][layer], 1)
+        if model_cfg.qkv_bias:
+            for x in "qkv":
+                out[prefix + f"self_attn.{x}_proj.bias"] = p[f"blocks.attn.b{x}"][layer].reshape(-1)
         out[prefix + "self_attn.o_proj.weight"] = _linear(p["blocks.attn.wo"][layer], 2)
         out[prefix + "mlp.gate_proj.weight"] = _linear(p["blocks.mlp.w_gate"][layer], 1)
         out[prefix + "mlp.up_proj.weight"] = _linear(p["blocks.mlp.w_up"][layer], 1)
@@ -77,11 +85,17 @@ def _to_numpy(x) -> np.ndarray:
 
 
 def hf_config(model_cfg: ModelConfig) -> dict:
-    """A minimal `LlamaConfig` (config.json) for the model."""
+    """A minimal `LlamaConfig` (config.json) for the model (`Qwen2Config` with model.qkv_bias)."""
     m = model_cfg
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    qwen2 = m.qkv_bias
+    rs = m.rope_scaling
+    rope_scaling = None if rs.type == "none" else {
+        "rope_type": rs.type, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+        "high_freq_factor": rs.high_freq_factor,
+        "original_max_position_embeddings": rs.original_max_len}
+    hf = {
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
         "hidden_size": m.d_model,
         "intermediate_size": m.d_ff,
         "num_hidden_layers": m.n_layers,
@@ -91,6 +105,7 @@ def hf_config(model_cfg: ModelConfig) -> dict:
         "vocab_size": m.vocab_size,
         "max_position_embeddings": m.max_seq_len,
         "rope_theta": m.rope_theta,
+        "rope_scaling": rope_scaling,
         "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings,
         "hidden_act": "silu",
@@ -99,6 +114,10 @@ def hf_config(model_cfg: ModelConfig) -> dict:
         "initializer_range": m.init_std,
         "torch_dtype": m.param_dtype,
     }
+    if qwen2:  # Qwen2's q/k/v biases are part of its architecture, not a config.json switch
+        del hf["attention_bias"], hf["mlp_bias"]
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layers)
+    return hf
 
 
 def shard_names(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
@@ -168,13 +187,20 @@ def export(run_dir: str, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTE
     files = write_safetensors(tensors, out, max_shard_bytes)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config(cfg.model), f, indent=2)
+    if cfg.data.tokenizer != "byte" and os.path.isfile(cfg.data.tokenizer):
+        import shutil
+
+        beside = os.path.join(os.path.dirname(cfg.data.tokenizer), "tokenizer_config.json")
+        shutil.copyfile(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
+        if os.path.isfile(beside):
+            shutil.copyfile(beside, os.path.join(out, "tokenizer_config.json"))
     return {"step": step, "out": out, "files": files, "tensors": len(tensors),
             "bytes": sum(t.nbytes for t in tensors.values())}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxpar.export",
+        prog=prog,
         description="Export a run's newest intact checkpoint as Hugging Face Llama safetensors.")
     parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--out", required=True, help="output directory")

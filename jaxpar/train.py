@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import checkpoint as checkpoint_lib
 from jaxpar import config as config_lib
+from jaxpar import convert as convert_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar import rundir as rundir_lib
 from jaxpar import sharding as sharding_lib
@@ -661,11 +662,20 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
             checkpoint_lib.checkpoint_dir(t.run_dir), keep=cfg.checkpoint.keep,
             every=cfg.checkpoint.every, verified={} if resume is None else {resume: None})
         start, data_state = 0, None
+        if resume is not None and convert_lib.holds_imported_weights(t.run_dir, resume):
+            raise ConfigError(
+                f"train.run_dir={t.run_dir} holds imported weights (python -m jaxpar.convert "
+                f"from-hf), not a run to resume; train from them in a new run directory with "
+                f"train.init_from={t.run_dir}")
         if resume is not None:  # any mesh: restored onto this run's shardings
             state, data_state, start = ckpt.restore(trainer.state_shape, trainer.state_shardings, step=resume)
             if is_main:
                 _keep_metrics_until(t.run_dir, start)
                 print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
+        elif t.init_from is not None:  # its weights on this mesh; a fresh optimizer, step 0
+            state = convert_lib.init_state(trainer, t.init_from)
+            if is_main:
+                print(f"initialised from {t.init_from}", file=sys.stderr)
         else:
             state = trainer.init()
         preemption.check_startup(start + 1)
@@ -849,6 +859,7 @@ def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[
         num_devices = jax.device_count()
     if "mesh" not in settings:  # no layout asked for: the default one, or DP over what exists
         cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(num_devices))
+    cfg = convert_lib.apply_init_from(cfg, settings)  # train.init_from: its shape and tokenizer
     return cfg, config_lib.validate(cfg, num_devices)
 
 

@@ -53,6 +53,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.models.attention import attend, kernel_for
+from jaxpar.models.fp8 import einsum as block_einsum
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
@@ -86,11 +87,34 @@ def rms_norm(x, scale, eps: float):
     return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(2,))
-def rotary(x, positions, theta: float):
-    """Rotates pairs (i, i + H/2) of x [batch, seq, heads, H] by angle position * theta^(-2i/H)."""
+def rope_scaling_of(cfg: ModelConfig) -> tuple | None:
+    """model.rope_scaling as `rotary`'s static argument: None, or the llama3 parameters
+    (factor, low_freq_factor, high_freq_factor, original_max_len)."""
+    rs = cfg.rope_scaling
+    if rs.type == "none":
+        return None
+    return (rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_len)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def rotary(x, positions, theta: float, scaling: tuple | None = None):
+    """Rotates pairs (i, i + H/2) of x [batch, seq, heads, H] by angle position * theta^(-2i/H).
+
+    `scaling` (`rope_scaling_of`): Llama 3.1's long-context frequencies, as `transformers`
+    computes them (rope_type "llama3"): frequencies whose wavelength exceeds original_max_len /
+    low_freq_factor are divided by factor, those with a wavelength under original_max_len /
+    high_freq_factor are kept, and the band between blends the two linearly in original_max_len
+    / wavelength."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is not None:
+        factor, low, high, original = scaling
+        wavelength = 2 * jnp.pi / inv_freq
+        scaled = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        between = (wavelength >= original / high) & (wavelength <= original / low)
+        inv_freq = jnp.where(between, blended, scaled)
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [batch, seq, 1, H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -160,16 +184,25 @@ class Attention(nnx.Module):
         # Output projection scaled down with depth (GPT-2), so the residual stream stays O(1).
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.wo = _param(rngs, (n, h, e), ("heads", "head_dim", "embed"), cfg, out_std)
+        if cfg.qkv_bias:  # Qwen2: biases on q, k and v (not on the output), zero at init
+            zeros = lambda *shape: jnp.zeros(shape, jnp.dtype(cfg.param_dtype))  # noqa: E731
+            self.bq = nnx.Param(zeros(n, h), out_sharding=("heads", "head_dim"), eager_sharding=False)
+            self.bk = nnx.Param(zeros(k, h), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
+            self.bv = nnx.Param(zeros(k, h), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
 
     def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
         """x [batch, seq, embed] -> [batch, seq, embed]. With `cache` (this layer's KVCache; a
         single document, segment_ids unused): (out, the cache with these keys/values added)."""
         dtype = jnp.dtype(self.cfg.dtype)
-        q = jnp.einsum("bse,enh->bsnh", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("bse,ekh->bskh", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("bse,ekh->bskh", x, self.wv[...].astype(dtype))
-        q = constrain(rotary(q, positions, self.cfg.rope_theta), ("batch", "seq", "heads", None))
-        k = constrain(rotary(k, positions, self.cfg.rope_theta), ("batch", "seq", "kv_heads", None))
+        matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=dtype)
+        q = matmul("bse,enh->bsnh", x, self.wq[...])
+        k = matmul("bse,ekh->bskh", x, self.wk[...])
+        v = matmul("bse,ekh->bskh", x, self.wv[...])
+        if self.cfg.qkv_bias:
+            q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        theta, scaling = self.cfg.rope_theta, rope_scaling_of(self.cfg)
+        q = constrain(rotary(q, positions, theta, scaling), ("batch", "seq", "heads", None))
+        k = constrain(rotary(k, positions, theta, scaling), ("batch", "seq", "kv_heads", None))
         v = constrain(v, ("batch", "seq", "kv_heads", None))
         if cache is not None:  # generation: attend to the cached tokens and these
             cache = cache.append(k, v)
@@ -183,7 +216,7 @@ class Attention(nnx.Module):
             out = attend(q, k, v, segment_ids, implementation=attention_kernel(self.cfg),
                          max_segments=self.cfg.max_documents_per_row)
         out = constrain(out, ("batch", "seq", "heads", None))
-        out = jnp.einsum("bsnh,nhe->bse", out, self.wo[...].astype(dtype))
+        out = matmul("bsnh,nhe->bse", out, self.wo[...])
         return out if cache is None else (out, cache)
 
 
@@ -198,11 +231,11 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def __call__(self, x):  # [batch, seq, embed]
-        dtype = jnp.dtype(self.cfg.dtype)
-        gate = x @ self.w_gate[...].astype(dtype)
-        up = x @ self.w_up[...].astype(dtype)
+        matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=jnp.dtype(self.cfg.dtype))
+        gate = matmul("bse,ef->bsf", x, self.w_gate[...])
+        up = matmul("bse,ef->bsf", x, self.w_up[...])
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return hidden @ self.w_down[...].astype(dtype)
+        return matmul("bsf,fe->bse", hidden, self.w_down[...])
 
 
 class Block(nnx.Module):

@@ -3,11 +3,14 @@ all-to-all in `jaxpar.parallel.experts` (one shard_map over the mesh)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
+from jaxpar.models.fp8 import einsum as block_einsum
 from jaxpar.models.params import param
 from jaxpar.parallel.experts import moe_mlp
 from jaxpar.sharding import constrain
@@ -52,8 +55,11 @@ class MoEMLP(nnx.Module):
                    "down": self.down[...]}
         # The mesh is the one the step runs under (`Layout.scope`); none: one device.
         y, stats = moe_mlp(x, weights, top_k=self.cfg.moe.top_k,
-                           capacity_factor=self.cfg.moe.capacity_factor, compute_dtype=dtype)
+                           capacity_factor=self.cfg.moe.capacity_factor, compute_dtype=dtype,
+                           fp8=self.cfg.fp8)
         if self.cfg.moe.shared_experts:
-            hidden = jax.nn.silu(x @ self.shared_gate[...].astype(dtype)) * (x @ self.shared_up[...].astype(dtype))
-            y = y + constrain(hidden, ("batch", "seq", "mlp")) @ self.shared_down[...].astype(dtype)
+            matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=dtype)
+            hidden = (jax.nn.silu(matmul("bse,ef->bsf", x, self.shared_gate[...]))
+                      * matmul("bse,ef->bsf", x, self.shared_up[...]))
+            y = y + matmul("bsf,fe->bse", constrain(hidden, ("batch", "seq", "mlp")), self.shared_down[...])
         return y, stats

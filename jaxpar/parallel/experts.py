@@ -124,12 +124,21 @@ def expert_capacity(tokens, num_experts, top_k, capacity_factor):
     return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts)))
 
 
-def swiglu_experts(h, gate, up, down, compute_dtype):
+def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
     """Batched SwiGLU over a group of experts: down(silu(h @ gate) * (h @ up)).
 
     h: [experts, slots, embed]; gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
     Returns [experts, slots, embed] float32 (a partial sum if `mlp` is a slice of the hidden dim).
+    fp8: the three matmuls in float8 (jaxpar.models.fp8), each operand scaled by its amax over
+    the whole tensor: `amax_axes` are the manual mesh axes its pieces are spread over.
     """
+    if fp8:
+        from jaxpar.models.fp8 import fp8_einsum  # (here: jaxpar.models imports this module)
+
+        h = h.astype(compute_dtype)
+        hidden = (jax.nn.silu(fp8_einsum("esd,edm->esm", h, gate, amax_axes))
+                  * fp8_einsum("esd,edm->esm", h, up, amax_axes))
+        return fp8_einsum("esm,emd->esd", hidden, down, amax_axes, jnp.float32)
     h, gate, up, down = (a.astype(compute_dtype) for a in (h, gate, up, down))
     hidden = jax.nn.silu(jnp.einsum("esd,edm->esm", h, gate)) * jnp.einsum("esd,edm->esm", h, up)
     return jnp.einsum("esm,emd->esd", hidden, down, preferred_element_type=jnp.float32)
@@ -182,7 +191,8 @@ def _on_explicit_axes(x, spec, mesh):
 
 
 def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None,
-            compute_dtype=jnp.float32, token_axes=None, seq_axes=None, tensor_axes=None):
+            compute_dtype=jnp.float32, token_axes=None, seq_axes=None, tensor_axes=None,
+            fp8=False):
     """Mixture-of-experts SwiGLU MLP with the experts split over mesh axis `axis_name`.
 
     x: GLOBAL [batch, seq, embed]; batch split over `token_axes` and the expert axis, seq over
@@ -205,6 +215,7 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
     capacity_factor: None for dropless, else slots per expert per source device =
       ceil(capacity_factor * local_tokens * top_k / E) (see the module docstring for who drops).
     compute_dtype: dtype of the expert matmuls; routing, combine and statistics are float32.
+    fp8: the expert matmuls in float8 instead (`swiglu_experts`), scales global over the mesh.
 
     Collectives: all_to_all over the expert axis twice forward (dispatch, return) and twice
     backward; psum over `tensor_axes` of the down projection; psum of router statistics over
@@ -225,7 +236,8 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
     _check_shapes(x, params, sizes, expert_axes, token_axes, seq_axes, tensor_axes)
     expert_devices = math.prod(sizes[a] for a in expert_axes)
     program, in_specs = _moe_program(mesh, expert_axes, expert_devices, token_axes, seq_axes,
-                                     tensor_axes, top_k, capacity_factor, jnp.dtype(compute_dtype))
+                                     tensor_axes, top_k, capacity_factor, jnp.dtype(compute_dtype),
+                                     fp8)
     args = (x, params["router"], params["gate"], params["up"], params["down"])
     if mesh.empty:
         return program(*args)
@@ -236,7 +248,7 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
 
 
 def _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes,
-                           top_k, capacity_factor, compute_dtype):
+                           top_k, capacity_factor, compute_dtype, fp8=False):
     """The layer on one device's block of tokens, with all experts' weights for the experts it
     holds (all of them when `expert_axes` is empty)."""
     all_token_axes = token_axes + seq_axes
@@ -267,7 +279,8 @@ def _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes, te
         received = swap(send).reshape(expert_devices, local_experts, capacity, embed)
         received = received.transpose(1, 0, 2, 3).reshape(local_experts, -1, embed)
 
-        out = swiglu_experts(received, gate, up, down, compute_dtype)  # [local_E, src * C, embed]
+        out = swiglu_experts(received, gate, up, down, compute_dtype,  # [local_E, src * C, embed]
+                             fp8, tuple(dict.fromkeys(all_token_axes + expert_axes + tensor_axes)))
         if tensor_axes:
             out = jax.lax.psum(out, tensor_axes)  # sum the partial products of the mlp slices
         out = out.astype(compute_dtype).reshape(local_experts, expert_devices, capacity, embed)
@@ -293,12 +306,12 @@ def _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes, te
 
 @functools.lru_cache(maxsize=64)
 def _moe_program(mesh, expert_axes, expert_devices, token_axes, seq_axes, tensor_axes, top_k,
-                 capacity_factor, compute_dtype):
+                 capacity_factor, compute_dtype, fp8=False):
     """(the jitted layer, its in_specs): one shard_map manual over the axes it uses (a plain
     function when it uses none). Jitted and cached, so that a call outside `jax.jit` compiles
     once rather than running the shard_map's body op by op."""
     local = _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes,
-                                   tensor_axes, top_k, capacity_factor, compute_dtype)
+                                   tensor_axes, top_k, capacity_factor, compute_dtype, fp8)
     tensor = tensor_axes or None
     expert = expert_axes or None
     in_specs = (P(token_axes or None, seq_axes or None, None), P(), P(expert, None, tensor),

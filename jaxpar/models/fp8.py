@@ -1,0 +1,127 @@
+"""FP8 matmuls with per-tensor current scaling (`model.fp8`): e4m3 forward, e5m2 gradients.
+
+`fp8_einsum(spec, x, w)` is `jnp.einsum(spec, x, w)` computed as a float8 GEMM:
+
+    forward   q_x = e4m3(x / s_x), q_w = e4m3(w / s_w), out = (q_x . q_w) * s_x * s_w
+    backward  q_g = e5m2(g / s_g),  dx = (q_g . q_w) * s_g * s_w,  dw = (q_x . q_g) * s_x * s_g
+
+with s_t the power of two at or above amax(|t|) / max(float8 type): each tensor is scaled so
+that its largest magnitude lands within a factor 2 below the largest finite float8 value, then
+rounded to the nearest float8 (clipped, so that nothing overflows). A power of two, because
+dividing by it is exact: a float8 value's relative precision does not depend on where in its
+range a number lands (only the subnormals at the bottom lose some), so the factor of range given
+up costs nothing above them, and two layouts whose float32 amaxes differ in the last bit (sums
+taken in another order) still get the same scale and the same float8 values. The products accumulate in float32 (`preferred_element_type`), which
+is the form XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM with the scales folded in
+(`__cublas$lt$matmul$f8` on Hopper). The backward reuses the forward's float8 operands, so what
+the layer keeps for the backward is float8 plus two scalars.
+
+Current scaling, not delayed: the scale is the amax of the tensor at hand, this step, rather than
+a history of past steps' amaxes kept as extra state (Transformer Engine's delayed scaling, which
+`flax.linen.fp8_ops.Fp8DotGeneralOp` implements). It costs one max-reduction per operand, keeps
+no state (the train state, checkpoints and optimizer are those of a bf16 run), and cannot
+overflow on a step whose amax jumped. A max is exact in any order, so a layout computes the same
+scales as one device: under GSPMD the `max` of a split tensor becomes an all-reduce(max); inside
+a shard_map, `amax_axes` names the manual axes to `pmax` over (jaxpar.parallel.experts).
+
+Relative error bound (round to nearest, no underflow below the smallest normal): e4m3 keeps 3
+mantissa bits, so each element is off by at most 2^-4 of itself; e5m2 keeps 2, 2^-3.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn  # forward: activations and weights (max 448)
+E5M2 = jnp.float8_e5m2  # backward: incoming gradients (max 57344, more range, less precision)
+
+
+def _spec_parts(spec: str) -> tuple[str, str, str]:
+    inputs, out = spec.replace(" ", "").split("->")
+    x, w = inputs.split(",")
+    for index in set(x + w + out):
+        if (index in x) + (index in w) + (index in out) < 2:
+            raise ValueError(f"fp8_einsum({spec!r}): every index must appear in at least two of "
+                             "the operands and the output (a sum over one operand alone has no "
+                             "einsum transpose here)")
+    return x, w, out
+
+
+def _varying(a) -> frozenset:
+    """The manual mesh axes (of the shard_maps around) along which `a` differs by device."""
+    manual = getattr(jax.typeof(a), "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset()
+
+
+def scale_of(t, fp8_dtype, amax_axes=()):
+    """Per-tensor scale, float32 []: the power of two at or above amax(|t|) / max(fp8_dtype)
+    (1 for an all-zero tensor). `amax_axes`: manual mesh axes t is split (or replicated) over,
+    reduced with a pmax. No gradient flows through it."""
+    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
+    amax_axes = tuple(a for a in amax_axes if a in _varying(amax))  # equal along the others
+    if amax_axes:
+        amax = jax.lax.pmax(amax, amax_axes)
+    amax = jax.lax.stop_gradient(amax)
+    ratio = jnp.where(amax > 0, amax / float(jnp.finfo(fp8_dtype).max), 1.0)
+    return jnp.exp2(jnp.ceil(jnp.log2(ratio)))
+
+
+def quantize(t, fp8_dtype, scale):
+    """t / scale rounded to the nearest fp8_dtype value, clipped to its finite range."""
+    limit = float(jnp.finfo(fp8_dtype).max)
+    return jnp.clip(t.astype(jnp.float32) / scale, -limit, limit).astype(fp8_dtype)
+
+
+def _dot(spec, a, b, scale, out_dtype):
+    out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return (out * scale).astype(out_dtype)
+
+
+def fp8_einsum(spec: str, x, w, amax_axes: tuple[str, ...] = (), out_dtype=None):
+    """jnp.einsum(spec, x, w) in float8 (module docstring); the result in `out_dtype` (None:
+    x's dtype), the gradients in x's and w's dtypes. Two operands; every index in two or three
+    of x, w and the output (three: a batch index). `amax_axes`: see `scale_of`."""
+    # Inside a shard_map, an operand that is the same on every device of an axis the other
+    # varies along (a weight, along the token axes) is marked varying there first, as jnp.einsum
+    # does implicitly: JAX then transposes that mark into the psum of its gradient's pieces.
+    both = _varying(x) | _varying(w)
+    x, w = (jax.lax.pcast(a, tuple(sorted(both - _varying(a))), to="varying")
+            if both - _varying(a) else a for a in (x, w))
+    return _fp8_einsum(spec, x, w, tuple(amax_axes), out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _fp8_einsum(spec, x, w, amax_axes, out_dtype):
+    return _fp8_forward(spec, x, w, amax_axes, out_dtype)[0]
+
+
+def _fp8_forward(spec, x, w, amax_axes, out_dtype):
+    _spec_parts(spec)
+    sx, sw = scale_of(x, E4M3, amax_axes), scale_of(w, E4M3, amax_axes)
+    qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
+    out = _dot(spec, qx, qw, sx * sw, out_dtype or x.dtype)
+    return out, (qx, qw, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _fp8_backward(spec, amax_axes, out_dtype, residuals, g):
+    qx, qw, sx, sw, x_like, w_like = residuals
+    x_spec, w_spec, out_spec = _spec_parts(spec)
+    sg = scale_of(g, E5M2, amax_axes)
+    qg = quantize(g, E5M2, sg)
+    dx = _dot(f"{out_spec},{w_spec}->{x_spec}", qg, qw, sg * sw, x_like.dtype)
+    dw = _dot(f"{x_spec},{out_spec}->{w_spec}", qx, qg, sx * sg, w_like.dtype)
+    return dx, dw
+
+
+_fp8_einsum.defvjp(_fp8_forward, _fp8_backward)
+
+
+def einsum(spec: str, x, w, *, fp8: bool, dtype, amax_axes: tuple[str, ...] = ()):
+    """The block matmuls' einsum: w cast to `dtype` and `jnp.einsum`, or with `fp8` the float8
+    GEMM of x and w (w quantized straight from its float32 master copy)."""
+    if fp8:
+        return fp8_einsum(spec, x, w, tuple(amax_axes))
+    return jnp.einsum(spec, x, w.astype(dtype))

@@ -1,0 +1,299 @@
+"""Hugging Face interop, checked against `transformers` itself (jaxpar.convert, jaxpar.export).
+
+tests/hf_reference.py builds tiny random Llama / Mistral / Qwen2 models with transformers (GQA and
+multi-head, tied and untied heads, non-default rope_theta, llama3 rope scaling, q/k/v biases,
+bfloat16 / float16 / float32 files, one sharded with an index) and records their logits and
+greedy generations. It runs in the sidecar environment .venv-hf (`make .venv-hf`: CPU torch +
+transformers), once per module. Without .venv-hf these tests skip with one line; with
+JAXPAR_TESTS_REQUIRE_HF=1 (CI) they fail instead.
+
+Here, jaxpar loads those directories onto a data x fsdp x tensor = 2 x 2 x 2 mesh of the 8
+emulated devices (ZeRO-3: every weight split over fsdp and tensor) and must give transformers'
+float32 logits to 1e-4 and its 20 greedy tokens; each parity check also shows that a plausible
+conversion bug (biases dropped, q/k in the interleaved rotary layout, the two norms swapped, rope
+scaling ignored) would move the logits far past that tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar import config as config_lib
+from jaxpar import convert
+from jaxpar import export as export_lib
+from jaxpar import sharding as sharding_lib
+from jaxpar.models import Transformer
+from jaxpar.sample import generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")
+REFERENCE = os.path.join(ROOT, "tests", "hf_reference.py")
+VARIANTS = ["llama3-tied-scaled", "llama2-gqa-sharded", "mistral", "qwen2-bias-tied"]
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+ATOL = 1e-4
+
+
+def _hf(*args: str) -> None:
+    proc = subprocess.run([HF_PYTHON, REFERENCE, *args], capture_output=True, cwd=ROOT,
+                          timeout=300, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """(directory of the tiny transformers models, their reference.npz)."""
+    if not os.path.exists(HF_PYTHON):
+        why = "no .venv-hf (make .venv-hf builds it): no transformers reference to compare with"
+        if os.environ.get("JAXPAR_TESTS_REQUIRE_HF") == "1":
+            pytest.fail(why + ", and JAXPAR_TESTS_REQUIRE_HF=1")
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("hf")
+    _hf("build", str(out))
+    return out, dict(np.load(out / "reference.npz"))
+
+
+def _config(hf_dir, overrides=()) -> config_lib.Config:
+    """A float32 run config with the model of `hf_dir` (as train.init_from=hf_dir gives it)."""
+    settings = config_lib.user_settings(None, ["model.dtype=float32", "model.param_dtype=float32",
+                                               "parallel.zero_stage=3", *overrides,
+                                               f"train.init_from={hf_dir}"])
+    return convert.apply_init_from(config_lib.build_config(settings), settings)
+
+
+def _on_mesh(cfg, mesh: dict[str, int]):
+    sizes = {a: mesh.get(a, 1) for a in config_lib.MESH_AXES}
+    devices = jax.devices()[:int(np.prod(list(sizes.values())))]
+    layout = sharding_lib.Layout.build(sizes, zero_stage=cfg.parallel.zero_stage,
+                                       sequence_parallel=False, devices=devices)
+    shapes, shardings = convert.param_targets(cfg, sizes, devices)
+    return layout, shapes, shardings
+
+
+def _forward(cfg, layout):
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]
+
+    @jax.jit
+    def logits(params, tokens):
+        with layout.scope():
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            return nnx.merge(graphdef, params)(tokens, positions, jnp.ones_like(tokens))[0]
+
+    return logits
+
+
+def _max_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_match_transformers_on_an_fsdp_x_tensor_mesh(hf, variant):
+    root, ref = hf
+    cfg = _config(root / variant)
+    layout, shapes, shardings = _on_mesh(cfg, MESH)
+    params = convert.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
+    wq = params["blocks"]["attn"]["wq"]
+    assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 16)  # [L, E/fsdp, N/tensor, H]
+    forward = _forward(cfg, layout)
+    tokens = jnp.asarray(ref["tokens"], jnp.int32)
+    want = ref[f"{variant}/logits"]
+    assert _max_diff(forward(params, tokens), want) <= ATOL
+
+    # The same check catches what a wrong conversion would do.
+    attn = params["blocks"]["attn"]
+    n, h = cfg.model.n_heads, cfg.model.d_model // cfg.model.n_heads
+    interleave = np.concatenate([np.arange(0, h, 2), np.arange(1, h, 2)])  # rotate-half <-> pairs
+    wrong = {
+        "q/k in the interleaved rotary layout": {"wq": attn["wq"][..., interleave],
+                                                 "wk": attn["wk"][..., interleave]},
+        "q heads in the wrong order (a reshape of N*H as H*N)": {
+            "wq": attn["wq"].reshape(*attn["wq"].shape[:2], h, n).swapaxes(-1, -2)},
+    }
+    if cfg.model.qkv_bias:
+        wrong["q/k/v biases dropped"] = {b: jnp.zeros_like(attn[b]) for b in ("bq", "bk", "bv")}
+    for what, change in wrong.items():
+        bad = {**params, "blocks": {**params["blocks"], "attn": {**attn, **change}}}
+        assert _max_diff(forward(bad, tokens), want) > 100 * ATOL, what
+    swapped = {**params["blocks"], "attn_norm": params["blocks"]["mlp_norm"],
+               "mlp_norm": params["blocks"]["attn_norm"]}
+    assert _max_diff(forward({**params, "blocks": swapped}, tokens), want) > 100 * ATOL
+    if cfg.model.rope_scaling.type != "none":
+        plain = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, rope_scaling=config_lib.RopeScalingConfig()))
+        assert _max_diff(_forward(plain, layout)(params, tokens), want) > 100 * ATOL
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_generation_gives_transformers_tokens(hf, variant):
+    root, ref = hf
+    assert ref[f"{variant}/margin"] > 1e-3  # no near-ties: the choices are well defined
+    cfg = _config(root / variant)
+    _, shapes, shardings = _on_mesh(cfg, {})
+    params = convert.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]
+    got = generate(nnx.merge(graphdef, params), ref["prompt"].tolist(), 20)
+    assert got == ref[f"{variant}/greedy"].tolist()
+
+
+def _tensor_bytes(hf_dir) -> dict[str, tuple[str, bytes]]:
+    out = {}
+    for name, info in convert.checkpoint_tensors(str(hf_dir)).items():
+        with open(info.file, "rb") as f:
+            f.seek(info.offset)
+            n = int(np.prod(info.shape, dtype=np.int64)) * convert._np_dtype(info.dtype).itemsize
+            out[name] = (info.dtype, tuple(info.shape), f.read(n))
+    return out
+
+
+@pytest.fixture(scope="module")
+def imported(hf, tmp_path_factory):
+    """Every variant through from-hf (run directories), then to-hf (Hugging Face directories)."""
+    root, _ = hf
+    work = tmp_path_factory.mktemp("converted")
+    for variant in VARIANTS:
+        summary = convert.from_hf(str(root / variant), str(work / variant / "run"),
+                                  ["model.dtype=float32"])
+        assert summary["dtype"] == json.load(open(root / variant / "config.json"))["dtype"]
+        export_lib.export(str(work / variant / "run"), str(work / variant / "hf"))
+    return work
+
+
+def test_round_trip_is_bit_identical_and_transformers_loads_the_export(hf, imported, tmp_path):
+    root, ref = hf
+    for variant in VARIANTS:
+        source, back = _tensor_bytes(root / variant), _tensor_bytes(imported / variant / "hf")
+        assert set(back) == set(source), variant
+        for name in source:
+            assert back[name] == source[name], f"{variant}: {name}"
+        assert os.path.isfile(imported / variant / "hf" / "tokenizer.json")
+    _hf("logits", str(tmp_path / "exported.npz"),
+        *[f"{v}={imported / v / 'hf'}" for v in VARIANTS])
+    exported = np.load(tmp_path / "exported.npz")
+    for variant in VARIANTS:
+        want = "Qwen2ForCausalLM" if variant.startswith("qwen2") else "LlamaForCausalLM"
+        assert str(exported[f"{variant}/class"]) == want
+        assert _max_diff(exported[f"{variant}/logits"], ref[f"{variant}/logits"]) <= 1e-5, variant
+
+
+def test_sample_cli_generates_from_an_imported_model(imported):
+    from jaxpar.data import HFTokenizer
+
+    run = imported / "llama2-gqa-sharded" / "run"  # its tokenizer ends documents with </s>
+    cfg = config_lib.load_config(str(run / "config.yaml"))
+    assert cfg.data.tokenizer == str(run / "tokenizer.json")
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.sample", str(run), "--prompt",
+                           "the quick", "--max-tokens", "12"], capture_output=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    tokenizer = HFTokenizer(cfg.data.tokenizer)
+    assert tokenizer.eod_id == tokenizer._tok.token_to_id("</s>")
+    from jaxpar.sample import load_model
+
+    _, model, step = load_model(str(run))
+    assert step == 0
+    ids = generate(model, tokenizer.encode("the quick"), 12, vocab_limit=tokenizer.vocab_size,
+                   stop_token=tokenizer.eod_id)
+    assert proc.stdout.decode() == "the quick" + tokenizer.decode(ids) + "\n"
+
+
+def test_init_from_starts_a_new_run_on_a_mesh_from_the_imported_weights(imported, tmp_path):
+    from jaxpar import train as train_lib
+    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+
+    source = imported / "llama3-tied-scaled" / "run"  # bfloat16 weights, llama3 rope scaling
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    settings = config_lib.user_settings(os.path.join(ROOT, "configs", "finetune.yaml"), [
+        f"train.init_from={source}", f"train.run_dir={tmp_path / 'run'}", f"data.source={text}",
+        "train.steps=2", "train.batch_size=4", "train.seq_len=32", "checkpoint.every=2",
+        "optimizer.lr=1e-6", "optimizer.warmup_steps=0", "train.progress=false",
+        "model.dtype=float32", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+    cfg = convert.apply_init_from(config_lib.build_config(settings), settings)
+    assert cfg.model.rope_scaling.type == "llama3" and cfg.model.tie_embeddings
+    assert cfg.model.param_dtype == "float32"  # the run's own: the bfloat16 import is upcast
+    assert cfg.data.tokenizer == str(source / "tokenizer.json")
+    summary = train_lib.train(cfg, config_lib.validate(cfg, 8))
+    assert summary["start_step"] == 0 and summary["steps"] == 2
+
+    def params_of(run, cfg):
+        shapes, _ = convert.param_targets(cfg, {a: 1 for a in config_lib.MESH_AXES}, jax.devices()[:1])
+        ckpt = Checkpointer(checkpoint_dir(str(run)), read_only=True)
+        try:
+            return ckpt.restore({"params": shapes}, None)[0]["params"]
+        finally:
+            ckpt.close()
+
+    before, after = params_of(source, cfg), params_of(tmp_path / "run", cfg)
+    for path, (a, b) in convert._flat(jax.tree.map(lambda *x: x, before, after,
+                                                   is_leaf=lambda x: hasattr(x, "shape"))).items():
+        # Two AdamW steps at lr 1e-6 move each weight by about 2e-6; a fresh init would differ by O(0.3).
+        assert _max_diff(a, b) < 1e-4, path
+
+
+def test_init_from_takes_the_shape_and_refuses_a_disagreeing_one(hf):
+    root, _ = hf
+    cfg = _config(root / "qwen2-bias-tied")
+    assert (cfg.model.qkv_bias, cfg.model.tie_embeddings, cfg.model.rope_theta) == (True, True, 1e6)
+    with pytest.raises(config_lib.ConfigError, match=r"model.d_model=128, but .* has model.d_model=64"):
+        _config(root / "qwen2-bias-tied", ["model.d_model=128"])
+
+
+def _edit_json(path, **changes):
+    config = json.load(open(path))
+    config.update(changes)
+    json.dump(config, open(path, "w"))
+
+
+def _truncate(path, by: int = 100):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - by)
+
+
+BAD = {  # case -> (variant, how to break the copy, what the message must name)
+    "missing shard": ("llama2-gqa-sharded",
+                      lambda d: os.remove(d / "model-00003-of-00007.safetensors"),
+                      ["model-00003-of-00007.safetensors is missing", "tensor model."]),
+    "truncated file": ("mistral", lambda d: _truncate(d / "model.safetensors"),
+                       ["model.safetensors is truncated: tensor ", "ends at byte"]),
+    "shape vs config.json": ("qwen2-bias-tied",
+                             lambda d: _edit_json(d / "config.json", intermediate_size=128),
+                             ["model.safetensors: tensor model.layers.0.mlp.", "has shape [96, 64]",
+                              "config.json implies [128, 64]"]),
+    "missing tokenizer": ("mistral", lambda d: os.remove(d / "tokenizer.json"),
+                          ["has no tokenizer.json"]),
+    "unsupported architecture": ("mistral", lambda d: _edit_json(
+        d / "config.json", architectures=["GemmaForCausalLM"]),
+        ["config.json: architectures=['GemmaForCausalLM'] is not supported"]),
+    "sliding window": ("mistral", lambda d: _edit_json(d / "config.json", sliding_window=16),
+                       ["sliding_window=16 < max_position_embeddings=128"]),
+    "unknown rope scaling": ("llama3-tied-scaled", lambda d: _edit_json(
+        d / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+        ["rope scaling 'yarn'"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_exits_2_naming_file_and_tensor_and_writes_nothing(hf, tmp_path, capsys, case):
+    root, _ = hf
+    variant, damage, fragments = BAD[case]
+    broken = tmp_path / "broken"
+    shutil.copytree(root / variant, broken)
+    damage(broken)
+    out = tmp_path / "out" / "run"
+    out.parent.mkdir()
+    assert convert.main(["from-hf", str(broken), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and err.count("\n") == 1, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert os.listdir(out.parent) == []  # no output directory, nothing half-written beside it
