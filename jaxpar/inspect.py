@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         print(pipeline_lib.format_schedule(schedule) if "--human" in flags
               else json.dumps(pipeline_lib.describe_schedule(schedule), indent=2))
         return 0
-    trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
+    try:
+        trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
+    except ConfigError as e:  # what the devices cannot run (model.fp8 on an older GPU)
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     result = report(trainer, compile_step(trainer), compare="--compare" in flags, target=target)
     print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))
     if target is not None and not result["fits"]:

@@ -44,6 +44,7 @@ from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import emulate_cpu_devices, start_distributed
 from jaxpar.models import Transformer
+from jaxpar.models import fp8 as fp8_lib
 from jaxpar.models.attention import documents_per_row, kernel_for
 from jaxpar.models.loss import pick_chunks
 from jaxpar.parallel import pipeline as pipeline_lib
@@ -175,6 +176,8 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
                                        sequence_parallel=p.sequence_parallel, devices=devices)
     mesh = layout.mesh
     cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0])
+    if cfg.model.fp8:  # before anything compiles: float8 GEMMs on this backend, or exit 2
+        fp8_lib.check_device(mesh.devices.flat[0])
     # Ring attention's sequence order; the batch is permuted into it once per step (below).
     context_layout = p.context_layout if sizes["context"] > 1 else None
     optimizer = make_optimizer(cfg)

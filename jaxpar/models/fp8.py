@@ -11,10 +11,13 @@ rounded to the nearest float8 (clipped, so that nothing overflows). A power of t
 dividing by it is exact: a float8 value's relative precision does not depend on where in its
 range a number lands (only the subnormals at the bottom lose some), so the factor of range given
 up costs nothing above them, and two layouts whose float32 amaxes differ in the last bit (sums
-taken in another order) still get the same scale and the same float8 values. The products accumulate in float32 (`preferred_element_type`), which
-is the form XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM with the scales folded in
-(`__cublas$lt$matmul$f8` on Hopper). The backward reuses the forward's float8 operands, so what
-the layer keeps for the backward is float8 plus two scalars.
+taken in another order) still get the same scale and the same float8 values.
+
+The GEMMs take the float8 operands themselves and accumulate in float32; XLA's GPU compiler keeps
+them float8 GEMMs (in an H100 program compiled without autotuning, as `inspect --target` does,
+they are Triton GEMM fusions with f8 operands; on a GPU the autotuner may pick cuBLASLt's fp8
+GEMM instead). The backward reuses the forward's float8 operands, so what the layer keeps for the
+backward is float8 plus two scalars (and, under remat=dots, the GEMMs' outputs, as in bfloat16).
 
 Current scaling, not delayed: the scale is the amax of the tensor at hand, this step, rather than
 a history of past steps' amaxes kept as extra state (Transformer Engine's delayed scaling, which
@@ -23,6 +26,14 @@ no state (the train state, checkpoints and optimizer are those of a bf16 run), a
 overflow on a step whose amax jumped. A max is exact in any order, so a layout computes the same
 scales as one device: under GSPMD the `max` of a split tensor becomes an all-reduce(max); inside
 a shard_map, `amax_axes` names the manual axes to `pmax` over (jaxpar.parallel.experts).
+
+Libraries. Flax's fp8 layers (`flax.linen.fp8_ops`: Fp8DotGeneralOp, Fp8Einsum) scale with that
+delayed history, kept as parameters of an "overwrite with gradient" collection that the optimizer
+must treat apart; qwix (Google's quantization library) rewrites a model's einsums by module-path
+rules and scales each call from the values on the device at hand, which inside the expert
+shard_map would be one shard's amax, not the tensor's, and would change the numbers with the
+layout. So the custom VJP below is ours, with Flax's `quantize` (divide, clip, cast) as its
+rounding step.
 
 Relative error bound (round to nearest, no underflow below the smallest normal): e4m3 keeps 3
 mantissa bits, so each element is off by at most 2^-4 of itself; e5m2 keeps 2, 2^-3.
@@ -34,6 +45,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
+
+from jaxpar.config import ConfigError
 
 E4M3 = jnp.float8_e4m3fn  # forward: activations and weights (max 448)
 E5M2 = jnp.float8_e5m2  # backward: incoming gradients (max 57344, more range, less precision)
@@ -70,14 +84,18 @@ def scale_of(t, fp8_dtype, amax_axes=()):
 
 
 def quantize(t, fp8_dtype, scale):
-    """t / scale rounded to the nearest fp8_dtype value, clipped to its finite range."""
-    limit = float(jnp.finfo(fp8_dtype).max)
-    return jnp.clip(t.astype(jnp.float32) / scale, -limit, limit).astype(fp8_dtype)
+    """t / scale rounded to the nearest fp8_dtype value, clipped to its finite range (Flax's
+    `fp8_ops.quantize`, the divide-clip-cast that its own fp8 layers use, computed in float32)."""
+    return fp8_ops.quantize(t.astype(jnp.float32), fp8_dtype, scale, jnp.float32)
 
 
 def _dot(spec, a, b, scale, out_dtype):
-    out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-    return (out * scale).astype(out_dtype)
+    # The GEMM writes out_dtype itself (it accumulates in float32 inside: cuBLASLt's fp8 GEMM on
+    # GPU, XLA:CPU's widened dot here), so that a remat policy keeping dot outputs (remat=dots)
+    # keeps them at bfloat16's size, not float32's: llama-1b's H100 program needed 42.6 GiB with a
+    # float32 output here against bfloat16's 31.6. The scale, a power of two, multiplies exactly.
+    out = jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+    return out * scale.astype(out_dtype)
 
 
 def fp8_einsum(spec: str, x, w, amax_axes: tuple[str, ...] = (), out_dtype=None):
@@ -117,6 +135,33 @@ def _fp8_backward(spec, amax_axes, out_dtype, residuals, g):
 
 
 _fp8_einsum.defvjp(_fp8_forward, _fp8_backward)
+
+
+# Float8 tensor cores (e4m3 x e4m3, e5m2 x e4m3 GEMMs in cuBLASLt): Ada (8.9), Hopper (9.0) and later.
+MIN_COMPUTE_CAPABILITY = 8.9
+
+
+def check_device(device) -> None:
+    """A ConfigError unless `device` runs model.fp8 as intended: an NVIDIA GPU of compute
+    capability MIN_COMPUTE_CAPABILITY or more (float8 GEMMs), or a CPU, whose XLA emulates float8
+    (the numbers of float8, at no speed: for tests and checks). On an older GPU XLA would widen the
+    operands back to 16 bits -- float8's error for none of its speed -- and other platforms are
+    not ones this module's types (OCP e4m3fn / e5m2) were checked on."""
+    platform = device.platform
+    kind = getattr(device, "device_kind", platform)
+    if platform == "cpu":
+        return
+    if platform in ("gpu", "cuda"):
+        capability = getattr(device, "compute_capability", None) or "0"
+        if float(capability) >= MIN_COMPUTE_CAPABILITY:
+            return
+        raise ConfigError(
+            f"model.fp8=true: the {kind} (compute capability {capability}) has no float8 tensor "
+            f"cores; they start at {MIN_COMPUTE_CAPABILITY} (Ada, Hopper, Blackwell). Use "
+            "model.fp8=false (bfloat16 matmuls) on this GPU")
+    raise ConfigError(
+        f"model.fp8=true runs on NVIDIA GPUs of compute capability {MIN_COMPUTE_CAPABILITY}+ (and "
+        f"emulated on CPUs); this backend is {platform} ({kind}). Use model.fp8=false")
 
 
 def einsum(spec: str, x, w, *, fp8: bool, dtype, amax_axes: tuple[str, ...] = ()):
