@@ -48,6 +48,7 @@ DataErrors = Literal["strict", "replace", "skip"]
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
 RopeScaling = Literal["none", "llama3"]
+MoEDispatch = Literal["auto", "padded", "ragged"]
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,8 @@ class MoEConfig:
     d_ff: int | None = None  # expert hidden size; None = model.d_ff
     aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer)
     z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+    dispatch: MoEDispatch = "auto"  # auto (ragged on GPU if dropless and no costlier: experts.py) | padded | ragged
+    ragged_buffer_factor: float | None = None  # ragged, expert > 1: receive factor*tokens*top_k rows, drop (and count) past it; None = worst case, no drops
 
 
 @dataclass
@@ -631,6 +634,25 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
                           "number, or null for dropless routing")
     if moe.shared_experts < 0:
         raise ConfigError(f"model.moe.shared_experts={moe.shared_experts} must be 0 or more")
+    if moe.dispatch == "ragged" and moe.capacity_factor is not None:
+        raise ConfigError(
+            f"model.moe.dispatch=ragged is dropless but model.moe.capacity_factor="
+            f"{moe.capacity_factor}: set model.moe.capacity_factor=null, or use "
+            "model.moe.dispatch=padded for capacity routing")
+    if moe.dispatch == "ragged" and m.fp8:
+        raise ConfigError("model.moe.dispatch=ragged has no float8 grouped GEMM: with model.fp8=true "
+                          "use model.moe.dispatch=padded (or auto, which picks it)")
+    if moe.ragged_buffer_factor is not None:
+        if not moe.ragged_buffer_factor >= 1:
+            raise ConfigError(
+                f"model.moe.ragged_buffer_factor={moe.ragged_buffer_factor}: use a number >= 1 "
+                "(1 = the balanced load tokens * top_k), or null for the worst case")
+        if moe.dispatch == "padded" or moe.capacity_factor is not None:
+            raise ConfigError(
+                f"model.moe.ragged_buffer_factor={moe.ragged_buffer_factor} sizes the ragged "
+                f"dispatch's buffer, but model.moe.dispatch={moe.dispatch} and "
+                f"model.moe.capacity_factor={moe.capacity_factor} route padded; set it to null, "
+                "or use model.moe.dispatch=ragged (or auto on GPU) with capacity_factor=null")
 
 
 def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
@@ -653,9 +675,18 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
             f"train.batch_size={t.batch_size} must split into parallel.grad_accum={par.grad_accum} "
             f"x parallel.microbatches={par.microbatches} microbatches that each split over "
             f"data*fsdp*expert={data_parallel}; try a multiple of {per_row}")
+    moe, chunks = cfg.model.moe, p * par.virtual_stages
+    if moe.num_experts and (cfg.model.n_layers // moe.every) % chunks:
+        # The layer scan repeats groups of model.moe.every blocks (one MoE block each); a
+        # pipeline chunk holds whole groups.
+        layers = cfg.model.n_layers
+        fits = [e for e in _divisors(layers) if (layers // e) % chunks == 0]
+        raise ConfigError(
+            f"model.n_layers={layers} / model.moe.every={moe.every} = {layers // moe.every} "
+            f"MoE groups do not split over mesh.pipe={p} x parallel.virtual_stages="
+            f"{par.virtual_stages} = {chunks} pipeline chunks (a chunk holds whole groups); "
+            f"try model.moe.every in {fits}")
     for key, value, why in [
-        ("model.moe.num_experts", cfg.model.moe.num_experts != 0, "MoE layers are not pipelined yet"),
-        ("mesh.context", sizes["context"] != 1, "ring attention is not pipelined yet"),
         ("model.attention=cudnn", cfg.model.attention == "cudnn",
          "cuDNN's attention call does not compile inside the pipeline's shard_map (jax 0.12); "
          "use auto (XLA attention when pipelined) or xla"),

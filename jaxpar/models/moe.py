@@ -56,7 +56,8 @@ class MoEMLP(nnx.Module):
         # The mesh is the one the step runs under (`Layout.scope`); none: one device.
         y, stats = moe_mlp(x, weights, top_k=self.cfg.moe.top_k,
                            capacity_factor=self.cfg.moe.capacity_factor, compute_dtype=dtype,
-                           fp8=self.cfg.fp8)
+                           fp8=self.cfg.fp8, dispatch=self.cfg.moe.dispatch,
+                           buffer_factor=self.cfg.moe.ragged_buffer_factor)
         if self.cfg.moe.shared_experts:
             matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=dtype)
             hidden = (jax.nn.silu(matmul("bse,ef->bsf", x, self.shared_gate[...]))

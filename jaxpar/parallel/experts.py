@@ -34,9 +34,49 @@ device holds all experts and the all-to-alls are skipped. Routing: softmax, top_
 token, weights renormalised over the top_k when top_k > 1 and the plain probability when
 top_k = 1 (see `route`).
 
-`jax.lax.ragged_all_to_all` would avoid the padding in dropless mode, but XLA:CPU does not
-implement it ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU", checked on jax and
-jaxlib 0.12.0.1), so only the padded path is provided.
+Two dispatches (`moe_mlp(dispatch=...)`, model.moe.dispatch). The above is "padded": fixed
+shapes, and in dropless mode E x local tokens rows of mostly padding per device. "ragged"
+(dropless only) moves and multiplies exactly the routed rows:
+
+    x [T, embed] --route, sort the (token, choice) rows by expert--> send [T * top_k, embed]
+        --all_gather(expert) of the rows per expert, [devices, E] int32: every offset below--
+        --ragged_all_to_all(expert)--> received [R, embed], grouped by local expert
+        --SwiGLU as grouped GEMMs (`jax.lax.ragged_dot`, psum over `tensor`)-->
+        --ragged_all_to_all(expert) back--> [T * top_k, embed] --unsort, weight, sum--> y
+
+Inside an expert the rows keep the padded path's choice-major order. Each expert is one slice
+of the exchange, so a receiver's buffer comes out with its local expert 0's rows from sources
+0, 1, ..., then local expert 1's, ..., which is the layout the grouped GEMM takes (no sort on
+the receiving side). Without an expert axis there is no exchange: sort, grouped GEMMs, unsort.
+
+The receive buffer needs a static size R (`ragged_receive_rows`). By default it is the worst
+case, expert devices x T x min(top_k, local experts) rows (every source sends all its tokens'
+choices of this device's experts), so nothing is dropped, ever; with one expert per device that
+equals the padded path's receive buffer, and only the send side, T * top_k rows instead of
+E x T, is smaller. `buffer_factor` (model.moe.ragged_buffer_factor) f sizes it
+ceil(f x T x top_k) rows instead (f = 1 is the balanced load): a step whose routing sends a
+device more rows than that drops the excess, by a fixed rule -- the receiver's buffer fills in
+the order above, local expert by expert and source by source, so later experts and sources of
+the overfull device lose rows, and inside an expert a slice loses its last rows (second choices
+before first ones). Dropped rows contribute zero, as in capacity mode, and `dropped_fraction`
+counts them: nothing is dropped silently.
+
+XLA:CPU cannot compile the exchange ("HLO opcode `ragged-all-to-all` is not supported by
+XLA:CPU", checked on jax and jaxlib 0.12.0.1); `ragged_dot` it can. So on CPU devices "auto"
+is "padded", and an explicit "ragged" with an expert axis is refused before anything compiles
+(a ConfigError); without an expert axis ragged runs on CPU too. On GPU (jax 0.12, default XLA
+flags) the compiled program has the ragged-all-to-all collective, and XLA turns each
+`ragged_dot` into one dense GEMM over the received buffer whose contraction runs over all L
+local experts' weights, each row's input zero outside its own expert's block: a plain GEMM with
+one expert per device, L times the matmul work (and an L times wider masked input) with L local
+experts (read from the compiled H100 program, jax 0.12.0.1). Against the padded path's E x T
+rows per device that is min(top_k, L) times its matmul work with the worst-case buffer (equal
+with one expert per device, or top-1), f x top_k / expert devices times with a buffer factor f;
+"auto" takes ragged only where that is at most 1, or where a buffer factor is set. XLA's cuDNN
+grouped-GEMM fusion
+(--xla_gpu_experimental_use_ragged_dot_fusion=true) picks its configuration on a real GPU and
+does not compile on this GPU-less machine, so it is untested here. "ragged" has no float8 form:
+with fp8, "auto" is "padded" and an explicit "ragged" is refused.
 """
 
 from __future__ import annotations
@@ -192,7 +232,7 @@ def _on_explicit_axes(x, spec, mesh):
 
 def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None,
             compute_dtype=jnp.float32, token_axes=None, seq_axes=None, tensor_axes=None,
-            fp8=False):
+            fp8=False, dispatch="auto", buffer_factor=None):
     """Mixture-of-experts SwiGLU MLP with the experts split over mesh axis `axis_name`.
 
     x: GLOBAL [batch, seq, embed]; batch split over `token_axes` and the expert axis, seq over
@@ -216,8 +256,17 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
       ceil(capacity_factor * local_tokens * top_k / E) (see the module docstring for who drops).
     compute_dtype: dtype of the expert matmuls; routing, combine and statistics are float32.
     fp8: the expert matmuls in float8 instead (`swiglu_experts`), scales global over the mesh.
+    dispatch: "padded" ([experts, capacity] buffers, all_to_all, batched einsum), "ragged"
+      (exactly the routed rows, ragged_all_to_all, grouped GEMMs; dropless only, no fp8), or
+      "auto": ragged on GPU devices when dropless without fp8 and no more matmul work than
+      padded (`resolve_dispatch`), padded otherwise. Explicit "ragged" with an expert axis on CPU devices is a
+      ConfigError (XLA:CPU has no ragged-all-to-all).
+    buffer_factor: ragged dispatch with an expert axis: the receive buffer's rows, as a multiple
+      of the balanced load tokens * top_k; None: the worst case, never dropping
+      (`ragged_receive_rows`).
 
-    Collectives: all_to_all over the expert axis twice forward (dispatch, return) and twice
+    Collectives: all_to_all (padded; ragged: an all_gather of the per-expert row counts, then
+    ragged_all_to_all) over the expert axis twice forward (dispatch, return) and twice
     backward; psum over `tensor_axes` of the down projection; psum of router statistics over
     the token axes. Returns (y [batch, seq, embed] in x.dtype, laid out like x on Explicit axes,
     stats) with stats = {aux_loss [], z_loss [], dropped_fraction [] (dropped (token, choice)
@@ -235,9 +284,22 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
     sizes = dict(mesh.shape)
     _check_shapes(x, params, sizes, expert_axes, token_axes, seq_axes, tensor_axes)
     expert_devices = math.prod(sizes[a] for a in expert_axes)
+    device = None if mesh.empty else getattr(mesh.abstract_mesh, "abstract_device", None)
+    platform = device.platform if device is not None else jax.default_backend()
+    dispatch = resolve_dispatch(dispatch, capacity_factor, platform, fp8, top_k=top_k,
+                                local_experts=params["router"].shape[-1] // expert_devices,
+                                buffer_factor=buffer_factor)
+    if (dispatch == "ragged" and expert_devices > 1 and platform == "cpu"
+            and _ragged_all_to_all is jax.lax.ragged_all_to_all):
+        from jaxpar.config import ConfigError
+
+        raise ConfigError(
+            f"model.moe.dispatch=ragged with {expert_devices} expert devices "
+            f"(mesh axes {expert_axes}) on CPU: XLA:CPU cannot compile ragged-all-to-all; use "
+            "model.moe.dispatch=padded (or auto, which picks it on CPU), or mesh.expert=1")
     program, in_specs = _moe_program(mesh, expert_axes, expert_devices, token_axes, seq_axes,
                                      tensor_axes, top_k, capacity_factor, jnp.dtype(compute_dtype),
-                                     fp8)
+                                     fp8, dispatch, buffer_factor, _ragged_all_to_all)
     args = (x, params["router"], params["gate"], params["up"], params["down"])
     if mesh.empty:
         return program(*args)
@@ -304,14 +366,164 @@ def _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes, te
     return local
 
 
+# --- Ragged dispatch: exactly the routed rows, grouped GEMMs ------------------------------------
+
+DISPATCHES = ("auto", "padded", "ragged")
+
+# The ragged exchange. XLA:CPU cannot compile it (see the module docstring); the tests swap in
+# an equivalent made of all_gathers to check the offset arithmetic on CPU.
+_ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+def resolve_dispatch(dispatch, capacity_factor, platform, fp8=False, *, top_k=1,
+                     local_experts=1, buffer_factor=None):
+    """`dispatch` ("auto" | "padded" | "ragged") made concrete for devices of `platform`.
+
+    auto: "ragged" on GPU in dropless mode without fp8 where XLA's lowering of the grouped GEMM
+    does no more matmul work than the padded batched one -- min(top_k, local_experts) == 1
+    (one expert per device, or top-1), or a `buffer_factor` set (see the module docstring) --
+    and "padded" otherwise. An explicit "ragged" with a capacity factor, or with fp8, is a
+    ValueError (ragged is dropless, and its grouped GEMM has no float8 form here)."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch={dispatch!r}: use one of {DISPATCHES}")
+    if dispatch == "auto":
+        no_more_work = min(top_k, local_experts) == 1 or buffer_factor is not None
+        return ("ragged" if platform in ("gpu", "cuda") and capacity_factor is None and not fp8
+                and no_more_work else "padded")
+    if dispatch == "ragged" and capacity_factor is not None:
+        raise ValueError(f"dispatch='ragged' is dropless: it takes capacity_factor=None, got "
+                         f"{capacity_factor}; use dispatch='padded' for capacity routing")
+    if dispatch == "ragged" and fp8:
+        raise ValueError("dispatch='ragged' has no float8 grouped GEMM: use dispatch='padded' "
+                         "with fp8")
+    return dispatch
+
+
+def ragged_receive_rows(tokens, top_k, num_experts, expert_devices, buffer_factor=None):
+    """Static row count of the buffer a device receives its experts' rows into (ragged dispatch
+    over `expert_devices` devices, each routing `tokens` tokens).
+
+    None: the worst case, expert_devices * tokens * min(top_k, local experts) -- every source
+    sends every token's choices of this device's experts -- so nothing is ever dropped. A
+    factor: ceil(factor * tokens * top_k), the balanced load times the factor, capped at the
+    worst case; rows past it are dropped (see `_ragged_layer`) and counted in dropped_fraction."""
+    local_experts = num_experts // expert_devices
+    worst = expert_devices * tokens * min(top_k, local_experts)
+    if buffer_factor is None:
+        return worst
+    return max(1, min(worst, math.ceil(buffer_factor * tokens * top_k)))
+
+
+def grouped_swiglu(rows, group_sizes, gate, up, down, compute_dtype):
+    """SwiGLU of rows grouped by expert, as grouped GEMMs (`jax.lax.ragged_dot`): the first
+    group_sizes[0] rows through expert 0, the next group_sizes[1] through expert 1, and so on.
+
+    rows: [rows, embed]; group_sizes: [experts] int32 (summing to at most `rows`; rows past the
+    sum are not computed); gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
+    Returns [rows, embed] float32, the same numbers as `swiglu_experts` on the same rows."""
+    rows, gate, up, down = (a.astype(compute_dtype) for a in (rows, gate, up, down))
+    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes))
+              * jax.lax.ragged_dot(rows, up, group_sizes))
+    return jax.lax.ragged_dot(hidden, down, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _exclusive_cumsum(a, axis=-1):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes, top_k,
+                  compute_dtype, buffer_factor, ragged_all_to_all):
+    """The ragged (dropless) layer on one device's block of tokens; see the module docstring.
+    `ragged_all_to_all`: the exchange, `jax.lax.ragged_all_to_all` or an equivalent."""
+    all_token_axes = token_axes + seq_axes
+
+    def local(x_block, router_w, gate, up, down):
+        batch, seq, embed = x_block.shape
+        num_experts = router_w.shape[-1]
+        local_experts = num_experts // expert_devices
+        n_tokens = batch * seq
+        tokens = x_block.reshape(n_tokens, embed)
+        routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes)
+
+        # This device's (token, choice) rows sorted by expert; inside an expert, choice-major
+        # (all first choices in token order, then the second ones), as the padded path queues them.
+        queue = routing.expert_index.T.reshape(-1)  # [top_k * T], entry c * T + t
+        order = jnp.argsort(queue, stable=True)
+        counts = jnp.zeros(num_experts, jnp.int32).at[queue].add(1)  # rows per expert
+        send = tokens[order % n_tokens].astype(compute_dtype)  # [top_k * T, embed]
+
+        if not expert_axes:
+            out = grouped_swiglu(send, counts, gate, up, down, compute_dtype)
+            if tensor_axes:
+                out = jax.lax.psum(out, tensor_axes)
+            kept_rows = jnp.sum(counts)
+        else:
+            me = jax.lax.axis_index(expert_axes)
+            # Sizes first: every device's rows per expert, [source, expert].
+            all_counts = jax.lax.all_gather(counts, expert_axes, axis=0, tiled=False)
+            sent = all_counts.reshape(expert_devices, expert_devices, local_experts)  # [s, j, l]
+            # Receiver j's buffer: its local expert 0's rows from sources 0, 1, ..., then local
+            # expert 1's, ...: each expert's rows contiguous, ready for the grouped GEMM.
+            expert_start = _exclusive_cumsum(jnp.sum(sent, axis=0), axis=-1)  # [j, l]
+            chunk_start = expert_start[None] + _exclusive_cumsum(sent, axis=0)  # [s, j, l]
+            rows = ragged_receive_rows(n_tokens, top_k, num_experts, expert_devices, buffer_factor)
+            # Rows past the buffer are not sent (only with a buffer factor below the worst case).
+            kept = jnp.clip(rows - chunk_start, 0, sent)  # [s, j, l]
+            source_start = _exclusive_cumsum(all_counts, axis=-1)  # [s, e]: where s's rows start
+
+            def exchange(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes):
+                # Zeros varying over the expert axes like `operand`: an unvarying buffer would
+                # have to be made varying, whose gradient is a psum of the whole buffer.
+                output = jax.lax.full_like(operand, 0, shape=(out_rows, embed))
+                return ragged_all_to_all(operand, output, input_offsets, send_sizes,
+                                         output_offsets, recv_sizes, axis_name=expert_axes)
+
+            # One slice per expert: slice e goes to device e // local_experts.
+            received = exchange(send, rows, source_start[me], kept[me].reshape(-1),
+                                chunk_start[me].reshape(-1), kept[:, me].reshape(-1))
+            group_sizes = jnp.sum(kept[:, me], axis=0)  # [local_experts]
+            out = grouped_swiglu(received, group_sizes, gate, up, down, compute_dtype)
+            if tensor_axes:
+                out = jax.lax.psum(out, tensor_axes)  # sum the partial products of the mlp slices
+            # Back: each slice to its source, at the place it was sent from; dropped rows stay 0.
+            out = exchange(out.astype(compute_dtype), top_k * n_tokens,
+                           chunk_start[:, me].reshape(-1), kept[:, me].reshape(-1),
+                           jax.lax.dynamic_slice_in_dim(source_start, me * local_experts,
+                                                        local_experts, axis=1).reshape(-1),
+                           kept[me].reshape(-1))
+            kept_rows = jnp.sum(kept[me])
+        # Unsort: row i of `out` is queue entry order[i].
+        per_choice = jnp.zeros_like(out).at[order].set(out).reshape(top_k, n_tokens, embed)
+        y = jnp.einsum("tk,ktd->td", routing.expert_weight, per_choice.astype(jnp.float32))
+
+        dropped = (top_k * n_tokens - kept_rows).astype(jnp.float32)
+        if all_token_axes:
+            dropped = jax.lax.psum(dropped, all_token_axes)
+        stats = {
+            "aux_loss": routing.aux_loss,
+            "z_loss": routing.z_loss,
+            "dropped_fraction": dropped / jnp.sum(routing.expert_load).astype(jnp.float32),
+            "expert_load": routing.expert_load,
+        }
+        return y.astype(x_block.dtype).reshape(batch, seq, embed), stats
+
+    return local
+
+
 @functools.lru_cache(maxsize=64)
 def _moe_program(mesh, expert_axes, expert_devices, token_axes, seq_axes, tensor_axes, top_k,
-                 capacity_factor, compute_dtype, fp8=False):
+                 capacity_factor, compute_dtype, fp8=False, dispatch="padded", buffer_factor=None,
+                 exchange=None):
     """(the jitted layer, its in_specs): one shard_map manual over the axes it uses (a plain
     function when it uses none). Jitted and cached, so that a call outside `jax.jit` compiles
-    once rather than running the shard_map's body op by op."""
-    local = _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes,
-                                   tensor_axes, top_k, capacity_factor, compute_dtype, fp8)
+    once rather than running the shard_map's body op by op. `exchange`: the ragged exchange the
+    layer is traced with (part of the cache key, so that swapping it retraces)."""
+    if dispatch == "ragged":
+        local = _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes,
+                              top_k, compute_dtype, buffer_factor, exchange)
+    else:
+        local = _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes,
+                                       tensor_axes, top_k, capacity_factor, compute_dtype, fp8)
     tensor = tensor_axes or None
     expert = expert_axes or None
     in_specs = (P(token_axes or None, seq_axes or None, None), P(), P(expert, None, tensor),

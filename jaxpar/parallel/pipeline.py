@@ -18,7 +18,12 @@ gradient only (what the previous stage waits for), W applies it again, later, fo
 gradient only; XLA drops the unused half of each. Buffer sizes come from the schedule (a slot is
 reused as soon as its last reader has run), so 1F1B stashes a bounded number of microbatches per
 device whatever `microbatches` is, while GPipe stashes all of them. What a stash holds is whatever
-`jax.vjp(stage_fn)` saves: wrap `stage_fn` (or its layers) in `jax.checkpoint` to stash less.
+`jax.vjp(stage_fn)` saves: wrap `stage_fn` (or its layers) in `jax.checkpoint` to stash less;
+numpy constants among those residuals (ring attention's layout positions) are not stashed but
+put back as they are. A chunk may add a loss of its own (`stage_losses`: an MoE router's aux and
+z losses): its forward adds the value, and its backward runs the pullback with cotangent 1 for it
+beside the activation gradient, so that loss's gradients reach the chunk's weights and, through
+the hand-offs, the earlier stages.
 
 Control flow is the same on every device. Each slot runs under `lax.cond` whose predicate is the
 tick's, not the stage's: "does any stage run an F this tick" (read from the table); a stage with
@@ -423,24 +428,50 @@ def merge_microbatches(microbatched):
 def _residual_layout(stage_fn, chunk_params, x, side):
     """Trace one chunk's jax.vjp abstractly: the pullback's treedef, and for each residual leaf
     either the index of the chunk-param leaf it is (not stashed: params do not change during the
-    step) or -1 together with its shape (stashed per microbatch)."""
+    step), CONSTANT (kept, in the returned {leaf index: constant}) or STASHED, with its shape
+    (stashed per microbatch)."""
     found = {}
 
     def trace(params, h):
-        _, pullback = jax.vjp(lambda p_, h_: stage_fn(p_, h_, side), params, h)
+        _, pullback = _chunk_vjp(stage_fn, params, h, side)
         leaves, found["treedef"] = jax.tree.flatten(pullback)
-        if not all(isinstance(leaf, jax.Array) for leaf in leaves):
+        if not all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves):
             raise RuntimeError("jax.vjp's pullback is not a pytree of arrays in this jax "
                                       f"{jax.__version__}; the pipeline stashes those arrays")
         found["source"] = _param_sources(leaves, params)
-        return [leaf for leaf, src in zip(leaves, found["source"]) if src < 0]
+        found["constants"] = {k: leaf for k, (leaf, src) in enumerate(zip(leaves, found["source"]))
+                              if src == CONSTANT}
+        return [leaf for leaf, src in zip(leaves, found["source"]) if src == STASHED]
     shapes = jax.eval_shape(trace, chunk_params, x)
-    return found["treedef"], found["source"], shapes
+    return found["treedef"], found["source"], found["constants"], shapes
+
+
+STASHED, CONSTANT = -1, -2  # `_param_sources` codes of residuals that are not chunk params
 
 
 def _param_sources(leaves, params) -> list[int]:
+    """Per pullback leaf: the index of the chunk-param leaf it is, STASHED (a per-microbatch
+    array), or CONSTANT (a numpy constant of the trace, e.g. ring attention's layout positions:
+    the same in every trace, so the rebuilt pullback takes it as it is)."""
     param_leaves = jax.tree.leaves(params)
-    return [next((k for k, q in enumerate(param_leaves) if leaf is q), -1) for leaf in leaves]
+
+    def source(leaf):
+        if isinstance(leaf, np.ndarray):
+            return CONSTANT
+        return next((k for k, q in enumerate(param_leaves) if leaf is q), STASHED)
+    return [source(leaf) for leaf in leaves]
+
+
+def _chunk_vjp(stage_fn, params, h, side):
+    """jax.vjp of one chunk as the runtime runs it: stage_fn(params, h, side) -> (h, loss,
+    stats); the pullback takes (dh, dloss), stats are not differentiated. Returns ((h, loss,
+    stats), pullback)."""
+    def chunk(p_, h_):
+        y, loss, stats = stage_fn(p_, h_, side)
+        return (y, loss), stats
+
+    (y, loss), pullback, stats = jax.vjp(chunk, params, h, has_aux=True)
+    return (y, loss, stats), pullback
 
 
 def pipeline_value_and_grad(
@@ -455,11 +486,13 @@ def pipeline_value_and_grad(
     mesh: jax.sharding.Mesh,
     axis_name: str = "pipe",
     side: Any = None,
-) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
+    stage_losses: bool = False,
+):
     """Loss and gradients of a pipelined layer stack followed by a head.
 
     loss = sum over microbatches i of head_fn(head_params, stack(inputs[i]), targets[i]);
-    make head_fn divide by the number of microbatches (or tokens) to get a mean.
+    make head_fn divide by the number of microbatches (or tokens) to get a mean. With
+    `stage_losses`, every chunk's own loss of every microbatch is added too.
 
     stage_fn(chunk_params, h) -> h: one chunk; chunk_params leaves are [layers_per_chunk, ...],
         h is [microbatch, ...] and keeps its shape and dtype.
@@ -473,12 +506,17 @@ def pipeline_value_and_grad(
     side: optional pytree with leaves [microbatches, microbatch, ...] that every stage reads and
         nobody differentiates (token positions, document ids); with it, stage_fn is called as
         stage_fn(chunk_params, h, side_i).
+    stage_losses: stage_fn returns (h, loss, stats) instead of h: loss a float32 scalar that
+        enters the objective beside the head's (differentiated with cotangent 1, e.g. an MoE
+        router's auxiliary losses), stats a pytree of arrays, summed over microbatches per chunk
+        and not differentiated (e.g. router statistics).
 
     Returns (loss, (stage_grads, head_grads, input_grads)), shaped like stage_params, head_params,
-    inputs. Only `axis_name` is manual inside the shard_map; other mesh axes stay automatic, so
-    GSPMD keeps data / fsdp / tensor shardings of the arguments. Collectives: per tick one
-    ppermute of an activation to stage+1 and one of a gradient to stage-1 (around the ring when
-    v > 1); at the end a psum over `axis_name` of loss, head grads and input grads (each of which
+    inputs; with `stage_losses` also the stats, as a third element with leaves [stages*v, ...] in
+    `stack_stages` order. Only `axis_name` is manual inside the shard_map; other mesh axes stay
+    automatic, so GSPMD keeps data / fsdp / tensor shardings of the arguments. Collectives: per
+    tick one ppermute of an activation to stage+1 and one of a gradient to stage-1 (around the
+    ring when v > 1); at the end a psum over `axis_name` of loss, head grads and input grads (each of which
     only one stage computed).
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
@@ -493,18 +531,24 @@ def pipeline_value_and_grad(
         raise ValueError(f"inputs leading dim {inputs.shape[0]} != microbatches={m}; "
                          "reshape to [microbatches, microbatch, ...]")
     if side is None:
-        plain_stage_fn = stage_fn
-        stage_fn = lambda params, h, _: plain_stage_fn(params, h)  # noqa: E731
+        sideless_stage_fn = stage_fn
+        stage_fn = lambda params, h, _: sideless_stage_fn(params, h)  # noqa: E731
         side = jnp.zeros((m,), jnp.int32)
+    if not stage_losses:
+        plain_stage_fn = stage_fn
+        stage_fn = lambda params, h, s: (  # noqa: E731
+            plain_stage_fn(params, h, s), jnp.zeros((), jnp.float32), {})
     body = functools.partial(_pipeline_body, stage_fn, head_fn, schedule, axis_name)
     mapped = jax.shard_map(
         body, mesh=mesh, axis_names={axis_name},
         in_specs=(P(axis_name), P(), P(), P(), P()),
-        out_specs=(P(), (P(axis_name), P(), P())),
+        out_specs=(P(), (P(axis_name), P(), P()), P(axis_name)),
         # The carried buffers start equal on every stage and become per-stage after the first
         # ppermute; skipping the replication check avoids pvary/pcast, whose API moves in 0.10-0.12.
         check_vma=False)
-    return mapped(_split_over(stage_params, mesh, axis_name), head_params, inputs, targets, side)
+    loss, grads, stats = mapped(_split_over(stage_params, mesh, axis_name), head_params, inputs,
+                                targets, side)
+    return (loss, grads, stats) if stage_losses else (loss, grads)
 
 
 def _split_over(tree, mesh, axis_name: str):
@@ -533,7 +577,12 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
     chunk_params = lambda j: jax.tree.map(lambda a: index(a, j), stage_params)  # noqa: E731
     h_zeros = jnp.zeros_like(inputs[0])  # [microbatch, ...]; zeros_like keeps explicit shardings
     side_of = lambda mb: jax.tree.map(lambda a: index(a, mb), side)  # noqa: E731
-    treedef, sources, stash_shapes = _residual_layout(stage_fn, chunk_params(0), h_zeros, side_of(0))
+    treedef, sources, constants, stash_shapes = _residual_layout(stage_fn, chunk_params(0), h_zeros,
+                                                                 side_of(0))
+    stats_shapes = jax.eval_shape(stage_fn, chunk_params(0), h_zeros, side_of(0))[2]
+    stats_zeros = lambda: jax.tree.map(  # noqa: E731
+        lambda s: jnp.zeros(s.shape, s.dtype), stats_shapes)
+    one = jnp.ones((), jnp.float32)  # the cotangent of a chunk's own loss
     ring = schedule.virtual_stages > 1  # chunk j*p + p-1 (last device) feeds (j+1)*p (device 0)
     to_next = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     to_prev = [(b, a) for a, b in to_next]
@@ -552,13 +601,16 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
         stage_grads=jax.tree.map(jnp.zeros_like, stage_params),
         head_grads=jax.tree.map(jnp.zeros_like, head_params),
         input_grads=jnp.zeros_like(inputs),
-        loss=jnp.zeros((), jnp.float32))
+        loss=jnp.zeros((), jnp.float32),
+        stats=jax.tree.map(lambda s: jnp.zeros((schedule.virtual_stages, *s.shape), s.dtype),
+                           stats_shapes))
 
     def pullback_of(carry, j, slot):
         """The pullback of chunk j, rebuilt from stash slot `slot` and the chunk's params."""
         param_leaves, rest = jax.tree.leaves(chunk_params(j)), iter(
             [index(b, slot) for b in carry["stash"]])
-        leaves = [param_leaves[src] if src >= 0 else next(rest) for src in sources]
+        leaves = [param_leaves[src] if src >= 0 else constants[k] if src == CONSTANT else next(rest)
+                  for k, src in enumerate(sources)]
         return jax.tree.unflatten(treedef, leaves)
 
     def forward_slot(carry, f, head_runs):
@@ -568,12 +620,12 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
         h = jnp.where(f["f_first"] == 1, index(inputs, f["f_microbatch"]),
                       index(carry["acts"], f["f_act_slot"]))
         mb, params = f["f_microbatch"], chunk_params(f["f_chunk"])
-        y, pullback = jax.vjp(lambda p_, h_: stage_fn(p_, h_, side_of(mb)), params, h)
+        (y, own_loss, stats), pullback = _chunk_vjp(stage_fn, params, h, side_of(mb))
         leaves = jax.tree.leaves(pullback)
         if _param_sources(leaves, params) != sources:
             raise RuntimeError("stage_fn's vjp residuals changed between traces")
         kept = [index(b, f["f_stash_slot"]) for b in carry["stash"]]
-        new = [x for x, src in zip(leaves, sources) if src < 0]
+        new = [x for x, src in zip(leaves, sources) if src == STASHED]
         stash = [jnp.where(on, x, old) for x, old in zip(new, kept)]
 
         def head():
@@ -586,18 +638,21 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
 
         loss, dhead, dy = jax.lax.cond(head_runs, head, no_head)
         mine = on & (f["f_head"] == 1)
-        return dict(send_act=y.astype(h.dtype), stash=stash, loss=jnp.where(mine, loss, 0.0),
+        loss = jnp.where(mine, loss, 0.0) + jnp.where(on, own_loss.astype(jnp.float32), 0.0)
+        return dict(send_act=y.astype(h.dtype), stash=stash, loss=loss,
+                    stats=jax.tree.map(lambda x: jnp.where(on, x, 0), stats),
                     dhead=jax.tree.map(lambda d: jnp.where(mine, d, 0), dhead), head_cotangent=dy)
 
     def no_forward(carry, f, head_runs):
         return dict(send_act=h_zeros, stash=[index(b, f["f_stash_slot"]) for b in carry["stash"]],
-                    loss=jnp.zeros((), jnp.float32), dhead=head_zeros(), head_cotangent=h_zeros)
+                    loss=jnp.zeros((), jnp.float32), stats=stats_zeros(), dhead=head_zeros(),
+                    head_cotangent=h_zeros)
 
     def backward_slot(carry, b):
         """B: the chunk's input gradient (to the previous stage), and unless zero-bubble defers
         it to W, its weight gradient."""
         pullback = pullback_of(carry, b["b_chunk"], b["b_stash_slot"])
-        dparams, dh = pullback(index(carry["grads"], b["b_grad_slot"]))
+        dparams, dh = pullback((index(carry["grads"], b["b_grad_slot"]), one))
         on = b["b_on"] == 1
         dparams = param_zeros() if zb else jax.tree.map(lambda d: jnp.where(on, d, 0), dparams)
         return dict(send_grad=dh.astype(h_zeros.dtype), dparams=dparams)
@@ -608,7 +663,7 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
     def weight_slot(carry, w):
         """Zero-bubble's W: the weight gradient from the same stash and cotangent as its B."""
         pullback = pullback_of(carry, w["w_chunk"], w["w_stash_slot"])
-        dparams, _ = pullback(index(carry["grads"], w["w_grad_slot"]))
+        dparams, _ = pullback((index(carry["grads"], w["w_grad_slot"]), one))
         return jax.tree.map(lambda d: jnp.where(w["w_on"] == 1, d, 0), dparams)
 
     def add_to_chunk(grads, j, d):
@@ -623,6 +678,7 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
             carry,
             stash=[update(buf, x, r["f_stash_slot"]) for buf, x in zip(carry["stash"], fo["stash"])],
             loss=carry["loss"] + fo["loss"],
+            stats=add_to_chunk(carry["stats"], r["f_chunk"], fo["stats"]),
             head_grads=jax.tree.map(jnp.add, carry["head_grads"], fo["dhead"]),
             grads=update(carry["grads"], fo["head_cotangent"],
                          jnp.where((r["f_on"] == 1) & (r["f_head"] == 1), r["f_grad_slot"],
@@ -651,7 +707,7 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
     # ("Invalid binary instruction opcode copy", jax 0.12.0.1) once data and tensor are > 1.
     input_grads = total(carry["input_grads"].astype(jnp.float32)).astype(inputs.dtype)
     return total(carry["loss"]), (carry["stage_grads"], jax.tree.map(total, carry["head_grads"]),
-                                  input_grads)
+                                  input_grads), carry["stats"]
 
 
 # ----------------------------------------------------------------------------- a model, pipelined
@@ -666,17 +722,37 @@ def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.
         of layers, `head_loss` (final norm, output projection, loss in model.dtype) on the last
         stage.
     params: the model's parameters as a pure dict; batch: {inputs, targets, positions,
-        segment_ids, loss_mask}, each [batch, seq].
+        segment_ids, loss_mask}, each [batch, seq] (already in ring attention's layout when the
+        model has one: positions and segment ids travel with their tokens).
 
-    Returns (gradients of the summed NLL, shaped like params; {"nll": summed NLL, "count":
-    tokens}). Activations and their gradients travel between stages in model.dtype.
+    Returns (gradients of the summed objective, shaped like params; {"nll": summed NLL, "count":
+    tokens}, and for MoE models the router statistics). Activations and their gradients travel
+    between stages in model.dtype.
+
+    MoE: the objective is what the unpipelined step minimises when it accumulates one microstep
+    per pipeline microbatch (jaxpar.train's `loss_sum`): per microbatch i, NLL_i + count_i *
+    (aux_loss_weight * aux_i + z_loss_weight * z_i), aux_i and z_i the means over the model's
+    MoE layers of that microbatch's router losses. A stage adds its own layers' share, count_i *
+    weight * (its layers' sum) / (MoE layers), as its chunk's loss. The statistics are those the
+    step reports for accumulated microsteps: aux_loss, z_loss, dropped_fraction summed over
+    microbatches and divided by their number (so the step's division by parallel.grad_accum
+    gives the mean), expert_load [MoE layers, experts] summed over microbatches.
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     graphdef = nnx.graphdef(model)
+    moe = model.cfg.moe
+    moe_layers = 0 if moe.num_experts == 0 else model.cfg.n_layers // moe.every
 
     def stage_fn(chunk_params, h, side):
-        positions, segment_ids = side
-        return model.run_blocks(chunk_params, h, positions, segment_ids)[0]
+        positions, segment_ids, loss_mask = side
+        h, stats = model.run_blocks(chunk_params, h, positions, segment_ids)
+        if not moe_layers:
+            return h
+        count = jax.lax.stop_gradient(jnp.sum(loss_mask))
+        penalty = count * (moe.aux_loss_weight * jnp.sum(stats["aux_loss"])
+                           + moe.z_loss_weight * jnp.sum(stats["z_loss"])) / moe_layers
+        stats = {k: jax.lax.stop_gradient(x) for k, x in stats.items()}
+        return h, penalty.astype(jnp.float32), {**stats, "penalty": jax.lax.stop_gradient(penalty)}
 
     def head_fn(head_params, h, targets):
         return model.head_loss(head_params, h, targets["targets"], targets["loss_mask"],
@@ -687,12 +763,20 @@ def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.
 
     x, embed_vjp = jax.vjp(embed, params["embedding"])
     micro = split_microbatches(batch, m)
-    nll, (stage_grads, head_grads, input_grads) = pipeline_value_and_grad(
+    objective, (stage_grads, head_grads, input_grads), *stats = pipeline_value_and_grad(
         stage_fn, head_fn, stack_stages(params["blocks"], p, v), model.head_params(params),
         split_microbatches(x, m), {k: micro[k] for k in ("targets", "loss_mask")},
         schedule=schedule, mesh=mesh, axis_name=axis_name,
-        side=(micro["positions"], micro["segment_ids"]))
+        side=(micro["positions"], micro["segment_ids"], micro["loss_mask"]),
+        stage_losses=bool(moe_layers))
     (embedding_grad,) = embed_vjp(merge_microbatches(input_grads))
     grads = {**head_grads, "blocks": unstack_stages(stage_grads, p, v)}
     grads["embedding"] = embedding_grad + head_grads.get("embedding", 0.0)  # tied: both uses
-    return grads, {"nll": nll, "count": jnp.sum(batch["loss_mask"])}
+    aux = {"nll": objective, "count": jnp.sum(batch["loss_mask"])}
+    if moe_layers:
+        per_layer = unstack_stages(stats[0], p, v)  # [MoE layers, ...], summed over microbatches
+        aux["nll"] = objective - jnp.sum(per_layer["penalty"])
+        aux.update({k: jnp.mean(per_layer[k]) / m
+                    for k in ("aux_loss", "z_loss", "dropped_fraction")})
+        aux["expert_load"] = per_layer["expert_load"]
+    return grads, aux
