@@ -3,8 +3,10 @@
 `--schedule` prints the pipeline schedule instead, without compiling anything: one JSON object
 (`pipeline.describe_schedule`) with `bubble`, the idle fraction of the lowered table the runtime
 executes with a forward costing 1 and a backward 2 (zero-bubble: B 1, W 1), the published
-`textbook_bubble`, the time, ticks, buffer slots and the cost-weighted `timeline`; with
-`--human`, the timeline alone (one column per unit of time, '|' at each tick's exchange).
+`textbook_bubble`, the `control_flow` the step runs it with (zero-bubble is "stage-dependent",
+ZB-H1, where the mesh leaves a stage's chunk collective-free, else "uniform"; see
+`pipeline.schedule_for_mesh`), the time, ticks, buffer slots and the cost-weighted `timeline`;
+with `--human`, the timeline alone (one column per unit of time, '|' at each tick's exchange).
 
 Compiles the train step for the configured mesh and prints one JSON object: the mesh, the
 parameter count, the bytes each device holds (parameters, optimizer state and gradients from
@@ -217,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "--schedule" in flags:  # the pipeline's static timeline; nothing compiles
         p = cfg.parallel
-        schedule = pipeline_lib.build_schedule(
-            p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
+        schedule = pipeline_lib.schedule_for_mesh(  # the control flow the step runs (zb)
+            pipeline_lib.build_schedule(p.pipeline_schedule, sizes["pipe"], p.microbatches,
+                                        p.virtual_stages),
+            sizes, stage_losses=cfg.model.moe.num_experts > 0)
         print(pipeline_lib.format_schedule(schedule) if "--human" in flags
               else json.dumps(pipeline_lib.describe_schedule(schedule), indent=2))
         return 0

@@ -25,8 +25,12 @@ Memory per device (`predict_memory`), in bytes, for jaxpar's own program:
 - buffers: the model-dtype copies of the weights the matmuls read (ZeRO-3: one gathered layer
   at a time, kept per layer for the backward when nothing is rematerialised), the pipeline's
   activation, gradient and input-gradient buffers, and the accumulated gradients of grad_accum.
-The coefficients of the working set are calibrated on XLA's compiled programs
-(benchmarks/plan_memory.py prints predicted against compiled for 25 layouts).
+The program is the same on every backend, its layout in memory is the compiler's: `BACKENDS`
+holds, for XLA:CPU and XLA:GPU, the few coefficients of what a compiler keeps alive at once
+(the backward's working set, ring attention's block arrays, the MoE layer's multiples, whether
+weight casts happen inside the layer loop), calibrated on each backend's compiled programs
+(benchmarks/plan_memory.py prints predicted against compiled for 28 layouts on both). The
+planner predicts for "gpu"; the CPU tests predict for "cpu".
 
 Step time (`predict_time`), in seconds:
 - compute: the model's FLOPs (6N + 12LdT per token, `jaxpar.metrics`) plus what is computed
@@ -39,7 +43,8 @@ Step time (`predict_time`), in seconds:
   reduction, ZeRO-3 weight gathers) overlaps the compute, so only what exceeds the compute
   time shows; ring attention's K/V passes overlap that layer's attention; tensor-parallel
   all-reduces, expert all-to-alls and pipeline sends are not overlapped;
-- the pipeline bubble of the schedule: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1) of the time.
+- the pipeline bubble of the schedule as the runtime builds it (`schedule_bubble`: the idle
+  fraction of `jaxpar.parallel.pipeline`'s own lowered schedule, not a textbook formula).
 MFU = model FLOPs per step / (step time * GPUs * peak).
 
 Exit codes: 0 with plans; 2 for bad input (a config error, an unknown GPU type, a count that
@@ -275,16 +280,57 @@ def zero_state_bytes(psi: float, n: int, stage: int, param_bytes: float = 4,
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# Working set of one layer's backward, in units of that layer's no-remat residuals (the
-# recomputed forward plus the gradients flowing through it) -- calibrated on XLA's compiled
-# programs (benchmarks/plan_memory.py).
-BACKWARD_WORKING_SET = 1.0
-# Ring attention's working set: this many float32 [rows, heads, seq/context, seq/context] arrays
-# (one hop's block scores, probabilities and their gradients) -- calibrated likewise.
-RING_HOP_ARRAYS = 6
-# An MoE layer's residuals per routed (token, choice) copy, in units of one hidden array of the
-# expert MLP (see `_moe_or_dense`) -- calibrated likewise.
-MOE_SAVED = {"dots": 2.0, "none": 10.0}
+@dataclass(frozen=True)
+class Backend:
+    """How one XLA backend's compiler lays out the same train step: the residuals, state and
+    buffers are the program's, but how much of a layer's backward is alive at once, and
+    which casts get materialised, is the compiler's. XLA:CPU and XLA:GPU differ there
+    (benchmarks/plan_memory.py compiles the same layouts for both)."""
+
+    name: str
+    # The working set of one layer's backward (its residuals being consumed plus the
+    # gradients flowing through it), in units of that layer's no-remat residuals: without
+    # remat, and under remat (dots/full), where the forward is recomputed inside the backward.
+    working_set: float
+    working_set_remat: float
+    # Ring attention's extra working set: this many float32 [rows, heads, seq/context,
+    # seq/context] arrays (one hop's block scores, probabilities and their gradients).
+    ring_arrays: float
+    # An MoE layer's residuals per routed (token, choice) copy, in units of one hidden array
+    # of the expert MLP (see `_moe_or_dense`), under remat dots and none.
+    moe_saved: tuple[tuple[str, float], ...]
+    # True: under remat the model-dtype casts of the (unsharded) block weights are made
+    # inside the layer loop, one layer's slice at a time, so no cast copy of the whole stack
+    # is held (the per-layer slice is a transient, left out).
+    casts_in_loop: bool
+
+
+BACKENDS = {
+    # Calibrated on XLA:CPU's compiled programs of the 25 layouts of benchmarks/plan_memory.py
+    # (8 emulated devices, jax 0.12.0.1): one working set (1.0) for both cases, six ring
+    # arrays, and the MoE multiples from its three MoE layouts. XLA:CPU keeps a model-dtype
+    # copy of every stacked weight whatever the remat policy.
+    "cpu": Backend("cpu", working_set=1.0, working_set_remat=1.0, ring_arrays=6,
+                   moe_saved=(("dots", 2.0), ("none", 10.0)), casts_in_loop=False),
+    # XLA:GPU (the H100 program, compiled without a GPU) keeps the CPU's structure where it
+    # is the program's own (the state, the saved residuals, the pipeline's stash, the loss
+    # chunk: the un-rematerialised rows, pipelines among them, agree with the CPU numbers)
+    # and differs where the compiler chooses:
+    # - casts_in_loop: under remat its while loop converts each layer's float32 weights as it
+    #   reaches them (the H100 program of data8-z0-full holds no bf16[4, ...] weight stack;
+    #   with remat none, the stacked casts are saved residuals and it does);
+    # - working_set_remat 0.5: about half of a layer's residuals are alive at once while its
+    #   forward is recomputed in the backward (dots and full rows); we attribute this to
+    #   XLA:GPU fusing the recomputation into the backward's kernels;
+    # - ring_arrays 3: half of XLA:CPU's float32 block arrays per hop (attributed likewise
+    #   to fusion of a hop's scale, mask and softmax);
+    # - moe_saved none 8 instead of 10 (attributed likewise to the expert MLP's fusions).
+    # The attributions are not traced buffer by buffer.
+    # The three numbers are calibrated on the H100 compiles of the same 25 layouts
+    # (benchmarks/results/plan_memory-h100.json), one value each for all layouts.
+    "gpu": Backend("gpu", working_set=1.0, working_set_remat=0.5, ring_arrays=3,
+                   moe_saved=(("dots", 2.0), ("none", 8.0)), casts_in_loop=True),
+}
 
 
 @dataclass(frozen=True)
@@ -303,7 +349,7 @@ class Shape:
 
 
 def layer_residuals(m: ModelConfig, s: Shape, remat: str, kernel: str, ring: bool,
-                    stashed: bool = False) -> float:
+                    stashed: bool = False, backend: str = "gpu") -> float:
     """Bytes one layer keeps for its backward, per row, under `remat`. `stashed`: the
     residuals are what `jax.vjp` returns (the pipeline stashes them), which XLA cannot thin
     out: XLA attention's float32 scores before the softmax are among them."""
@@ -316,7 +362,7 @@ def layer_residuals(m: ModelConfig, s: Shape, remat: str, kernel: str, ring: boo
     kv = s.tokens * s.kv_heads * s.head_dim * a
     ff = s.tokens * s.d_ff * a
     proj = s.tokens * d * a
-    mlp = _moe_or_dense(m, s, ff, proj)
+    mlp = _moe_or_dense(m, s, ff, proj, BACKENDS[backend])
     if remat == "dots":  # the matmuls without batch dims: q, k, v, wo; gate, up, down
         return x + q + 2 * kv + proj + mlp["dots"]
     if ring or kernel == "cudnn":  # output + float32 softmax statistics, no [T, T] array
@@ -329,7 +375,8 @@ def layer_residuals(m: ModelConfig, s: Shape, remat: str, kernel: str, ring: boo
     return 2 * x + 2 * proj + 2 * (q + 2 * kv) - kv + attention + q + mlp["none"]
 
 
-def _moe_or_dense(m: ModelConfig, s: Shape, ff: float, proj: float) -> dict[str, float]:
+def _moe_or_dense(m: ModelConfig, s: Shape, ff: float, proj: float,
+                  backend: Backend) -> dict[str, float]:
     """The MLP's saved bytes per row (averaged over the layers when MoE every n-th)."""
     dense = {"dots": 2 * ff + proj, "none": 3 * ff}
     moe = m.moe
@@ -342,10 +389,9 @@ def _moe_or_dense(m: ModelConfig, s: Shape, ff: float, proj: float) -> dict[str,
     routed_ff = copies * ff_e * a
     buffers = 2 * copies * m.d_model * a + copies * m.d_model * 4 + tokens * moe.num_experts * 4
     # The expert MLP keeps more than a dense one (the dispatch gathers, the float32 expert
-    # outputs and their masks): these multiples of one routed hidden array are calibrated on
-    # the three MoE layouts of benchmarks/plan_layouts.py, not checked independently.
-    experts = {"dots": MOE_SAVED["dots"] * routed_ff + buffers,
-               "none": MOE_SAVED["none"] * routed_ff + buffers}
+    # outputs and their masks): multiples of one routed hidden array (`Backend.moe_saved`).
+    saved = dict(backend.moe_saved)
+    experts = {k: saved[k] * routed_ff + buffers for k in dense}
     share = 1 / moe.every
     return {k: (1 - share) * dense[k] + share * experts[k] for k in dense}
 
@@ -372,22 +418,41 @@ def attention_kernel(cfg: Config, sizes: dict[str, int], device: DeviceSpec | No
 
 def pipeline_slots(cfg: Config, sizes: dict[str, int]) -> tuple[int, int, int]:
     """(stash, activation, gradient) buffer slots per device of the configured schedule."""
-    p = cfg.parallel
-    return _schedule_slots(p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
-
-
-@functools.lru_cache(maxsize=None)
-def _schedule_slots(schedule: str, stages: int, microbatches: int, virtual: int) -> tuple[int, int, int]:
-    """The lowered schedule's buffer slots; many layouts share one schedule, built once."""
-    from jaxpar.parallel import pipeline as pipeline_lib
-
-    lowered = pipeline_lib.lower_schedule(pipeline_lib.build_schedule(
-        schedule, stages, microbatches, virtual))
+    lowered = _lowered(executed_schedule(cfg, sizes))
     return lowered.stash_slots, lowered.activation_slots, lowered.gradient_slots
 
 
-def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str) -> dict[str, float]:
-    """Predicted bytes per device of the compiled train step (module doc), by kind."""
+def executed_schedule(cfg: Config, sizes: dict[str, int]):
+    """The pipeline schedule the runtime runs for this config on a mesh of these sizes: the
+    configured one, made stage-dependent where `pipeline.schedule_for_mesh` says so (zero-bubble
+    on a collective-free chunk)."""
+    p = cfg.parallel
+    return _executed(p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages,
+                     tuple(sorted(sizes.items())), cfg.model.moe.num_experts > 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _executed(kind: str, stages: int, microbatches: int, virtual: int,
+              sizes: tuple[tuple[str, int], ...], stage_losses: bool):
+    """Many layouts share one schedule: built once (pure Python)."""
+    from jaxpar.parallel import pipeline as pipeline_lib
+
+    built = pipeline_lib.build_schedule(kind, stages, microbatches, virtual)
+    return pipeline_lib.schedule_for_mesh(built, dict(sizes), stage_losses=stage_losses)
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered(schedule):
+    from jaxpar.parallel import pipeline as pipeline_lib
+
+    return pipeline_lib.lower_schedule(schedule)
+
+
+def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str,
+                   backend: str = "gpu") -> dict[str, float]:
+    """Predicted bytes per device of the compiled train step (module doc), by kind, as the
+    `backend`'s compiler ("gpu" or "cpu", `BACKENDS`) lays the program out."""
+    b = BACKENDS[backend]
     m, t, p = cfg.model, cfg.train, cfg.parallel
     pb, a = _BYTES[m.param_dtype], _BYTES[m.dtype]
     el = state_elements(m, sizes, p.zero_stage)
@@ -396,47 +461,54 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str) -> dict[str,
     pipe = sizes["pipe"]
     ring = sizes["context"] > 1
     layers = m.n_layers // pipe
-    if pipe > 1:
-        rows = t.batch_size // (p.microbatches * dp)
-    else:
-        rows = t.batch_size // (dp * p.grad_accum)
+    # Rows one pass works on: a grad-accumulation microstep's share, and with a pipeline one
+    # microbatch of it.
+    rows = t.batch_size // (dp * p.grad_accum * (p.microbatches if pipe > 1 else 1))
     s = shape_for(cfg, sizes, rows)
-    saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipe > 1) * rows
-    whole = layer_residuals(m, s, "none", kernel, ring) * rows
+    saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipe > 1, backend=backend) * rows
+    whole = layer_residuals(m, s, "none", kernel, ring, backend=backend) * rows
     if ring:  # one hop's float32 block attention: scores, probabilities and their gradients
-        whole += RING_HOP_ARRAYS * 4 * rows * s.heads * s.tokens * s.tokens
+        whole += b.ring_arrays * 4 * rows * s.heads * s.tokens * s.tokens
     stream = rows * s.between * m.d_model * a  # one [rows, seq, embed] activation
     if pipe > 1:
         stash, n_act, n_grad = pipeline_slots(cfg, sizes)
         chunk = layers // p.virtual_stages
         # The stash, plus the slot a forward fills before it is written into the stash.
         activations = (stash + 1) * chunk * saved
-        local_batch = t.batch_size // dp
+        local_batch = t.batch_size // (dp * p.grad_accum)  # the rows of one pipelined pass
         buffers = (n_act + n_grad + 2) * stream + 2 * local_batch * s.between * m.d_model * a
         # One chunk's float32 parameter gradients, made by each backward before they are added.
         buffers += el["blocks_local"] * pb / p.virtual_stages
     else:
         activations = layers * saved
         buffers = 0.0
-    activations += BACKWARD_WORKING_SET * whole
+    work = (b.working_set if p.remat == "none" else b.working_set_remat) * whole
+    if kernel == "xla" and not ring:
+        # However much is fused, the softmax's backward reads XLA attention's float32
+        # probabilities whole: one [rows, heads, seq, seq] array is the floor.
+        work = max(work, 4 * rows * s.heads * s.tokens * s.seq)
     # The loss: one chunk of float32 logits and their gradient (jaxpar.train.loss_chunks).
     from jaxpar.train import loss_chunks
 
-    chunks = loss_chunks(cfg, sizes, rows=rows * dp if pipe > 1 else None)
+    chunks = loss_chunks(cfg, sizes, rows=rows * dp)
     loss = 2 * 4 * rows * (s.tokens // chunks) * s.vocab
-    # Model-dtype copies of the weights the matmuls read: below ZeRO-3 the casts of the local
-    # weights; at ZeRO-3 one gathered layer at a time, kept for every layer when the backward
-    # reuses them (no remat).
+    activations += work
+    # Model-dtype copies of the weights the matmuls read: at ZeRO-3 one gathered layer at a
+    # time (and the next), kept for every layer when the backward reuses them (no remat);
+    # below it the casts of the local weights, which a `casts_in_loop` backend makes inside
+    # the layer loop under remat (then only the embedding's and the norms' casts remain).
+    per_layer = el["blocks_gathered"] / max(layers, 1) * a
     if p.zero_stage >= 3:
-        per_layer = el["blocks_gathered"] / max(layers, 1) * a
         copies = per_layer * (layers if p.remat == "none" else 2)
         copies += (el["params"] - el["blocks_local"]) * a
+    elif b.casts_in_loop and p.remat != "none":
+        copies = (el["params"] - el["blocks_local"]) * a
     else:
         copies = el["params"] * a
     buffers += copies if a < pb else 0.0
     gradients = el["gradients"] * pb
-    if p.grad_accum > 1 and pipe == 1:
-        buffers += gradients  # the accumulator beside one microstep's gradients
+    if p.grad_accum > 1:
+        buffers += gradients  # the accumulator beside one microstep's (or pass's) gradients
     out = {"params": el["params"] * pb, "gradients": gradients,
            "optimizer": moments * el["optimizer"] * pb, "activations": activations,
            "loss": loss, "buffers": buffers}
@@ -444,12 +516,16 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str) -> dict[str,
     return {k: float(v) for k, v in out.items()}
 
 
-def predict_memory_for(overrides: list[str], mesh: dict[str, int], kernel: str = "xla",
-                       path: str | None = None) -> dict[str, float]:
-    """`predict_memory` of a config file + overrides on a mesh (unlisted axes 1)."""
+def predict_memory_for(overrides: list[str], mesh: dict[str, int], kernel: str | None = None,
+                       path: str | None = None, backend: str = "cpu") -> dict[str, float]:
+    """`predict_memory` of a config file + overrides on a mesh (unlisted axes 1), for the
+    `backend`'s compiler: "cpu" (the emulated devices) or "gpu" (an H100, compiled or not);
+    the attention kernel, unless given, is the one the trainer picks there."""
     cfg = config_lib.load_config(path, list(overrides) + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES])
     sizes = config_lib.validate(cfg, math.prod(mesh.values()))
-    return predict_memory(cfg, sizes, kernel)
+    if kernel is None:
+        kernel = attention_kernel(cfg, sizes, None if backend == "cpu" else DEVICES["h100"])
+    return predict_memory(cfg, sizes, kernel, backend)
 
 
 def compiled_memory(overrides: list[str], mesh: dict[str, int], target=None,
@@ -547,7 +623,7 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     el = state_elements(m, sizes, 0)  # what one device computes with: params split by tensor/pipe/expert
     gathered = el["params"]
-    passes = p.grad_accum if pipe == 1 else p.microbatches  # forward+backward passes per step
+    passes = p.grad_accum * (p.microbatches if pipe > 1 else 1)  # forward+backward passes per step
 
     def ring(bytes_, group, kind):  # seconds for a collective of `bytes_` per device
         if group <= 1 or bytes_ == 0:
@@ -599,8 +675,7 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     comm["pipe"] = 2 * p.microbatches * (act / max(p.microbatches, 1)) / bw_p if pipe > 1 else 0.0
     bubble = 0.0
     if pipe > 1:
-        v = p.virtual_stages if p.pipeline_schedule == "interleaved" else 1
-        bubble = (pipe - 1) / (v * p.microbatches + pipe - 1)
+        bubble = schedule_bubble(executed_schedule(cfg, sizes))
     busy = compute + comm["tensor"] + comm["context"] + comm["expert"] + comm["pipe"]
     busy = busy / (1 - bubble)
     exposed_dp = max(0.0, comm["data_fsdp"] - busy)
@@ -608,6 +683,17 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     return {"compute_s": compute, "attention_s": attention_s, "comm_s": comm, "exposed_data_fsdp_s": exposed_dp,
             "bubble_fraction": bubble, "step_time_s": step,
             "mfu": model_flops / (step * n * device.bf16_flops)}
+
+
+@functools.lru_cache(maxsize=None)
+def schedule_bubble(schedule) -> float:
+    """The idle fraction of the schedule the runtime executes (`executed_schedule`; the
+    pipeline module's own `bubble_fraction`: forward 1 and backward 2, zero-bubble's B and W 1
+    each), read from the pipeline module rather than a textbook formula so that the planner
+    follows any change to a schedule; pure Python, computed once per schedule."""
+    from jaxpar.parallel import pipeline as pipeline_lib
+
+    return pipeline_lib.bubble_fraction(schedule)
 
 
 def _model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -680,14 +766,17 @@ def _settings(cfg: Config, sizes: dict[str, int]):
                 if per_replica % accum == 0:
                     yield dict(base, grad_accum=accum)
             continue
-        for mult in (1, 2, 4, 8):
+        # Every schedule, with grad accumulation over whole pipelined passes (each pass takes
+        # batch / grad_accum rows in `microbatches` microbatches).
+        for mult, accum in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
             mb = p * mult
-            if per_replica % mb:
+            if per_replica % (mb * accum):
                 continue
-            yield dict(base, pipeline_schedule="1f1b", microbatches=mb)
-            yield dict(base, pipeline_schedule="gpipe", microbatches=mb)
+            pipelined = dict(base, microbatches=mb, grad_accum=accum)
+            for kind in ("1f1b", "gpipe", "zb"):
+                yield dict(pipelined, pipeline_schedule=kind)
             if m.n_layers % (2 * p) == 0:
-                yield dict(base, pipeline_schedule="interleaved", microbatches=mb, virtual_stages=2)
+                yield dict(pipelined, pipeline_schedule="interleaved", virtual_stages=2)
 
 
 def _with(cfg: Config, sizes: dict[str, int], settings: dict) -> Config:
@@ -758,7 +847,7 @@ def _feature_tests(plan: Plan) -> list[tuple[str, callable, str]]:
                     "a lower ZeRO stage" if stage > 1 else "ZeRO"))
     if p.remat != "none":
         out.append((f"remat {p.remat}", lambda q: q.cfg.parallel.remat == "none", "remat"))
-    if s["pipe"] == 1 and p.grad_accum > 1:
+    if p.grad_accum > 1:
         out.append((f"grad_accum={p.grad_accum}", lambda q: q.cfg.parallel.grad_accum == 1,
                     "gradient accumulation"))
     return out
@@ -806,8 +895,7 @@ def command(plan: Plan, path: str | None, overrides: list[str], gpus_per_node: i
         keys.update({"parallel.pipeline_schedule": p.pipeline_schedule,
                      "parallel.microbatches": p.microbatches,
                      "parallel.virtual_stages": p.virtual_stages})
-    else:
-        keys["parallel.grad_accum"] = p.grad_accum
+    keys["parallel.grad_accum"] = p.grad_accum
     if n > gpus_per_node:
         keys["distributed.auto"] = "true"
     mine = set(keys)
@@ -855,7 +943,8 @@ def format_human(result: dict) -> str:
         m = pl["mesh"]
         sched = f"{pl['schedule']}" + (f"x{pl['virtual_stages']}" if pl["schedule"] == "interleaved" else "") \
             if pl["schedule"] else "-"
-        mb = pl["microbatches"] if pl["schedule"] else pl["grad_accum"]
+        mb = pl["grad_accum"] if not pl["schedule"] else (
+            f"{pl['microbatches']}" + (f"x{pl['grad_accum']}" if pl["grad_accum"] > 1 else ""))
         lines.append(f"{i:>2} {m['pipe']:>4} {m['data']:>4} {m['fsdp']:>4} {m['expert']:>4} "
                      f"{m['context']:>4} {m['tensor']:>4} {pl['zero_stage']:>4} {pl['remat']:>5} "
                      f"{sched:>11} {mb:>6} {pl['memory_per_device']['total'] / GIB:>6.2f} "

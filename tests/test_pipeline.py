@@ -23,6 +23,7 @@ from jaxpar.parallel.pipeline import (
     merge_microbatches,
     pipeline_value_and_grad,
     split_microbatches,
+    schedule_for_mesh,
     schedule_time,
     stack_stages,
     stash_limit,
@@ -207,9 +208,10 @@ def test_cost_weighted_bubble_matches_theory(kind, stages, microbatches, virtual
     schedule = build_schedule(kind, p, m, v)
     bubble = bubble_fraction(schedule)
     if kind == "zb":
-        # Weight gradients fill the bubble entirely: (p-1)(F+B)/(m(F+B+W) + (p-1)(F+B)), below
-        # 1F1B's (p-1)(F+B+W)/... and above the paper's ZB-H1 (p-1)(F+B-W)/..., which needs a
-        # stage to run W while another runs F or B (stage-dependent control flow; module doc).
+        # Uniform control flow (build_schedule's default): weight gradients fill the bubble
+        # entirely, (p-1)(F+B)/(m(F+B+W) + (p-1)(F+B)), below 1F1B's (p-1)(F+B+W)/... and above
+        # the paper's ZB-H1 (p-1)(F+B-W)/..., which needs a stage to run W while another runs F
+        # or B: the stage-dependent table (test_stage_dependent_zb_reaches_the_zb_h1_bubble).
         assert bubble == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)), abs=1e-12)
         paper = textbook_bubble("zb", p, m)
         assert paper == pytest.approx((p - 1) * (1 + 1 - 1) / (m * 3 + (p - 1) * (1 + 1 - 1)))
@@ -328,3 +330,155 @@ def test_memory_flat_in_microbatches(kind, temp_bytes):
 def test_gpipe_memory_grows_with_microbatches(temp_bytes):
     assert temp_bytes["gpipe", 16] >= 2.5 * temp_bytes["gpipe", 4], temp_bytes
     assert temp_bytes["1f1b", 16] < temp_bytes["gpipe", 16] / 3, temp_bytes
+
+
+# ----------------------------------------------------------------------------- zero-bubble, ZB-H1
+
+# Stage-dependent control flow (a collective-free chunk): one action per stage per tick.
+ZB_H1_GRID = [(p, m) for p in (2, 3, 4) for m in sorted({p, 2 * p, 4 * p, 2 * p + 1, 3 * p - 1})]
+
+
+def _zb_h1_record(schedule):
+    """{(phase, microbatch, stage): tick} and the per-stage peak of stashes held (F run, W not)."""
+    p = schedule.stages
+    when, held, peak = {}, [0] * p, [0] * p
+    for t, tick in enumerate(schedule.ticks):
+        for s in range(p):
+            mine = [(k, row[s]) for k, row in enumerate(tick) if row[s] is not None]
+            assert len(mine) <= 1, f"stage {s} runs {len(mine)} actions in tick {t}"
+            for k, a in mine:
+                assert a.phase == schedule.slots[k] and a.chunk == 0
+                assert (a.phase, a.microbatch, s) not in when
+                when[a.phase, a.microbatch, s] = t
+                held[s] += {"F": 1, "B": 0, "W": -1}[a.phase]
+                peak[s] = max(peak[s], held[s])
+    return when, peak
+
+
+@pytest.mark.parametrize("stages,microbatches", ZB_H1_GRID)
+def test_stage_dependent_zb_reaches_the_zb_h1_bubble(stages, microbatches):
+    p, m = stages, microbatches
+    schedule = build_schedule("zb", p, m, stage_dependent=True)
+    assert schedule.stage_dependent
+    # The lowered table's bubble, F = B = W = 1 and a tick one unit: the paper's ZB-H1, exactly.
+    assert bubble_fraction(schedule) == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    assert bubble_fraction(schedule) == pytest.approx(textbook_bubble("zb", p, m), abs=1e-12)
+    assert schedule_time(schedule) == len(schedule.ticks) == 3 * m + p - 1
+    assert bubble_fraction(schedule) < bubble_fraction(build_schedule("zb", p, m))  # uniform's
+    when, peak = _zb_h1_record(schedule)
+    assert len(when) == 3 * m * p
+    for (phase, i, s), t in when.items():  # the exchange between ticks carries every input
+        if phase == "F" and s > 0:
+            assert when["F", i, s - 1] < t
+        if phase == "B":
+            assert when["F", i, s] < t and (s == p - 1 or when["B", i, s + 1] < t)
+        if phase == "W":
+            assert when["B", i, s] < t
+    # Activation memory: no stage holds more than 1F1B's stage 0 (p microbatches), and the
+    # lowered buffers are no larger than the uniform 1F1B's.
+    assert max(peak) <= p and peak[0] == min(p, m)
+    one_f_one_b = lower_schedule(build_schedule("1f1b", p, m)).stash_slots
+    assert lower_schedule(schedule).stash_slots <= one_f_one_b
+
+
+def test_stage_dependent_zb_picture_and_description():
+    schedule = build_schedule("zb", 2, 4, stage_dependent=True)
+    lines = format_schedule(schedule).splitlines()
+    # One column per tick (each stage its own action), the exchange after every column.
+    assert lines[0].split() == ["stage", "0", "|", "F0", "F1", ".", "B0", "W0", "F2", "B1", "W1",
+                                "F3", "B2", "W2", "B3", "W3"]
+    assert lines[1].split() == ["stage", "1", "|", ".", "F0", "B0", "F1", "B1", "W0", "F2", "B2",
+                                "W1", "F3", "B3", "W2", "W3"]
+    assert lines[2].startswith("bubble 0.0769") and "stage-dependent control flow" in lines[2]
+    described = describe_schedule(schedule)
+    assert described["control_flow"] == "stage-dependent" and described["ticks"] == 13
+    assert described["bubble"] == pytest.approx(1 / 13) == described["textbook_bubble"]
+    assert describe_schedule(build_schedule("zb", 2, 4))["control_flow"] == "uniform"
+    with pytest.raises(ValueError, match="'zb' only"):
+        build_schedule("1f1b", 2, 4, stage_dependent=True)
+
+
+def test_schedule_for_mesh_picks_stage_dependent_zb_only_for_a_collective_free_chunk():
+    base = {"pipe": 4, "data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    zb = build_schedule("zb", 4, 8)
+    for sizes in ({}, {"data": 2}):
+        assert schedule_for_mesh(zb, {**base, **sizes}).stage_dependent
+    for axis in ("fsdp", "tensor", "context", "expert"):  # collectives inside the chunk
+        assert not schedule_for_mesh(zb, {**base, "data": 2, axis: 2}).stage_dependent
+    # Router losses are not sums over rows: with data > 1 MoE stays uniform.
+    assert not schedule_for_mesh(zb, {**base, "data": 2}, stage_losses=True).stage_dependent
+    assert schedule_for_mesh(zb, base, stage_losses=True).stage_dependent
+    for kind, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
+        assert not schedule_for_mesh(build_schedule(kind, 4, 8, v), base).stage_dependent
+    # The runtime refuses a stage-dependent table on a mesh whose chunk has collectives.
+    layer_params, head_params, x, y = toy_problem(8)
+    with pytest.raises(ValueError, match="collective-free"):
+        pipeline_value_and_grad(stage_fn, functools.partial(head_loss, batch=8),
+                                stack_stages(layer_params, 2), head_params,
+                                split_microbatches(x, 2), split_microbatches(y, 2),
+                                schedule=build_schedule("zb", 2, 2, stage_dependent=True),
+                                mesh=make_mesh((2, 2, 2, 1, 1, 1)))
+
+
+def _collectives_in_branches(hlo_text):
+    """(number of `conditional`s, their widest branch count, the collectives any branch reaches
+    through calls, fusions and nested conditionals) in compiled HLO text."""
+    import re
+
+    from jaxpar.hlo import KINDS, parse
+
+    comps = parse(hlo_text)
+    called = re.compile(r"(?:body|calls|to_apply|condition|true_computation|false_computation)"
+                        r"=%([\w.\-]+)")
+
+    def branches(ins):
+        return [name for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.text)
+                for name in re.findall(r"%([\w.\-]+)", group)]
+
+    found, seen = [], set()
+
+    def visit(name):
+        if name in seen or name not in comps:
+            return
+        seen.add(name)
+        for ins in comps[name].instrs:
+            if any(ins.op.startswith(kind) for kind in KINDS):
+                found.append(f"{ins.op} in {name}")
+            for callee in called.findall(ins.text) + branches(ins):
+                visit(callee)
+
+    conditionals = [ins for comp in comps.values() for ins in comp.instrs
+                    if ins.op == "conditional"]
+    for ins in conditionals:
+        for name in branches(ins) or called.findall(ins.text):
+            visit(name)
+    return len(conditionals), max((len(branches(ins)) for ins in conditionals), default=0), found
+
+
+@pytest.mark.parametrize("stages,data,microbatches", [(2, 4, 4), (4, 2, 8)])
+def test_stage_dependent_zb_matches_single_device_without_collectives_in_its_branches(
+        stages, data, microbatches):
+    """pipe x data, every other axis 1: each stage switches on its own row; the gradients are
+    the single device's, and no collective sits inside the switch (data's sums come after)."""
+    mesh = make_mesh((stages, data, 1, 1, 1, 1))
+    layer_params, head_params, x, y = toy_problem(microbatches * MICROBATCH, layers=8)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))  # noqa: E731
+    args = (layer_params, head_params, put(x), put(y))
+    sizes = dict(zip(AXES, (stages, data, 1, 1, 1, 1)))
+    schedule = schedule_for_mesh(build_schedule("zb", stages, microbatches), sizes)
+    assert schedule.stage_dependent
+    run = pipelined(schedule, mesh, x.shape[0])
+    actual = run(*args)
+    assert float(actual[0]) > 0.1
+    assert_close(jax.device_get(actual), single_device(schedule, args))
+    conditionals, widest, inside = _collectives_in_branches(run.lower(*args).compile().as_text())
+    assert conditionals >= 1 and widest == 5, (conditionals, widest)  # idle, F, F+head, B, W
+    assert not inside, inside
+
+
+def test_stage_dependent_zb_on_explicit_mesh_matches_single_device():
+    mesh = make_mesh((2, 4, 1, 1, 1, 1), AxisType.Explicit)  # data manual: rows laid out first
+    layer_params, head_params, x, y = toy_problem(4 * MICROBATCH, layers=8)
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))  # noqa: E731
+    args = (layer_params, head_params, put(x), put(y))
+    assert_matches_single_device(build_schedule("zb", 2, 4, stage_dependent=True), mesh, args)

@@ -9,6 +9,10 @@ part of the pipeline), stage 2 pins the gradients split over fsdp, stage 3 the p
 `tensor` axis splits the hidden dim as Megatron's MLP does; the batch is split over data and
 fsdp. Each cell must give the single device's loss and gradients, leaf by leaf. The real model
 runs a representative subset of the same grid (tests/test_pipeline_training.py).
+
+Each cell runs the schedule `schedule_for_mesh` picks, as the train step does: every pair holds
+fsdp or tensor, so zero-bubble must stay uniform here (its stage-dependent ZB-H1 mode, for a
+collective-free chunk, would hang on the chunk's collectives).
 """
 
 import json
@@ -40,7 +44,7 @@ def run_grid() -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     from jaxpar.parallel.pipeline import (build_schedule, pipeline_value_and_grad,
-                                          split_microbatches, stack_stages)
+                                          schedule_for_mesh, split_microbatches, stack_stages)
     from tests.test_pipeline import MICROBATCH, head_loss, make_mesh, single_device, stage_fn, toy_problem
 
     layer_params, head_params, x, y = toy_problem(4 * MICROBATCH, layers=8)
@@ -59,7 +63,7 @@ def run_grid() -> list[dict]:
         specs = {"w1": (None, p_fsdp, tensor), "w2": (None, tensor, p_fsdp)}
         g_fsdp = fsdp if zero >= 2 else None
         grad_specs = {"w1": P("pipe", None, g_fsdp, tensor), "w2": P("pipe", None, tensor, g_fsdp)}
-        schedule = build_schedule(kind, 2, m, v)
+        schedule = schedule_for_mesh(build_schedule(kind, 2, m, v), sizes)
         args = ({k: put(a, *specs[k]) for k, a in layer_params.items()}, head_params,
                 put(x, ("data", "fsdp")), put(y, ("data", "fsdp")))
         key = (kind, pair, str(specs), str(grad_specs))
@@ -84,6 +88,7 @@ def run_grid() -> list[dict]:
         results.append({"cell": [kind, v, m, list(pair), zero], "loss": float(got[0]),
                         "max_error": max(errors), "leaves": len(errors),
                         "finite": all(bool(np.all(np.isfinite(a))) for a in jax.tree.leaves(got)),
+                        "stage_dependent": schedule.stage_dependent,
                         "seconds": round(time.perf_counter() - start, 2)})
         print(json.dumps(results[-1]), flush=True)
     return results
@@ -103,6 +108,7 @@ def test_every_schedule_with_every_axis_pair_and_zero_stage_matches_single_devic
     assert [r["cell"] for r in results] == [[k, v, m, list(pair), z] for k, v, m, pair, z in cells()]
     bad = [r for r in results if not (r["finite"] and r["max_error"] <= 1e-5 and r["loss"] > 0.1)]
     assert not bad, bad
+    assert not any(r["stage_dependent"] for r in results)  # zb x fsdp / tensor: uniform
 
 
 if __name__ == "__main__":

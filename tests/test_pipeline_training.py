@@ -18,6 +18,7 @@ from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
 from tests.parity import (TINY_YAML, assert_parity, parity_trainer, random_batches, relative_errors,
                           run_parity, tiny_config)
+from tests.test_pipeline import _collectives_in_branches
 
 # 8 layers: up to 8 stages; 16 rows of 16 tokens: up to 8 microbatches of 2 rows.
 PIPE = ["model.n_layers=8", "train.batch_size=16", "train.seq_len=16"]
@@ -33,7 +34,10 @@ LAYOUTS = {
         {"pipe": 2, "fsdp": 2, "tensor": 2},
         ["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
          "parallel.microbatches=4", "parallel.zero_stage=3"]),
+    # Zero-bubble on a collective-free chunk (pipe x data only): stage-dependent ZB-H1.
     "pipe4_data2_zb": ({"pipe": 4, "data": 2}, ["parallel.pipeline_schedule=zb", "parallel.microbatches=8"]),
+    "pipe2_data4_zb": ({"pipe": 2, "data": 4}, ["parallel.pipeline_schedule=zb", "parallel.microbatches=4"]),
+    # With fsdp: uniform control flow (the chunk has collectives).
     "pipe2_data2_fsdp2_zb_zero2": ({"pipe": 2, "data": 2, "fsdp": 2},
                                    ["parallel.pipeline_schedule=zb", "parallel.microbatches=4",
                                     "parallel.zero_stage=2"]),
@@ -67,6 +71,12 @@ def test_pipelined_training_matches_single_device(layout, single_device):
     assert_parity(got, single_device)
     if layout == "pipe8_gpipe":  # activations and gradients hop between neighbouring stages
         assert report(trainer, compiled)["collectives"]["collective-permute"]["count"] > 0
+    if "_zb" in layout:  # the control flow the schedule's bubble assumes is the one compiled
+        conditionals, widest, inside = _collectives_in_branches(compiled.as_text())
+        if set(LAYOUTS[layout][0]) == {"pipe", "data"}:  # stage-dependent: one 5-way switch
+            assert widest == 5 and not inside, (widest, inside)
+        else:  # uniform: two-way conds, which may hold the chunk's collectives
+            assert widest == 2 and inside, (widest, inside)
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -102,6 +112,24 @@ def test_inspect_prints_the_schedule_and_its_bubble():
     assert sum(line.startswith("stage ") for line in lines) == 4
     assert "F7" in proc.stdout and "B0 ==" in proc.stdout
     assert f"bubble {3 / 11:.4f}" in proc.stdout
+
+
+def test_inspect_schedule_reports_the_control_flow_zero_bubble_runs(capsys):
+    """zb on pipe x data is the stage-dependent ZB-H1 table; with fsdp (or tensor, context,
+    expert) > 1 it stays uniform, and the bubble says so (nothing compiles)."""
+    import json
+
+    from jaxpar.inspect import main
+
+    for mesh, flow, bubble in [(["mesh.data=2", "mesh.fsdp=1"], "stage-dependent", 3 / 27),
+                               (["mesh.data=1", "mesh.fsdp=2"], "uniform", 6 / 30)]:
+        args = [TINY_YAML, *PIPE, "mesh.pipe=4", "mesh.tensor=1", *mesh,
+                "parallel.pipeline_schedule=zb", "parallel.microbatches=8", "--schedule"]
+        assert main(args) == 0
+        described = json.loads(capsys.readouterr().out)
+        assert described["control_flow"] == flow
+        assert described["bubble"] == pytest.approx(bubble)  # p=4, m=8: 3/(3m+p-1), 2(p-1)/(3m+2(p-1))
+        assert described["textbook_bubble"] == pytest.approx(3 / 27)
 
 
 def test_bf16_pipeline_hands_off_bf16_and_splits_the_vocabulary_over_tensor(single_device):

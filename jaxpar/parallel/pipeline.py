@@ -9,7 +9,8 @@ in order -- F (forward of one microbatch through one chunk), then B (its backwar
 zero-bubble schedule, W -- and then one exchange passes activations to the next device and
 gradients to the previous one (`jax.lax.ppermute`, both hand-offs at the same point). In steady
 state each stage runs a forward and a backward every tick, so a tick lasts F + B, not two
-backwards as when a tick held one action.
+backwards as when a tick held one action. (Stage-dependent zero-bubble, below, runs one action of
+any phase per stage per tick instead.)
 
 Backward is explicit, not autodiff of a scanned forward: a forward runs `jax.vjp` of the chunk and
 stashes the pullback's residuals in a slot of a buffer; the matching backward rebuilds the pullback
@@ -25,24 +26,38 @@ z losses): its forward adds the value, and its backward runs the pullback with c
 beside the activation gradient, so that loss's gradients reach the chunk's weights and, through
 the hand-offs, the earlier stages.
 
-Control flow is the same on every device. Each slot runs under `lax.cond` whose predicate is the
-tick's, not the stage's: "does any stage run an F this tick" (read from the table); a stage with
-nothing to do in a slot that runs computes on a scratch slot and its results are dropped with
-`jnp.where`. So every device executes the same collectives in the same order. A stage-dependent
-branch would not: GSPMD puts the data / fsdp / tensor collectives of a chunk inside the branch
-that runs it, and XLA:CPU's collective-permute waits for every device its source-target pairs name,
-those of the other stages included -- which sit in another branch: the step hung.
+Control flow, uniform (every schedule, and zero-bubble wherever a chunk has collectives): the
+same on every device. Each slot runs under `lax.cond` whose predicate is the tick's, not the
+stage's: "does any stage run an F this tick" (read from the table); a stage with nothing to do in
+a slot that runs computes on a scratch slot and its results are dropped with `jnp.where`. So every
+device executes the same collectives in the same order. A stage-dependent branch would not: GSPMD
+puts the fsdp / tensor (and context, expert) collectives of a chunk inside the branch that runs
+it, and XLA:CPU's collective-permute waits for every device its source-target pairs name, those
+of the other stages included -- which sit in another branch: the step hung.
+
+Control flow, stage-dependent (zero-bubble on a collective-free chunk; `schedule_for_mesh`): when
+every mesh axis but `pipe` and `data` has size 1, a chunk needs no collective -- provided `data`
+is manual too, so that each device computes on its own rows of a microbatch and the data-parallel
+sums of the loss and the head's and stages' gradients run once, after the loop (left to GSPMD,
+they sat inside the W and head branches, all-reduced every tick). Then a tick is one slot in which
+each device runs the action of its own table row (`lax.axis_index` of `pipe` picks the row)
+through `lax.switch` over idle / F / F with the head / B / W, and then the same exchange. The
+table is ZB-H1's (`_build_zb_h1`). MoE chunks with data > 1 stay uniform: their router losses are
+not sums over rows.
 
 Cost and bubble (GPipe, Huang et al. 2019; Megatron-LM, Narayanan et al. 2021; zero-bubble, Qi et
-al. 2023): a forward costs 1, a backward 2 (zero-bubble: B 1 and W 1). Every device runs a slot
-when any stage does, so a tick costs the sum of its running slots' costs, and the idle fraction is
+al. 2023): a forward costs 1, a backward 2 (zero-bubble: B 1 and W 1). With uniform control flow
+every device runs a slot when any stage does, so a tick costs the sum of its running slots'
+costs; with stage-dependent control flow a tick costs its dearest action (1). The idle fraction is
 1 - (work of all actions) / (stages * sum of tick costs), computed from the lowered table the
 runtime scans (`bubble_fraction`). With the tick order above it is exactly (p-1)/(m+p-1) for GPipe
-and 1F1B and (p-1)/(v*m+p-1) for interleaved. Zero-bubble reaches (p-1)(F+B)/(m(F+B+W) +
+and 1F1B and (p-1)/(v*m+p-1) for interleaved. Uniform zero-bubble reaches (p-1)(F+B)/(m(F+B+W) +
 (p-1)(F+B)) = 2(p-1)/(3m+2(p-1)): the weight gradients leave the bubble entirely, which is the
-least this runtime allows (F runs on m+p-1 ticks, B on m+p-1, W on m); the paper's ZB-H1 reaches
-(p-1)/(3m+p-1) by letting one stage run a W while another runs an F or B, which needs
-stage-dependent control flow.
+least uniform control flow allows (F runs on m+p-1 ticks, B on m+p-1, W on m). Stage-dependent
+zero-bubble lets one stage run a W while another runs an F or B and reaches the paper's ZB-H1,
+(p-1)(F+B-W)/(m(F+B+W) + (p-1)(F+B-W)) = (p-1)/(3m+p-1), for m >= p (with fewer microbatches
+the dependencies leave more idle ticks, e.g. 2p+1 ticks for one microbatch's 3 actions), holding
+at most p stashes per stage (1F1B's stage 0) where uniform zero-bubble holds up to 2p-1.
 """
 
 from __future__ import annotations
@@ -84,10 +99,19 @@ class Schedule:
     virtual_stages: int
     slots: tuple[str, ...]
     ticks: tuple[tuple[tuple[Action | None, ...], ...], ...]
+    # False: uniform control flow, a tick runs its slots in order on every device and lasts their
+    # summed cost. True (zero-bubble on a collective-free chunk, `schedule_for_mesh`): a stage runs
+    # at most one action per tick, whichever phase, and a tick lasts the dearest of them.
+    stage_dependent: bool = False
 
     @property
     def actions(self) -> tuple[tuple[Action | None, ...], ...]:
-        """The slots that run, in execution order: `actions[n][stage]`, an Action or None."""
+        """The slots that run, in execution order: `actions[n][stage]`, an Action or None. With
+        stage-dependent control flow a tick is one slot: each stage's action, whatever its phase."""
+        if self.stage_dependent:
+            merged = (tuple(next((row[s] for row in tick if row[s] is not None), None)
+                            for s in range(self.stages)) for tick in self.ticks)
+            return tuple(row for row in merged if any(row))
         return tuple(row for tick in self.ticks for row in tick if any(row))
 
 
@@ -153,8 +177,13 @@ def stash_limit(kind: str, stages: int, virtual_stages: int = 1) -> int | None:
     return 2 * stages - 1 + (virtual_stages - 1) * stages
 
 
-def build_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+def build_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int = 1, *,
+                   stage_dependent: bool = False) -> Schedule:
     """Schedule `kind` ('gpipe', '1f1b', 'interleaved', 'zb') as ticks of slots of Actions.
+
+    `stage_dependent` (zero-bubble only) builds the ZB-H1 table for stage-dependent control flow
+    (`_build_zb_h1`); only a collective-free chunk may run it (`schedule_for_mesh` decides).
+    The rest of this docstring is about the uniform tables.
 
     Every tick, each stage runs, slot by slot, the next action of that phase in its order
     (`_phase_order`) when its inputs are there: a forward needs the previous chunk's forward from
@@ -166,6 +195,10 @@ def build_schedule(kind: str, stages: int, microbatches: int, virtual_stages: in
     weight gradient -- so W costs m slots in all and none of the warm-up or cool-down.
     """
     validate_pipeline(kind, stages, microbatches, virtual_stages)
+    if stage_dependent:
+        if kind != "zb":
+            raise ValueError(f"stage-dependent control flow is built for 'zb' only, not {kind!r}")
+        return _build_zb_h1(stages, microbatches)
     p, m, v = stages, microbatches, virtual_stages
     last, n = p * v - 1, m * v
     slots = ("F", "B", "W") if kind == "zb" else ("F", "B")
@@ -213,28 +246,125 @@ def build_schedule(kind: str, stages: int, microbatches: int, virtual_stages: in
     return Schedule(kind, p, m, v, slots, tuple(ticks))
 
 
+def _build_zb_h1(p: int, m: int) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al. 2023) for stage-dependent control flow: one action per stage
+    per tick, whichever phase, then the exchange; F = B = W = 1, so every tick costs 1.
+
+    A unit-time simulation. An action is ready when its inputs are: F(s, i) once F(s-1, i) ran in
+    an earlier tick (the exchange delivered it) and the stage holds fewer than p stashes (a stash
+    lives from F to W; p is 1F1B's stage 0, so peak activation memory stays 1F1B's); B(s, i) once
+    F(s, i) and, but on the last stage, B(s+1, i) ran in earlier ticks; W(s, i) once B(s, i) did.
+    Each phase takes microbatches in order. A stage picks, among its ready phases: right after an
+    F, B before F; otherwise F before B; W only when neither can run -- so warm-up runs as many
+    forwards as the stash allows, the steady state alternates F and B as 1F1B does, and W is
+    deferred into what would otherwise be bubbles (or runs to free a stash for the next F). For
+    m >= p every stage idles exactly p-1 ticks: the idle fraction is (p-1)/(3m+p-1), the paper's
+    (p-1)(F+B-W)/(m(F+B+W) + (p-1)(F+B-W)).
+    """
+    nxt = {phase: [0] * p for phase in "FBW"}  # next microbatch of each phase, per stage
+    finished: dict[tuple[str, int, int], int] = {}  # (phase, microbatch, stage) -> tick
+    stashed, previous = [0] * p, [None] * p
+    ticks = []
+    while any(n < m for n in nxt["W"]):
+        t = len(ticks)
+        before = lambda key: finished.get(key, t) < t  # noqa: E731 -- ran in an earlier tick
+
+        def ready(phase: str, s: int) -> bool:
+            i = nxt[phase][s]
+            if i == m:
+                return False
+            if phase == "F":
+                return (s == 0 or before(("F", i, s - 1))) and stashed[s] < p
+            if phase == "B":
+                return before(("F", i, s)) and (s == p - 1 or before(("B", i, s + 1)))
+            return before(("B", i, s))
+
+        row = []
+        for s in range(p):
+            phase = next((ph for ph in ("BFW" if previous[s] == "F" else "FBW") if ready(ph, s)),
+                         None)
+            row.append(None if phase is None else Action(phase, nxt[phase][s], 0))
+        if not any(row):
+            raise RuntimeError(f"zb (stage-dependent) schedule deadlocked at tick {t}")  # a bug
+        for s, a in enumerate(row):
+            if a is not None:
+                finished[a.phase, a.microbatch, s] = t
+                nxt[a.phase][s] += 1
+                stashed[s] += {"F": 1, "B": 0, "W": -1}[a.phase]
+                previous[s] = a.phase
+        ticks.append(tuple(tuple(a if a is not None and a.phase == phase else None for a in row)
+                           for phase in "FBW"))
+    return Schedule("zb", p, m, 1, ("F", "B", "W"), tuple(ticks), stage_dependent=True)
+
+
+def collective_free(sizes: dict[str, int], axis_name: str = "pipe") -> bool:
+    """Whether a chunk's forward and backward run without collectives on a mesh of these axis
+    sizes: every axis but `axis_name` and `data` has size 1.
+
+    Data parallelism alone splits the batch and replicates the parameters (ZeRO shards over fsdp
+    only), so a chunk computes on its own rows; the gradient reduction over data happens after the
+    pipeline loop. fsdp (ZeRO gathers, batch), tensor (Megatron's all-reduces), context (ring
+    attention's permutes) and expert (MoE all-to-alls) each put collectives inside the chunk. A
+    collective inside a branch that only some stages take waits for devices that never arrive
+    (module docstring), so only a collective-free chunk may branch per stage.
+    """
+    return all(size == 1 for name, size in sizes.items() if name not in (axis_name, "data"))
+
+
+def schedule_for_mesh(schedule: Schedule, sizes: dict[str, int], axis_name: str = "pipe", *,
+                      stage_losses: bool = False) -> Schedule:
+    """The schedule the runtime executes on a mesh of these axis sizes: zero-bubble becomes the
+    stage-dependent ZB-H1 table where the chunk is collective-free (`collective_free`); every
+    other schedule and layout runs as built. `stage_losses`: the chunks add losses of their own
+    (MoE routers' aux and z losses), which are not sums over a microbatch's rows, so data > 1
+    keeps uniform control flow (stage-dependent runs split microbatch rows over data, see
+    `pipeline_value_and_grad`, and GSPMD would otherwise reduce the router statistics over data
+    inside the branch)."""
+    if (schedule.kind == "zb" and not schedule.stage_dependent
+            and collective_free(sizes, axis_name)
+            and not (stage_losses and sizes.get("data", 1) > 1)):
+        return build_schedule("zb", schedule.stages, schedule.microbatches, stage_dependent=True)
+    return schedule
+
+
+def tick_costs(schedule: Schedule) -> list[int]:
+    """The time of every tick, in forwards of one chunk: uniform control flow runs every slot
+    that any stage runs, so a tick lasts their summed cost; stage-dependent control flow runs
+    each stage's own action, so it lasts the dearest one."""
+    cost = phase_costs(schedule.kind)
+    if schedule.stage_dependent:
+        return [max((cost[a.phase] for row in tick for a in row if a is not None), default=0)
+                for tick in schedule.ticks]
+    return [sum(cost[phase] for phase, row in zip(schedule.slots, tick) if any(row))
+            for tick in schedule.ticks]
+
+
 def bubble_fraction(schedule: Schedule) -> float:
     """Idle fraction of the program the runtime executes (`lower_schedule`'s table): 1 - the
     cost of all actions / (stages * the time of all ticks), where a tick lasts the summed cost of
-    the slots that run in it (`phase_costs`: F=1, B=2; zero-bubble B=1, W=1)."""
+    the slots that run in it (`phase_costs`: F=1, B=2; zero-bubble B=1, W=1) -- with
+    stage-dependent control flow, the dearest action any stage runs in it (`tick_costs`)."""
     lowered = lower_schedule(schedule)
     cost = np.array([phase_costs(schedule.kind)[phase] for phase in schedule.slots])
-    time = float(np.sum(lowered.running * cost))
-    work = float(np.sum(lowered.table[:, :, [_ON[phase] for phase in schedule.slots]] * cost))
-    return 1.0 - work / (schedule.stages * time)
+    work_per = lowered.table[:, :, [_ON[phase] for phase in schedule.slots]] * cost  # [t, s, k]
+    if schedule.stage_dependent:  # what each device's lax.switch runs: its own row's phase
+        time = float(np.sum(np.max(np.sum(work_per, axis=2), axis=1)))
+    else:  # what every device's lax.conds run: the tick's running slots
+        time = float(np.sum(lowered.running * cost))
+    return 1.0 - float(np.sum(work_per)) / (schedule.stages * time)
 
 
 def schedule_time(schedule: Schedule) -> int:
-    """Length of the step in forwards of one chunk: the summed cost of every tick's running slots."""
-    cost = phase_costs(schedule.kind)
-    return sum(cost[phase] for tick in schedule.ticks
-               for phase, row in zip(schedule.slots, tick) if any(row))
+    """Length of the step in forwards of one chunk: the summed time of its ticks (`tick_costs`)."""
+    return sum(tick_costs(schedule))
 
 
 def format_schedule(schedule: Schedule) -> str:
     """Cost-weighted text timeline: one row per stage, one column per unit of time (a forward of
     one chunk). An action is its label (F3 / B1 / W1; F3.1 = chunk 1) in its first column and '='
-    in the rest; '.' is idle; '|' marks the exchange at the end of each tick."""
+    in the rest; '.' is idle; '|' marks the exchange at the end of each tick. With
+    stage-dependent control flow a tick is one column (each stage's own action) followed by the
+    exchange, so no '|' is drawn."""
     costs = phase_costs(schedule.kind)
 
     def label(a: Action | None) -> str:
@@ -245,30 +375,39 @@ def format_schedule(schedule: Schedule) -> str:
     lines = []
     for s in range(schedule.stages):
         cells = []
-        for tick in schedule.ticks:
+        for tick, tick_cost in zip(schedule.ticks, tick_costs(schedule)):
+            if schedule.stage_dependent:
+                a = next((row[s] for row in tick if row[s] is not None), None)
+                length = 0 if a is None else costs[a.phase]
+                cells += [label(a).ljust(width)] + ["=" * width] * (length - 1) + (
+                    ["." * width] * (tick_cost - max(length, 1)))
+                continue
             for phase, row in zip(schedule.slots, tick):
                 if any(row):
                     a = row[s]
                     rest = "." if a is None else "=" * width
                     cells += [label(a).ljust(width)] + [rest.ljust(width)] * (costs[phase] - 1)
             cells.append("|")
-        lines.append(f"stage {s} | " + " ".join(cells))
+        lines.append((f"stage {s} | " + " ".join(cells)).rstrip())
     cost_text = " ".join(f"{phase}={costs[phase]}" for phase in schedule.slots)
+    flow = "stage-dependent" if schedule.stage_dependent else "uniform"
     lines.append(f"bubble {bubble_fraction(schedule):.4f} (idle / stages x time, {cost_text}; "
                  f"{schedule.kind}, stages={schedule.stages}, microbatches={schedule.microbatches}, "
-                 f"virtual_stages={schedule.virtual_stages}; time {schedule_time(schedule)}, "
-                 f"{len(schedule.ticks)} ticks)")
+                 f"virtual_stages={schedule.virtual_stages}, {flow} control flow; "
+                 f"time {schedule_time(schedule)}, {len(schedule.ticks)} ticks)")
     return "\n".join(lines)
 
 
 def describe_schedule(schedule: Schedule) -> dict[str, Any]:
     """The schedule as `inspect --schedule` reports it (JSON): the cost-weighted bubble of the
-    lowered program, the published one, time, ticks, buffer slots and the timeline."""
+    lowered program, the published one, the control flow that runs it ("uniform" or
+    "stage-dependent"), time, ticks, buffer slots and the timeline."""
     lowered = lower_schedule(schedule)
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     return {"schedule": schedule.kind, "stages": p, "microbatches": m, "virtual_stages": v,
             "costs": phase_costs(schedule.kind), "bubble": bubble_fraction(schedule),
             "textbook_bubble": textbook_bubble(schedule.kind, p, m, v),
+            "control_flow": "stage-dependent" if schedule.stage_dependent else "uniform",
             "time": schedule_time(schedule), "ticks": len(schedule.ticks),
             "stash_slots": lowered.stash_slots, "activation_slots": lowered.activation_slots,
             "gradient_slots": lowered.gradient_slots,
@@ -279,10 +418,12 @@ def describe_schedule(schedule: Schedule) -> dict[str, Any]:
 
 
 class Lowered(NamedTuple):
-    """A schedule as the runtime reads it: int32 `table[tick, stage, field]` (fields: FIELDS),
-    `running[tick, k]` = 1 when any stage runs slot k (phase `slots[k]`) in that tick -- the
-    predicate every device's `lax.cond` reads -- and `heads[tick]` = 1 when some stage's forward
-    is the last chunk's (the head runs), and how many slots each buffer needs. Activation and
+    """A schedule as the runtime reads it: int32 `table[tick, stage, field]` (fields: FIELDS; with
+    stage-dependent control flow at most one of f_on / b_on / w_on is set per row, and the row
+    alone picks the device's branch), `running[tick, k]` = 1 when any stage runs slot k (phase
+    `slots[k]`) in that tick -- the predicate every device's `lax.cond` reads (uniform) -- and
+    `heads[tick]` = 1 when some stage's forward is the last chunk's (the head runs), and how
+    many slots each buffer needs. Activation and
     gradient slot n (one past the last) is a scratch slot for writes that mean nothing; a stash
     slot is written by a forward and read by the matching backward (zero-bubble: and its W)."""
 
@@ -518,11 +659,34 @@ def pipeline_value_and_grad(
     tick one ppermute of an activation to stage+1 and one of a gradient to stage-1 (around the
     ring when v > 1); at the end a psum over `axis_name` of loss, head grads and input grads (each of which
     only one stage computed).
+
+    A stage-dependent schedule (`schedule.stage_dependent`, see `schedule_for_mesh`) needs a
+    collective-free chunk: every mesh axis but `axis_name` and `data` of size 1 (else
+    ValueError). With data > 1 it makes `data` manual as well and splits each microbatch's rows
+    (dim 1 of inputs, targets, side) over it: head_fn then sees one device's rows, so its loss
+    must be a sum over rows times constants (the model's summed NLL, a sum divided by the whole
+    batch size), and `stage_losses` is refused; the loss and the head's and stages' gradients
+    are summed over data once, after the loop.
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     if mesh.shape[axis_name] != p:
         raise ValueError(
             f"mesh axis {axis_name}={mesh.shape[axis_name]} but schedule has stages={p}")
+    if schedule.stage_dependent and not collective_free(dict(mesh.shape), axis_name):
+        raise ValueError(f"a stage-dependent schedule needs a collective-free chunk: every mesh "
+                         f"axis but {axis_name!r} and 'data' of size 1, got {dict(mesh.shape)}")
+    # Stage-dependent control flow with data > 1: `data` is manual too, so a device computes on
+    # its own rows of each microbatch and no GSPMD collective lands inside the per-stage switch
+    # (left automatic, GSPMD all-reduced every W's weight gradient and the head's over data in
+    # the branch); the data-parallel sums run once, after the loop.
+    rows_axis = "data" if schedule.stage_dependent and mesh.shape.get("data", 1) > 1 else None
+    if rows_axis and stage_losses:
+        raise ValueError("stage_losses (an MoE router's losses, not sums over rows) cannot run "
+                         "on data-split microbatches; run zero-bubble uniform (build_schedule "
+                         "without stage_dependent)")
+    if rows_axis and inputs.shape[1] % mesh.shape[rows_axis]:
+        raise ValueError(f"microbatch rows={inputs.shape[1]} do not split over "
+                         f"{rows_axis}={mesh.shape[rows_axis]}")
     for leaf in jax.tree.leaves(stage_params):
         if leaf.shape[0] != p * v:
             raise ValueError(f"stage_params leading dim {leaf.shape[0]} != "
@@ -533,42 +697,51 @@ def pipeline_value_and_grad(
     if side is None:
         sideless_stage_fn = stage_fn
         stage_fn = lambda params, h, _: sideless_stage_fn(params, h)  # noqa: E731
-        side = jnp.zeros((m,), jnp.int32)
+        side = jnp.zeros(inputs.shape[:2], jnp.int32)  # [microbatches, rows]: splits as inputs do
     if not stage_losses:
         plain_stage_fn = stage_fn
         stage_fn = lambda params, h, s: (  # noqa: E731
             plain_stage_fn(params, h, s), jnp.zeros((), jnp.float32), {})
-    body = functools.partial(_pipeline_body, stage_fn, head_fn, schedule, axis_name)
+    body = functools.partial(_pipeline_body, stage_fn, head_fn, schedule, axis_name, rows_axis)
+    rows = P(None, rows_axis)  # [microbatches, rows, ...]: split over rows_axis when it is manual
     mapped = jax.shard_map(
-        body, mesh=mesh, axis_names={axis_name},
-        in_specs=(P(axis_name), P(), P(), P(), P()),
-        out_specs=(P(), (P(axis_name), P(), P()), P(axis_name)),
+        body, mesh=mesh, axis_names={axis_name} | ({rows_axis} if rows_axis else set()),
+        in_specs=(P(axis_name), P(), rows, rows, rows),
+        out_specs=(P(), (P(axis_name), P(), rows), P(axis_name)),
         # The carried buffers start equal on every stage and become per-stage after the first
         # ppermute; skipping the replication check avoids pvary/pcast, whose API moves in 0.10-0.12.
         check_vma=False)
-    loss, grads, stats = mapped(_split_over(stage_params, mesh, axis_name), head_params, inputs,
-                                targets, side)
+    loss, grads, stats = mapped(
+        _split_over(stage_params, mesh, axis_name), head_params,
+        *(_split_over(tree, mesh, rows_axis, dim=1) for tree in (inputs, targets, side)))
     return (loss, grads, stats) if stage_losses else (loss, grads)
 
 
-def _split_over(tree, mesh, axis_name: str):
+def _split_over(tree, mesh, axis_name: str | None, dim: int = 0):
     """On a mesh whose `axis_name` is Explicit, shard_map wants its inputs already laid out as
-    its in_specs say: put dim 0 of every leaf on that axis, other dims as they were. (On an Auto
-    axis the shard_map's in_specs place them.)"""
+    its in_specs say: put dim `dim` of every leaf on that axis; dim 0 (the stages) keeps the
+    other dims as they were, dim 1 (microbatch rows over data, stage-dependent control flow,
+    where every other axis has size 1) leaves the other dims whole. (On an Auto axis the
+    shard_map's in_specs place them; None: nothing to place.)"""
+    if axis_name is None:
+        return tree
     explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == jax.sharding.AxisType.Explicit
     if not explicit:
         return tree
 
     def put(leaf):
-        spec = list(jax.typeof(leaf).sharding.spec) + [None] * leaf.ndim
-        return jax.sharding.reshard(leaf, NamedSharding(mesh, P(axis_name, *spec[1:leaf.ndim])))
+        spec = (list(jax.typeof(leaf).sharding.spec) if dim == 0 else []) + [None] * leaf.ndim
+        spec[dim] = axis_name
+        return jax.sharding.reshard(leaf, NamedSharding(mesh, P(*spec[:leaf.ndim])))
 
     return jax.tree.map(put, tree)
 
 
-def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
+def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axis,
                    stage_params, head_params, inputs, targets, side):
-    """One device: stage_params leaves [v, layers_per_chunk, ...]; scans the schedule's ticks."""
+    """One device: stage_params leaves [v, layers_per_chunk, ...]; scans the schedule's ticks.
+    With `rows_axis` (manual too) the microbatches hold this device's rows only: the loss and
+    the gradients of the head and the stages are partial sums until the psums at the end."""
     p, lowered = schedule.stages, lower_schedule(schedule)
     zb = "W" in schedule.slots
     stage = jax.lax.axis_index(axis_name)
@@ -669,6 +842,67 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
     def add_to_chunk(grads, j, d):
         return jax.tree.map(lambda g, x: update(g, index(g, j) + x, j), grads, d)
 
+    # Stage-dependent control flow (zero-bubble on a collective-free chunk): each device runs
+    # the one action its own row names, through `lax.switch`. The branches return small values
+    # only; the buffers are written after the switch, as in the uniform tick.
+    def idle(carry, r):
+        return dict(send_act=h_zeros, send_grad=h_zeros,
+                    stash=[index(b, r["f_stash_slot"]) for b in carry["stash"]],
+                    loss=jnp.zeros((), jnp.float32), stats=stats_zeros(), dhead=head_zeros(),
+                    head_cotangent=h_zeros, dparams=param_zeros())
+
+    def forward(carry, r, with_head):
+        h = jnp.where(r["f_first"] == 1, index(inputs, r["f_microbatch"]),
+                      index(carry["acts"], r["f_act_slot"]))
+        mb, params = r["f_microbatch"], chunk_params(r["f_chunk"])
+        (y, own_loss, stats), pullback = _chunk_vjp(stage_fn, params, h, side_of(mb))
+        leaves = jax.tree.leaves(pullback)
+        if _param_sources(leaves, params) != sources:
+            raise RuntimeError("stage_fn's vjp residuals changed between traces")
+        out = dict(idle(carry, r), send_act=y.astype(h.dtype), loss=own_loss.astype(jnp.float32),
+                   stats=stats, stash=[x for x, src in zip(leaves, sources) if src == STASHED])
+        if with_head:  # the last chunk: its head's loss, gradient and cotangent
+            tgt = jax.tree.map(lambda a: index(a, mb), targets)
+            loss, (dhead, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, y, tgt)
+            out.update(loss=out["loss"] + loss.astype(jnp.float32), dhead=dhead,
+                       head_cotangent=dy.astype(h.dtype))
+        return out
+
+    def input_gradient(carry, r):  # B
+        pullback = pullback_of(carry, r["b_chunk"], r["b_stash_slot"])
+        _, dh = pullback((index(carry["grads"], r["b_grad_slot"]), one))
+        return dict(idle(carry, r), send_grad=dh.astype(h_zeros.dtype))
+
+    def weight_gradient(carry, r):  # W
+        return dict(idle(carry, r), dparams=weight_slot(carry, r))
+
+    branches = [idle, functools.partial(forward, with_head=False),
+                functools.partial(forward, with_head=True), input_gradient, weight_gradient]
+
+    def stage_tick(carry, rows):
+        r = dict(zip(FIELDS, index(rows, stage)))  # this device's row: its own action
+        branch = r["f_on"] * (1 + r["f_head"]) + 3 * r["b_on"] + 4 * r["w_on"]
+        o = jax.lax.switch(branch, branches, carry, r)
+        head_cotangent_to = jnp.where((r["f_on"] == 1) & (r["f_head"] == 1), r["f_grad_slot"],
+                                      lowered.gradient_slots)
+        input_grad = jnp.where((r["b_on"] == 1) & (r["b_first"] == 1), o["send_grad"],
+                               index(carry["input_grads"], r["b_microbatch"]))
+        carry = dict(
+            carry,
+            stash=[update(buf, x, r["f_stash_slot"]) for buf, x in zip(carry["stash"], o["stash"])],
+            loss=carry["loss"] + o["loss"],
+            stats=add_to_chunk(carry["stats"], r["f_chunk"], o["stats"]),
+            head_grads=jax.tree.map(jnp.add, carry["head_grads"], o["dhead"]),
+            grads=update(carry["grads"], o["head_cotangent"], head_cotangent_to),
+            input_grads=update(carry["input_grads"], input_grad, r["b_microbatch"]),
+            stage_grads=add_to_chunk(carry["stage_grads"], r["w_chunk"], o["dparams"]))
+        # The exchange, on every device every tick, outside the switch.
+        arrived_act = jax.lax.ppermute(o["send_act"], axis_name, to_next)
+        arrived_grad = jax.lax.ppermute(o["send_grad"], axis_name, to_prev)
+        carry["acts"] = update(carry["acts"], arrived_act, r["recv_act_slot"])
+        carry["grads"] = update(carry["grads"], arrived_grad, r["recv_grad_slot"])
+        return carry, None
+
     def tick(carry, xs):
         rows, running, head_runs = xs
         r = dict(zip(FIELDS, index(rows, stage)))  # this device's actions (same on its stage)
@@ -700,14 +934,21 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name,
         carry["grads"] = update(carry["grads"], arrived_grad, r["recv_grad_slot"])
         return carry, None
 
-    carry, _ = jax.lax.scan(tick, carry, (jnp.asarray(lowered.table), jnp.asarray(lowered.running),
-                                          jnp.asarray(lowered.heads)))
-    total = lambda x: jax.lax.psum(x, axis_name)  # noqa: E731
+    if schedule.stage_dependent:
+        carry, _ = jax.lax.scan(stage_tick, carry, jnp.asarray(lowered.table))
+    else:
+        carry, _ = jax.lax.scan(tick, carry, (jnp.asarray(lowered.table), jnp.asarray(
+            lowered.running), jnp.asarray(lowered.heads)))
     # Summed in float32: a bfloat16 all-reduce here aborts XLA:CPU's AllReducePromotion pass
     # ("Invalid binary instruction opcode copy", jax 0.12.0.1) once data and tensor are > 1.
-    input_grads = total(carry["input_grads"].astype(jnp.float32)).astype(inputs.dtype)
-    return total(carry["loss"]), (carry["stage_grads"], jax.tree.map(total, carry["head_grads"]),
-                                  input_grads), carry["stats"]
+    def psum(x, axes):
+        return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype) if axes else x
+
+    everywhere = (axis_name, rows_axis) if rows_axis else axis_name  # one stage, all rows
+    input_grads = psum(carry["input_grads"], axis_name)  # rows stay on their device
+    stage_grads = jax.tree.map(lambda g: psum(g, rows_axis), carry["stage_grads"])
+    head_grads = jax.tree.map(lambda g: psum(g, everywhere), carry["head_grads"])
+    return psum(carry["loss"], everywhere), (stage_grads, head_grads, input_grads), carry["stats"]
 
 
 # ----------------------------------------------------------------------------- a model, pipelined
@@ -738,10 +979,14 @@ def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.
     microbatches and divided by their number (so the step's division by parallel.grad_accum
     gives the mean), expert_load [MoE layers, experts] summed over microbatches.
     """
-    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
-    graphdef = nnx.graphdef(model)
     moe = model.cfg.moe
     moe_layers = 0 if moe.num_experts == 0 else model.cfg.n_layers // moe.every
+    # Zero-bubble reaches ZB-H1's bubble where the chunk is collective-free (schedule_for_mesh);
+    # `inspect --schedule` makes the same choice.
+    schedule = schedule_for_mesh(schedule, dict(mesh.shape), axis_name,
+                                 stage_losses=bool(moe_layers))
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    graphdef = nnx.graphdef(model)
 
     def stage_fn(chunk_params, h, side):
         positions, segment_ids, loss_mask = side
