@@ -352,18 +352,24 @@ def _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes, te
         per_choice = swap(out).at[row].get(mode="fill", fill_value=0)  # [T, top_k, embed]
         y = jnp.einsum("tk,tkd->td", routing.expert_weight, per_choice.astype(jnp.float32))
 
-        dropped = jnp.sum(~kept).astype(jnp.float32)
-        if all_token_axes:
-            dropped = jax.lax.psum(dropped, all_token_axes)
-        stats = {
-            "aux_loss": routing.aux_loss,
-            "z_loss": routing.z_loss,
-            "dropped_fraction": dropped / jnp.sum(routing.expert_load).astype(jnp.float32),
-            "expert_load": routing.expert_load,
-        }
+        stats = _layer_stats(routing, jnp.sum(~kept), all_token_axes)
         return y.astype(x_block.dtype).reshape(batch, seq, embed), stats
 
     return local
+
+
+def _layer_stats(routing, dropped, token_axes):
+    """The layer's router statistics (`moe_mlp`'s stats), `dropped` this device's dropped
+    (token, choice) rows, summed over the token axes."""
+    dropped = dropped.astype(jnp.float32)
+    if token_axes:
+        dropped = jax.lax.psum(dropped, token_axes)
+    return {
+        "aux_loss": routing.aux_loss,
+        "z_loss": routing.z_loss,
+        "dropped_fraction": dropped / jnp.sum(routing.expert_load).astype(jnp.float32),
+        "expert_load": routing.expert_load,
+    }
 
 
 # --- Ragged dispatch: exactly the routed rows, grouped GEMMs ------------------------------------
@@ -496,15 +502,7 @@ def _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes
         per_choice = jnp.zeros_like(out).at[order].set(out).reshape(top_k, n_tokens, embed)
         y = jnp.einsum("tk,ktd->td", routing.expert_weight, per_choice.astype(jnp.float32))
 
-        dropped = (top_k * n_tokens - kept_rows).astype(jnp.float32)
-        if all_token_axes:
-            dropped = jax.lax.psum(dropped, all_token_axes)
-        stats = {
-            "aux_loss": routing.aux_loss,
-            "z_loss": routing.z_loss,
-            "dropped_fraction": dropped / jnp.sum(routing.expert_load).astype(jnp.float32),
-            "expert_load": routing.expert_load,
-        }
+        stats = _layer_stats(routing, top_k * n_tokens - kept_rows, all_token_axes)
         return y.astype(x_block.dtype).reshape(batch, seq, embed), stats
 
     return local

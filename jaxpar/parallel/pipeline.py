@@ -786,17 +786,23 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axis,
                   for k, src in enumerate(sources)]
         return jax.tree.unflatten(treedef, leaves)
 
+    def chunk_forward(carry, f):
+        """The forward a row's F fields name: (its input, its microbatch, the chunk's (output,
+        own loss, stats), the pullback's leaves)."""
+        h = jnp.where(f["f_first"] == 1, index(inputs, f["f_microbatch"]),
+                      index(carry["acts"], f["f_act_slot"]))
+        mb, params = f["f_microbatch"], chunk_params(f["f_chunk"])
+        out, pullback = _chunk_vjp(stage_fn, params, h, side_of(mb))
+        leaves = jax.tree.leaves(pullback)
+        if _param_sources(leaves, params) != sources:
+            raise RuntimeError("stage_fn's vjp residuals changed between traces")
+        return h, mb, out, leaves
+
     def forward_slot(carry, f, head_runs):
         """Every stage runs a forward (an idle one on a scratch input, its results dropped). Small
         outputs only; the buffers are written outside the cond (inside, XLA copied them whole)."""
         on = f["f_on"] == 1
-        h = jnp.where(f["f_first"] == 1, index(inputs, f["f_microbatch"]),
-                      index(carry["acts"], f["f_act_slot"]))
-        mb, params = f["f_microbatch"], chunk_params(f["f_chunk"])
-        (y, own_loss, stats), pullback = _chunk_vjp(stage_fn, params, h, side_of(mb))
-        leaves = jax.tree.leaves(pullback)
-        if _param_sources(leaves, params) != sources:
-            raise RuntimeError("stage_fn's vjp residuals changed between traces")
+        h, mb, (y, own_loss, stats), leaves = chunk_forward(carry, f)
         kept = [index(b, f["f_stash_slot"]) for b in carry["stash"]]
         new = [x for x, src in zip(leaves, sources) if src == STASHED]
         stash = [jnp.where(on, x, old) for x, old in zip(new, kept)]
@@ -852,13 +858,7 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axis,
                     head_cotangent=h_zeros, dparams=param_zeros())
 
     def forward(carry, r, with_head):
-        h = jnp.where(r["f_first"] == 1, index(inputs, r["f_microbatch"]),
-                      index(carry["acts"], r["f_act_slot"]))
-        mb, params = r["f_microbatch"], chunk_params(r["f_chunk"])
-        (y, own_loss, stats), pullback = _chunk_vjp(stage_fn, params, h, side_of(mb))
-        leaves = jax.tree.leaves(pullback)
-        if _param_sources(leaves, params) != sources:
-            raise RuntimeError("stage_fn's vjp residuals changed between traces")
+        h, mb, (y, own_loss, stats), leaves = chunk_forward(carry, r)
         out = dict(idle(carry, r), send_act=y.astype(h.dtype), loss=own_loss.astype(jnp.float32),
                    stats=stats, stash=[x for x, src in zip(leaves, sources) if src == STASHED])
         if with_head:  # the last chunk: its head's loss, gradient and cotangent
