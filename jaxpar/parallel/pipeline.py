@@ -36,10 +36,11 @@ it, and XLA:CPU's collective-permute waits for every device its source-target pa
 of the other stages included -- which sit in another branch: the step hung.
 
 Control flow, stage-dependent (zero-bubble on a collective-free chunk; `schedule_for_mesh`): when
-every mesh axis but `pipe` and `data` has size 1, a chunk needs no collective -- provided `data`
-is manual too, so that each device computes on its own rows of a microbatch and the data-parallel
-sums of the loss and the head's and stages' gradients run once, after the loop (left to GSPMD,
-they sat inside the W and head branches, all-reduced every tick). Then a tick is one slot in which
+every mesh axis but `pipe` and `data` has size 1, a chunk needs no collective -- `data` is
+manual (in both control flows, see `pipeline_value_and_grad`), so each device computes on its own
+rows of a microbatch and the data-parallel sums of the loss and the head's and stages' gradients
+run once, after the loop (left to GSPMD, they sat inside the W and head branches, all-reduced
+every tick). Then a tick is one slot in which
 each device runs the action of its own table row (`lax.axis_index` of `pipe` picks the row)
 through `lax.switch` over idle / F / F with the head / B / W, and then the same exchange. The
 table is ZB-H1's (`_build_zb_h1`). MoE chunks with data > 1 stay uniform: their router losses are
@@ -654,19 +655,24 @@ def pipeline_value_and_grad(
 
     Returns (loss, (stage_grads, head_grads, input_grads)), shaped like stage_params, head_params,
     inputs; with `stage_losses` also the stats, as a third element with leaves [stages*v, ...] in
-    `stack_stages` order. Only `axis_name` is manual inside the shard_map; other mesh axes stay
-    automatic, so GSPMD keeps data / fsdp / tensor shardings of the arguments. Collectives: per
-    tick one ppermute of an activation to stage+1 and one of a gradient to stage-1 (around the
-    ring when v > 1); at the end a psum over `axis_name` of loss, head grads and input grads (each of which
-    only one stage computed).
+    `stack_stages` order. `axis_name` is manual inside the shard_map, and so is `data` when it
+    is > 1 (below); the other mesh axes stay automatic, so GSPMD keeps fsdp / tensor / context /
+    expert shardings of the arguments. Collectives: per tick one ppermute of an activation to
+    stage+1 and one of a gradient to stage-1 (around the ring when v > 1); at the end a psum
+    over `axis_name` of loss, head grads and input grads (each of which only one stage
+    computed), and over data of the loss, head and stage grads.
+
+    With data > 1 (and no `stage_losses`), `data` is manual too and each microbatch's rows (dim 1
+    of inputs, targets, side) are split over it: head_fn then sees one device's rows, so its loss
+    must be a sum over rows times constants (the model's summed NLL, a sum divided by the whole
+    batch size), and the data-parallel sums run once, after the loop. Left automatic, XLA's GPU
+    compiler all-reduced every backward's weight gradients over data inside the loop (the H100
+    program, jax 0.12.0.1; XLA:CPU's does not). With `stage_losses` (MoE router losses, not sums
+    over rows) data stays automatic.
 
     A stage-dependent schedule (`schedule.stage_dependent`, see `schedule_for_mesh`) needs a
     collective-free chunk: every mesh axis but `axis_name` and `data` of size 1 (else
-    ValueError). With data > 1 it makes `data` manual as well and splits each microbatch's rows
-    (dim 1 of inputs, targets, side) over it: head_fn then sees one device's rows, so its loss
-    must be a sum over rows times constants (the model's summed NLL, a sum divided by the whole
-    batch size), and `stage_losses` is refused; the loss and the head's and stages' gradients
-    are summed over data once, after the loop.
+    ValueError), and no `stage_losses` when data > 1.
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     if mesh.shape[axis_name] != p:
@@ -675,15 +681,19 @@ def pipeline_value_and_grad(
     if schedule.stage_dependent and not collective_free(dict(mesh.shape), axis_name):
         raise ValueError(f"a stage-dependent schedule needs a collective-free chunk: every mesh "
                          f"axis but {axis_name!r} and 'data' of size 1, got {dict(mesh.shape)}")
-    # Stage-dependent control flow with data > 1: `data` is manual too, so a device computes on
-    # its own rows of each microbatch and no GSPMD collective lands inside the per-stage switch
-    # (left automatic, GSPMD all-reduced every W's weight gradient and the head's over data in
-    # the branch); the data-parallel sums run once, after the loop.
-    rows_axis = "data" if schedule.stage_dependent and mesh.shape.get("data", 1) > 1 else None
-    if rows_axis and stage_losses:
+    # With data > 1, `data` is manual too: a device computes on its own rows of each microbatch
+    # and the data-parallel sums of the loss and the gradients run once, after the loop. Left
+    # automatic, GSPMD all-reduced each backward's weight gradients and the head's over data
+    # inside the loop, every tick (m + p - 1 all-reduces of a stage's gradients per step instead
+    # of one), and inside a stage-dependent switch such a collective would hang. Not with
+    # `stage_losses` (an MoE router's losses are not sums over rows): those keep data automatic,
+    # and only uniform control flow.
+    data = mesh.shape.get("data", 1)
+    if schedule.stage_dependent and stage_losses and data > 1:
         raise ValueError("stage_losses (an MoE router's losses, not sums over rows) cannot run "
                          "on data-split microbatches; run zero-bubble uniform (build_schedule "
                          "without stage_dependent)")
+    rows_axis = "data" if data > 1 and not stage_losses else None
     if rows_axis and inputs.shape[1] % mesh.shape[rows_axis]:
         raise ValueError(f"microbatch rows={inputs.shape[1]} do not split over "
                          f"{rows_axis}={mesh.shape[rows_axis]}")
