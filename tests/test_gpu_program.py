@@ -182,17 +182,18 @@ def test_target_counts_past_8_come_in_hosts_of_8(capsys):
 
 
 def test_pipeline_sums_over_data_once_per_step_not_every_tick():
-    """pipe x data: the data-parallel sums of the pipelined loss and gradients are a fixed
-    number of all-reduces per step, whatever the number of microbatches (ticks). With `data`
-    left automatic inside the pipeline's shard_map, XLA's GPU compiler all-reduced a stage's
-    weight gradients over data in every backward -- on this program 16 all-reduces at 2
-    microbatches and 22 at 4 (XLA:CPU's program has none in the loop either way, so only the GPU
-    program shows it). The uniform runtime is the same for every schedule: 1F1B speaks for all."""
+    """pipe x data x fsdp at ZeRO-1: the data-parallel sums of the pipelined loss and gradients
+    are a fixed number of all-reduces per step, whatever the number of microbatches (ticks).
+    With `data` and `fsdp` left automatic inside the pipeline's shard_map, XLA's GPU compiler
+    all-reduced a stage's weight gradients over them in every backward (pipe 2 x data 4: 16
+    all-reduces at 2 microbatches, 22 at 4; XLA:CPU's program has none in the loop either way,
+    so only the GPU program shows it). The uniform runtime is the same for every schedule: 1F1B
+    speaks for all."""
     counts = {}
     for microbatches in (2, 4):
         _, _, r = compiled_for(8, **{
-            "mesh.pipe": 2, "mesh.data": 4, "mesh.fsdp": 1, "mesh.tensor": 1,
-            "parallel.zero_stage": 0, "parallel.pipeline_schedule": "1f1b",
+            "mesh.pipe": 2, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 1,
+            "parallel.zero_stage": 1, "parallel.pipeline_schedule": "1f1b",
             "parallel.microbatches": microbatches, "train.batch_size": 16,
             "model.d_model": 64, "model.d_ff": 128, "model.vocab_size": 512,
             "train.seq_len": 64, "train.loss_chunks": 1})

@@ -5,7 +5,8 @@ reaches (a stuck collective-permute) is a failure here, not a hung suite.
 The grid runs the toy model of tests/test_pipeline.py in one child process (one import, one
 compilation cache), with the shardings a ZeRO stage gives the model: stages 0 and 1 keep
 parameters and gradients whole on data / fsdp (the optimizer state, which stage 1 splits, is not
-part of the pipeline), stage 2 pins the gradients split over fsdp, stage 3 the parameters too; the
+part of the pipeline; the pipeline splits the rows over both itself, as the train step has it),
+stage 2 pins the gradients split over fsdp, stage 3 the parameters too; the
 `tensor` axis splits the hidden dim as Megatron's MLP does; the batch is split over data and
 fsdp. Each cell must give the single device's loss and gradients, leaf by leaf. The real model
 runs a representative subset of the same grid (tests/test_pipeline_training.py).
@@ -64,16 +65,19 @@ def run_grid() -> list[dict]:
         g_fsdp = fsdp if zero >= 2 else None
         grad_specs = {"w1": P("pipe", None, g_fsdp, tensor), "w2": P("pipe", None, tensor, g_fsdp)}
         schedule = schedule_for_mesh(build_schedule(kind, 2, m, v), sizes)
+        # As the train step: below ZeRO-2 parameters and gradients are whole on fsdp, so the
+        # pipeline splits the rows over it itself, like data's.
+        row_axes = ("data", "fsdp") if zero <= 1 else ("data",)
         args = ({k: put(a, *specs[k]) for k, a in layer_params.items()}, head_params,
                 put(x, ("data", "fsdp")), put(y, ("data", "fsdp")))
-        key = (kind, pair, str(specs), str(grad_specs))
+        key = (kind, pair, str(specs), str(grad_specs), row_axes)
         if key not in compiled:
             def run(layer_params, head_params, x, y, schedule=schedule, mesh=mesh,
-                    grad_specs=grad_specs, v=v, m=m):
+                    grad_specs=grad_specs, v=v, m=m, row_axes=row_axes):
                 loss, (stage_grads, head_grads, x_grads) = pipeline_value_and_grad(
                     stage_fn, functools.partial(head_loss, batch=m * MICROBATCH),
                     stack_stages(layer_params, 2, v), head_params, split_microbatches(x, m),
-                    split_microbatches(y, m), schedule=schedule, mesh=mesh)
+                    split_microbatches(y, m), schedule=schedule, mesh=mesh, row_axes=row_axes)
                 stage_grads = {k: jax.lax.with_sharding_constraint(
                     g, NamedSharding(mesh, grad_specs[k])) for k, g in stage_grads.items()}
                 return loss, (stage_grads, head_grads, x_grads)

@@ -25,7 +25,9 @@ PIPE = ["model.n_layers=8", "train.batch_size=16", "train.seq_len=16"]
 LAYOUTS = {
     "pipe2_interleaved": ({"pipe": 2, "data": 4}, ["parallel.pipeline_schedule=interleaved",
                                                    "parallel.virtual_stages=2", "parallel.microbatches=4"]),
-    "pipe4_1f1b": ({"pipe": 4, "data": 2}, ["parallel.pipeline_schedule=1f1b", "parallel.microbatches=8"]),
+    # ZeRO-1: fsdp splits only the rows inside the pipeline (manual there, like data).
+    "pipe4_fsdp2_1f1b_zero1": ({"pipe": 4, "fsdp": 2}, ["parallel.pipeline_schedule=1f1b",
+                                                       "parallel.microbatches=8", "parallel.zero_stage=1"]),
     "pipe8_gpipe": ({"pipe": 8}, ["parallel.pipeline_schedule=gpipe", "parallel.microbatches=4"]),
     "pipe2_data2_tensor2": ({"pipe": 2, "data": 2, "tensor": 2}, ["parallel.microbatches=4"]),
     "pipe2_fsdp4_zero3": ({"pipe": 2, "fsdp": 4}, ["parallel.zero_stage=3", "parallel.microbatches=2"]),

@@ -629,6 +629,7 @@ def pipeline_value_and_grad(
     axis_name: str = "pipe",
     side: Any = None,
     stage_losses: bool = False,
+    row_axes: tuple[str, ...] = ("data",),
 ):
     """Loss and gradients of a pipelined layer stack followed by a head.
 
@@ -662,13 +663,15 @@ def pipeline_value_and_grad(
     over `axis_name` of loss, head grads and input grads (each of which only one stage
     computed), and over data of the loss, head and stage grads.
 
-    With data > 1 (and no `stage_losses`), `data` is manual too and each microbatch's rows (dim 1
-    of inputs, targets, side) are split over it: head_fn then sees one device's rows, so its loss
-    must be a sum over rows times constants (the model's summed NLL, a sum divided by the whole
-    batch size), and the data-parallel sums run once, after the loop. Left automatic, XLA's GPU
-    compiler all-reduced every backward's weight gradients over data inside the loop (the H100
-    program, jax 0.12.0.1; XLA:CPU's does not). With `stage_losses` (MoE router losses, not sums
-    over rows) data stays automatic.
+    row_axes: mesh axes that split only the rows of a microbatch here, the parameters replicated
+    over them: `data`, and `fsdp` where ZeRO shards no parameters or gradients (stages 0 and 1).
+    Those of size > 1 (unless `stage_losses`) are manual too, and each microbatch's rows (dim 1
+    of inputs, targets, side) are split over them, in this order: head_fn then sees one device's
+    rows, so its loss must be a sum over rows times constants (the model's summed NLL, a sum
+    divided by the whole batch size), and the data-parallel sums run once, after the loop. Left
+    automatic, XLA's GPU compiler all-reduced every backward's weight gradients over them inside
+    the loop (the H100 program, jax 0.12.0.1; XLA:CPU's does not). With `stage_losses` (MoE
+    router losses, not sums over rows) they stay automatic.
 
     A stage-dependent schedule (`schedule.stage_dependent`, see `schedule_for_mesh`) needs a
     collective-free chunk: every mesh axis but `axis_name` and `data` of size 1 (else
@@ -693,10 +696,11 @@ def pipeline_value_and_grad(
         raise ValueError("stage_losses (an MoE router's losses, not sums over rows) cannot run "
                          "on data-split microbatches; run zero-bubble uniform (build_schedule "
                          "without stage_dependent)")
-    rows_axis = "data" if data > 1 and not stage_losses else None
-    if rows_axis and inputs.shape[1] % mesh.shape[rows_axis]:
+    rows_axes = () if stage_losses else tuple(a for a in row_axes if mesh.shape.get(a, 1) > 1)
+    row_devices = int(np.prod([mesh.shape[a] for a in rows_axes]))
+    if inputs.shape[1] % row_devices:
         raise ValueError(f"microbatch rows={inputs.shape[1]} do not split over "
-                         f"{rows_axis}={mesh.shape[rows_axis]}")
+                         f"{'x'.join(rows_axes)}={row_devices}")
     for leaf in jax.tree.leaves(stage_params):
         if leaf.shape[0] != p * v:
             raise ValueError(f"stage_params leading dim {leaf.shape[0]} != "
@@ -712,10 +716,10 @@ def pipeline_value_and_grad(
         plain_stage_fn = stage_fn
         stage_fn = lambda params, h, s: (  # noqa: E731
             plain_stage_fn(params, h, s), jnp.zeros((), jnp.float32), {})
-    body = functools.partial(_pipeline_body, stage_fn, head_fn, schedule, axis_name, rows_axis)
-    rows = P(None, rows_axis)  # [microbatches, rows, ...]: split over rows_axis when it is manual
+    body = functools.partial(_pipeline_body, stage_fn, head_fn, schedule, axis_name, rows_axes)
+    rows = P(None, rows_axes or None)  # [microbatches, rows, ...]: rows split over rows_axes
     mapped = jax.shard_map(
-        body, mesh=mesh, axis_names={axis_name} | ({rows_axis} if rows_axis else set()),
+        body, mesh=mesh, axis_names={axis_name, *rows_axes},
         in_specs=(P(axis_name), P(), rows, rows, rows),
         out_specs=(P(), (P(axis_name), P(), rows), P(axis_name)),
         # The carried buffers start equal on every stage and become per-stage after the first
@@ -723,21 +727,21 @@ def pipeline_value_and_grad(
         check_vma=False)
     loss, grads, stats = mapped(
         _split_over(stage_params, mesh, axis_name), head_params,
-        *(_split_over(tree, mesh, rows_axis, dim=1) for tree in (inputs, targets, side)))
+        *(_split_over(tree, mesh, rows_axes, dim=1) for tree in (inputs, targets, side)))
     return (loss, grads, stats) if stage_losses else (loss, grads)
 
 
-def _split_over(tree, mesh, axis_name: str | None, dim: int = 0):
-    """On a mesh whose `axis_name` is Explicit, shard_map wants its inputs already laid out as
-    its in_specs say: put dim `dim` of every leaf on that axis; dim 0 (the stages) keeps the
-    other dims as they were, dim 1 (microbatch rows over data, stage-dependent control flow,
-    where every other axis has size 1) leaves the other dims whole. (On an Auto axis the
-    shard_map's in_specs place them; None: nothing to place.)"""
-    if axis_name is None:
+def _split_over(tree, mesh, axis_name: str | tuple[str, ...], dim: int = 0):
+    """On a mesh whose `axis_name` (one axis or several) is Explicit, shard_map wants its inputs
+    already laid out as its in_specs say: put dim `dim` of every leaf on that axis; dim 0 (the
+    stages) keeps the other dims as they were, dim 1 (microbatch rows over the row axes) leaves
+    the other dims whole. (On Auto axes the shard_map's in_specs place them; no axis: nothing to
+    place.)"""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if not axes or not any(types[a] == jax.sharding.AxisType.Explicit for a in axes):
         return tree
-    explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis_name] == jax.sharding.AxisType.Explicit
-    if not explicit:
-        return tree
+    axis_name = axes[0] if len(axes) == 1 else axes
 
     def put(leaf):
         spec = (list(jax.typeof(leaf).sharding.spec) if dim == 0 else []) + [None] * leaf.ndim
@@ -747,10 +751,10 @@ def _split_over(tree, mesh, axis_name: str | None, dim: int = 0):
     return jax.tree.map(put, tree)
 
 
-def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axis,
+def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axes,
                    stage_params, head_params, inputs, targets, side):
     """One device: stage_params leaves [v, layers_per_chunk, ...]; scans the schedule's ticks.
-    With `rows_axis` (manual too) the microbatches hold this device's rows only: the loss and
+    With `rows_axes` (manual too) the microbatches hold this device's rows only: the loss and
     the gradients of the head and the stages are partial sums until the psums at the end."""
     p, lowered = schedule.stages, lower_schedule(schedule)
     zb = "W" in schedule.slots
@@ -954,9 +958,9 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axis,
     def psum(x, axes):
         return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype) if axes else x
 
-    everywhere = (axis_name, rows_axis) if rows_axis else axis_name  # one stage, all rows
+    everywhere = (axis_name, *rows_axes)  # one stage, all rows
     input_grads = psum(carry["input_grads"], axis_name)  # rows stay on their device
-    stage_grads = jax.tree.map(lambda g: psum(g, rows_axis), carry["stage_grads"])
+    stage_grads = jax.tree.map(lambda g: psum(g, rows_axes), carry["stage_grads"])
     head_grads = jax.tree.map(lambda g: psum(g, everywhere), carry["head_grads"])
     return psum(carry["loss"], everywhere), (stage_grads, head_grads, input_grads), carry["stats"]
 
@@ -965,7 +969,8 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axis,
 
 
 def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.sharding.Mesh,
-                         loss_chunks: int, axis_name: str = "pipe"):
+                         loss_chunks: int, axis_name: str = "pipe",
+                         row_axes: tuple[str, ...] = ("data",)):
     """The language-model loss of `model` with its blocks pipelined over `axis_name`.
 
     model: a jaxpar Transformer (abstract is enough: only its structure and config are read);
@@ -975,6 +980,8 @@ def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.
     params: the model's parameters as a pure dict; batch: {inputs, targets, positions,
         segment_ids, loss_mask}, each [batch, seq] (already in ring attention's layout when the
         model has one: positions and segment ids travel with their tokens).
+    row_axes: the mesh axes that split only the batch rows, parameters replicated over them
+        (`pipeline_value_and_grad`): data, and fsdp under ZeRO-0/1.
 
     Returns (gradients of the summed objective, shaped like params; {"nll": summed NLL, "count":
     tokens}, and for MoE models the router statistics). Activations and their gradients travel
@@ -1023,7 +1030,7 @@ def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.
         split_microbatches(x, m), {k: micro[k] for k in ("targets", "loss_mask")},
         schedule=schedule, mesh=mesh, axis_name=axis_name,
         side=(micro["positions"], micro["segment_ids"], micro["loss_mask"]),
-        stage_losses=bool(moe_layers))
+        stage_losses=bool(moe_layers), row_axes=row_axes)
     (embedding_grad,) = embed_vjp(merge_microbatches(input_grads))
     grads = {**head_grads, "blocks": unstack_stages(stage_grads, p, v)}
     grads["embedding"] = embedding_grad + head_grads.get("embedding", 0.0)  # tied: both uses
