@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule = pipeline_lib.schedule_for_mesh(  # the control flow the step runs (zb)
             pipeline_lib.build_schedule(p.pipeline_schedule, sizes["pipe"], p.microbatches,
                                         p.virtual_stages),
-            sizes, stage_losses=cfg.model.moe.num_experts > 0)
+            sizes, row_axes=pipeline_lib.row_axes_for(cfg.model, p.zero_stage))
         print(pipeline_lib.format_schedule(schedule) if "--human" in flags
               else json.dumps(pipeline_lib.describe_schedule(schedule), indent=2))
         return 0

@@ -41,7 +41,8 @@ Step time (`predict_time`), in seconds:
   reduce-scatter (n-1)/n, all-to-all (n-1)/n) over NVLink when the axis stays inside a node and
   over the node's network when it does not. Overlap assumed: data/fsdp traffic (gradient
   reduction, ZeRO-3 weight gathers) overlaps the compute, so only what exceeds the compute
-  time shows; ring attention's K/V passes overlap that layer's attention; tensor-parallel
+  time shows -- except a pipeline's sum over its row axes, after its loop, exposed once per
+  pipelined pass; ring attention's K/V passes overlap that layer's attention; tensor-parallel
   all-reduces, expert all-to-alls and pipeline sends are not overlapped;
 - the pipeline bubble of the schedule as the runtime builds it (`schedule_bubble`: the idle
   fraction of `jaxpar.parallel.pipeline`'s own lowered schedule, not a textbook formula).
@@ -427,18 +428,20 @@ def executed_schedule(cfg: Config, sizes: dict[str, int]):
     configured one, made stage-dependent where `pipeline.schedule_for_mesh` says so (zero-bubble
     on a collective-free chunk)."""
     p = cfg.parallel
+    from jaxpar.parallel import pipeline as pipeline_lib
+
     return _executed(p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages,
-                     tuple(sorted(sizes.items())), cfg.model.moe.num_experts > 0)
+                     tuple(sorted(sizes.items())), pipeline_lib.row_axes_for(cfg.model, p.zero_stage))
 
 
 @functools.lru_cache(maxsize=None)
 def _executed(kind: str, stages: int, microbatches: int, virtual: int,
-              sizes: tuple[tuple[str, int], ...], stage_losses: bool):
+              sizes: tuple[tuple[str, int], ...], row_axes: tuple[str, ...]):
     """Many layouts share one schedule: built once (pure Python)."""
     from jaxpar.parallel import pipeline as pipeline_lib
 
     built = pipeline_lib.build_schedule(kind, stages, microbatches, virtual)
-    return pipeline_lib.schedule_for_mesh(built, dict(sizes), stage_losses=stage_losses)
+    return pipeline_lib.schedule_for_mesh(built, dict(sizes), row_axes=row_axes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -679,6 +682,12 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     busy = compute + comm["tensor"] + comm["context"] + comm["expert"] + comm["pipe"]
     busy = busy / (1 - bubble)
     exposed_dp = max(0.0, comm["data_fsdp"] - busy)
+    from jaxpar.parallel import pipeline as pipeline_lib
+
+    if pipe > 1 and pipeline_lib.row_axes_for(m, p.zero_stage):
+        # The pipeline sums its gradients over the row axes (data, fsdp below ZeRO-2) once per
+        # pipelined pass, after its loop, with nothing left to overlap: exposed, grad_accum times.
+        exposed_dp = p.grad_accum * comm["data_fsdp"]
     step = busy + exposed_dp
     return {"compute_s": compute, "attention_s": attention_s, "comm_s": comm, "exposed_data_fsdp_s": exposed_dp,
             "bubble_fraction": bubble, "step_time_s": step,

@@ -248,8 +248,8 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
             mesh=mesh, axis_name=layout.rules["activations"]["layers"][0],
             loss_chunks=loss_chunks(cfg, sizes, rows=rows),
             # Axes over which parameters and gradients are whole: the pipeline splits rows over
-            # them itself and sums once per pass (ZeRO-2/3 shard gradients or weights over fsdp).
-            row_axes=("data", "fsdp") if p.zero_stage <= 1 else ("data",))
+            # them itself and sums once per pass.
+            row_axes=pipeline_lib.row_axes_for(cfg.model, p.zero_stage))
 
         def summed_grads(params, batch):
             """The pipeline's summed gradients and statistics, over parallel.grad_accum

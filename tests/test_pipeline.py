@@ -405,9 +405,13 @@ def test_schedule_for_mesh_picks_stage_dependent_zb_only_for_a_collective_free_c
         assert schedule_for_mesh(zb, {**base, **sizes}).stage_dependent
     for axis in ("fsdp", "tensor", "context", "expert"):  # collectives inside the chunk
         assert not schedule_for_mesh(zb, {**base, "data": 2, axis: 2}).stage_dependent
-    # Router losses are not sums over rows: with data > 1 MoE stays uniform.
-    assert not schedule_for_mesh(zb, {**base, "data": 2}, stage_losses=True).stage_dependent
-    assert schedule_for_mesh(zb, base, stage_losses=True).stage_dependent
+    # fsdp below ZeRO-2 is a row axis (parameters and gradients whole on it): collective-free.
+    assert schedule_for_mesh(zb, {**base, "data": 2, "fsdp": 2},
+                             row_axes=("data", "fsdp")).stage_dependent
+    # MoE and float8 couple a microbatch's rows (router losses, per-tensor scales): no row axes,
+    # so with data > 1 they stay uniform.
+    assert not schedule_for_mesh(zb, {**base, "data": 2}, row_axes=()).stage_dependent
+    assert schedule_for_mesh(zb, base, row_axes=()).stage_dependent
     for kind, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
         assert not schedule_for_mesh(build_schedule(kind, 4, 8, v), base).stage_dependent
     # The runtime refuses a stage-dependent table on a mesh whose chunk has collectives.

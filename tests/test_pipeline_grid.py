@@ -11,9 +11,10 @@ stage 2 pins the gradients split over fsdp, stage 3 the parameters too; the
 fsdp. Each cell must give the single device's loss and gradients, leaf by leaf. The real model
 runs a representative subset of the same grid (tests/test_pipeline_training.py).
 
-Each cell runs the schedule `schedule_for_mesh` picks, as the train step does: every pair holds
-fsdp or tensor, so zero-bubble must stay uniform here (its stage-dependent ZB-H1 mode, for a
-collective-free chunk, would hang on the chunk's collectives).
+Each cell runs the schedule `schedule_for_mesh` picks, as the train step does: zero-bubble runs
+stage-dependent (ZB-H1) only on data x fsdp below ZeRO-2, where both are row axes and the chunk is
+collective-free; with tensor, or fsdp at ZeRO-2/3, it stays uniform (stage-dependent branches
+would hang on the chunk's collectives).
 """
 
 import json
@@ -64,10 +65,10 @@ def run_grid() -> list[dict]:
         specs = {"w1": (None, p_fsdp, tensor), "w2": (None, tensor, p_fsdp)}
         g_fsdp = fsdp if zero >= 2 else None
         grad_specs = {"w1": P("pipe", None, g_fsdp, tensor), "w2": P("pipe", None, tensor, g_fsdp)}
-        schedule = schedule_for_mesh(build_schedule(kind, 2, m, v), sizes)
-        # As the train step: below ZeRO-2 parameters and gradients are whole on fsdp, so the
-        # pipeline splits the rows over it itself, like data's.
+        # As the train step (`row_axes_for`): below ZeRO-2 parameters and gradients are whole on
+        # fsdp, so the pipeline splits the rows over it itself, like data's.
         row_axes = ("data", "fsdp") if zero <= 1 else ("data",)
+        schedule = schedule_for_mesh(build_schedule(kind, 2, m, v), sizes, row_axes=row_axes)
         args = ({k: put(a, *specs[k]) for k, a in layer_params.items()}, head_params,
                 put(x, ("data", "fsdp")), put(y, ("data", "fsdp")))
         key = (kind, pair, str(specs), str(grad_specs), row_axes)
@@ -112,7 +113,10 @@ def test_every_schedule_with_every_axis_pair_and_zero_stage_matches_single_devic
     assert [r["cell"] for r in results] == [[k, v, m, list(pair), z] for k, v, m, pair, z in cells()]
     bad = [r for r in results if not (r["finite"] and r["max_error"] <= 1e-5 and r["loss"] > 0.1)]
     assert not bad, bad
-    assert not any(r["stage_dependent"] for r in results)  # zb x fsdp / tensor: uniform
+    # Stage-dependent exactly where the chunk is collective-free: zero-bubble on data x fsdp
+    # below ZeRO-2 (both row axes); with tensor, or fsdp at ZeRO-2/3, uniform.
+    assert [r["cell"] for r in results if r["stage_dependent"]] == [
+        ["zb", 1, 4, ["data", "fsdp"], 0], ["zb", 1, 4, ["data", "fsdp"], 1]]
 
 
 if __name__ == "__main__":

@@ -117,14 +117,18 @@ def test_inspect_prints_the_schedule_and_its_bubble():
 
 
 def test_inspect_schedule_reports_the_control_flow_zero_bubble_runs(capsys):
-    """zb on pipe x data is the stage-dependent ZB-H1 table; with fsdp (or tensor, context,
-    expert) > 1 it stays uniform, and the bubble says so (nothing compiles)."""
+    """zb on pipe x data (and pipe x fsdp below ZeRO-2, a row axis) is the stage-dependent ZB-H1
+    table; with fsdp at ZeRO-2/3 (or tensor, context, expert) > 1 it stays uniform, and the
+    bubble says so (nothing compiles)."""
     import json
 
     from jaxpar.inspect import main
 
-    for mesh, flow, bubble in [(["mesh.data=2", "mesh.fsdp=1"], "stage-dependent", 3 / 27),
-                               (["mesh.data=1", "mesh.fsdp=2"], "uniform", 6 / 30)]:
+    for mesh, flow, bubble in [
+            (["mesh.data=2", "mesh.fsdp=1"], "stage-dependent", 3 / 27),
+            (["mesh.data=1", "mesh.fsdp=2", "parallel.zero_stage=1"], "stage-dependent", 3 / 27),
+            (["mesh.data=1", "mesh.fsdp=2", "parallel.zero_stage=2"], "uniform", 6 / 30),
+            (["mesh.data=2", "mesh.fsdp=1", "model.fp8=true"], "uniform", 6 / 30)]:
         args = [TINY_YAML, *PIPE, "mesh.pipe=4", "mesh.tensor=1", *mesh,
                 "parallel.pipeline_schedule=zb", "parallel.microbatches=8", "--schedule"]
         assert main(args) == 0

@@ -233,7 +233,7 @@ def test_step_time_uses_the_runtime_schedules_bubble():
         assert bubble(kind, v, data) == want == bubble(kind, v, fsdp)
     assert bubble("1f1b", 1, data) == pytest.approx(1 / 5)
     assert bubble("zb", 1, data) == pytest.approx(1 / 13)  # ZB-H1, stage-dependent
-    assert bubble("zb", 1, fsdp) == pytest.approx(2 / 14)  # uniform control flow
+    assert bubble("zb", 1, fsdp) == pytest.approx(2 / 14)  # uniform control flow (ZeRO-3)
 
 
 def test_enumeration_pipelines_with_accumulation_experts_and_context():

@@ -244,6 +244,7 @@ def test_h100_program_has_the_ragged_exchange_and_grouped_gemm_not_the_padded_bu
     tokens = cfg.train.batch_size // 4 * cfg.train.seq_len  # per device
     exchanges = _instructions(text, "ragged-all-to-all")
     assert len(exchanges) >= 4, exchanges  # dispatch and return, forward and backward
+    assert report["collectives"]["ragged-all-to-all"]["count"] >= 4, report["collectives"]
     # The dispatch sends exactly the routed rows: [tokens * top_k, d_model] in bfloat16.
     assert any(f"(bf16[{tokens * 2},{cfg.model.d_model}]" in line for line in exchanges), exchanges
     # The grouped GEMMs: XLA (jax 0.12) compiles each ragged_dot into GEMMs over the rows it

@@ -475,6 +475,8 @@ def _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes
             rows = ragged_receive_rows(n_tokens, top_k, num_experts, expert_devices, buffer_factor)
             # Rows past the buffer are not sent (only with a buffer factor below the worst case).
             kept = jnp.clip(rows - chunk_start, 0, sent)  # [s, j, l]
+            # A slice that starts past the buffer sends nothing; keep its offset in range anyway.
+            chunk_start = jnp.minimum(chunk_start, rows)
             source_start = _exclusive_cumsum(all_counts, axis=-1)  # [s, e]: where s's rows start
 
             def exchange(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes):

@@ -298,32 +298,41 @@ def _build_zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb", p, m, 1, ("F", "B", "W"), tuple(ticks), stage_dependent=True)
 
 
-def collective_free(sizes: dict[str, int], axis_name: str = "pipe") -> bool:
-    """Whether a chunk's forward and backward run without collectives on a mesh of these axis
-    sizes: every axis but `axis_name` and `data` has size 1.
+def row_axes_for(model_cfg, zero_stage: int) -> tuple[str, ...]:
+    """The mesh axes that, inside a pipelined chunk of this model, only split the rows of a
+    microbatch: `data`, and `fsdp` below ZeRO-2 (parameters and gradients whole on it; ZeRO-2/3
+    split gradients or weights over fsdp). The pipeline makes them manual and sums over them once,
+    after its loop (`pipeline_value_and_grad`). None where the chunk couples its rows: MoE layers
+    (router losses and statistics over the whole microbatch) and float8 matmuls (per-tensor scales
+    from the whole activation's amax) keep those axes automatic, so GSPMD reduces over them."""
+    if model_cfg.moe.num_experts or model_cfg.fp8:
+        return ()
+    return ("data", "fsdp") if zero_stage <= 1 else ("data",)
 
-    Data parallelism alone splits the batch and replicates the parameters (ZeRO shards over fsdp
-    only), so a chunk computes on its own rows; the gradient reduction over data happens after the
-    pipeline loop. fsdp (ZeRO gathers, batch), tensor (Megatron's all-reduces), context (ring
-    attention's permutes) and expert (MoE all-to-alls) each put collectives inside the chunk. A
+
+def collective_free(sizes: dict[str, int], axis_name: str = "pipe",
+                    row_axes: tuple[str, ...] = ("data",)) -> bool:
+    """Whether a chunk's forward and backward run without collectives on a mesh of these axis
+    sizes: every axis but `axis_name` and the row axes (`row_axes_for`) has size 1.
+
+    A row axis splits the batch and keeps the parameters whole, and the pipeline makes it manual,
+    so a chunk computes on its own rows; the gradient reduction over it happens after the
+    pipeline loop. Any other axis puts collectives inside the chunk: fsdp at ZeRO-2/3 (gradient
+    reduce-scatters, weight gathers), tensor (Megatron's all-reduces), context (ring attention's
+    permutes), expert (MoE all-to-alls), and a row axis the model couples (MoE, float8). A
     collective inside a branch that only some stages take waits for devices that never arrive
     (module docstring), so only a collective-free chunk may branch per stage.
     """
-    return all(size == 1 for name, size in sizes.items() if name not in (axis_name, "data"))
+    return all(size == 1 for name, size in sizes.items() if name not in (axis_name, *row_axes))
 
 
 def schedule_for_mesh(schedule: Schedule, sizes: dict[str, int], axis_name: str = "pipe", *,
-                      stage_losses: bool = False) -> Schedule:
-    """The schedule the runtime executes on a mesh of these axis sizes: zero-bubble becomes the
-    stage-dependent ZB-H1 table where the chunk is collective-free (`collective_free`); every
-    other schedule and layout runs as built. `stage_losses`: the chunks add losses of their own
-    (MoE routers' aux and z losses), which are not sums over a microbatch's rows, so data > 1
-    keeps uniform control flow (stage-dependent runs split microbatch rows over data, see
-    `pipeline_value_and_grad`, and GSPMD would otherwise reduce the router statistics over data
-    inside the branch)."""
+                      row_axes: tuple[str, ...] = ("data",)) -> Schedule:
+    """The schedule the runtime executes on a mesh of these axis sizes, with these row axes
+    (`row_axes_for`): zero-bubble becomes the stage-dependent ZB-H1 table where the chunk is
+    collective-free (`collective_free`); every other schedule and layout runs as built."""
     if (schedule.kind == "zb" and not schedule.stage_dependent
-            and collective_free(sizes, axis_name)
-            and not (stage_losses and sizes.get("data", 1) > 1)):
+            and collective_free(sizes, axis_name, row_axes)):
         return build_schedule("zb", schedule.stages, schedule.microbatches, stage_dependent=True)
     return schedule
 
@@ -664,39 +673,36 @@ def pipeline_value_and_grad(
     computed), and over data of the loss, head and stage grads.
 
     row_axes: mesh axes that split only the rows of a microbatch here, the parameters replicated
-    over them: `data`, and `fsdp` where ZeRO shards no parameters or gradients (stages 0 and 1).
+    over them (`row_axes_for`: `data`, and `fsdp` where ZeRO shards no parameters or gradients).
     Those of size > 1 (unless `stage_losses`) are manual too, and each microbatch's rows (dim 1
     of inputs, targets, side) are split over them, in this order: head_fn then sees one device's
     rows, so its loss must be a sum over rows times constants (the model's summed NLL, a sum
     divided by the whole batch size), and the data-parallel sums run once, after the loop. Left
     automatic, XLA's GPU compiler all-reduced every backward's weight gradients over them inside
     the loop (the H100 program, jax 0.12.0.1; XLA:CPU's does not). With `stage_losses` (MoE
-    router losses, not sums over rows) they stay automatic.
+    router losses, not sums over rows) they stay automatic. A stage_fn that couples rows in
+    another way (float8 per-tensor scales) must be given no row axes.
 
     A stage-dependent schedule (`schedule.stage_dependent`, see `schedule_for_mesh`) needs a
-    collective-free chunk: every mesh axis but `axis_name` and `data` of size 1 (else
-    ValueError), and no `stage_losses` when data > 1.
+    collective-free chunk: every mesh axis but `axis_name` and the manual row axes of size 1
+    (else ValueError).
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     if mesh.shape[axis_name] != p:
         raise ValueError(
             f"mesh axis {axis_name}={mesh.shape[axis_name]} but schedule has stages={p}")
-    if schedule.stage_dependent and not collective_free(dict(mesh.shape), axis_name):
-        raise ValueError(f"a stage-dependent schedule needs a collective-free chunk: every mesh "
-                         f"axis but {axis_name!r} and 'data' of size 1, got {dict(mesh.shape)}")
-    # With data > 1, `data` is manual too: a device computes on its own rows of each microbatch
-    # and the data-parallel sums of the loss and the gradients run once, after the loop. Left
-    # automatic, GSPMD all-reduced each backward's weight gradients and the head's over data
-    # inside the loop, every tick (m + p - 1 all-reduces of a stage's gradients per step instead
-    # of one), and inside a stage-dependent switch such a collective would hang. Not with
-    # `stage_losses` (an MoE router's losses are not sums over rows): those keep data automatic,
-    # and only uniform control flow.
-    data = mesh.shape.get("data", 1)
-    if schedule.stage_dependent and stage_losses and data > 1:
-        raise ValueError("stage_losses (an MoE router's losses, not sums over rows) cannot run "
-                         "on data-split microbatches; run zero-bubble uniform (build_schedule "
-                         "without stage_dependent)")
+    # The row axes of size > 1 are manual too: a device computes on its own rows of each
+    # microbatch and the data-parallel sums of the loss and the gradients run once, after the
+    # loop. Left automatic, GSPMD all-reduced each backward's weight gradients and the head's
+    # over them inside the loop, every tick (m + p - 1 all-reduces of a stage's gradients per
+    # step instead of one), and inside a stage-dependent switch such a collective would hang.
+    # Not with `stage_losses` (an MoE router's losses are not sums over rows).
     rows_axes = () if stage_losses else tuple(a for a in row_axes if mesh.shape.get(a, 1) > 1)
+    if schedule.stage_dependent and not collective_free(dict(mesh.shape), axis_name, rows_axes):
+        raise ValueError(
+            f"a stage-dependent schedule needs a collective-free chunk: every mesh axis but "
+            f"{axis_name!r} and the row axes {rows_axes} of size 1 (stage_losses: no row axes), "
+            f"got {dict(mesh.shape)}")
     row_devices = int(np.prod([mesh.shape[a] for a in rows_axes]))
     if inputs.shape[1] % row_devices:
         raise ValueError(f"microbatch rows={inputs.shape[1]} do not split over "
@@ -981,7 +987,7 @@ def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.
         segment_ids, loss_mask}, each [batch, seq] (already in ring attention's layout when the
         model has one: positions and segment ids travel with their tokens).
     row_axes: the mesh axes that split only the batch rows, parameters replicated over them
-        (`pipeline_value_and_grad`): data, and fsdp under ZeRO-0/1.
+        (`row_axes_for`; `pipeline_value_and_grad`); none for MoE and float8 models whatever given.
 
     Returns (gradients of the summed objective, shaped like params; {"nll": summed NLL, "count":
     tokens}, and for MoE models the router statistics). Activations and their gradients travel
@@ -998,10 +1004,11 @@ def model_value_and_grad(model, params, batch, *, schedule: Schedule, mesh: jax.
     """
     moe = model.cfg.moe
     moe_layers = 0 if moe.num_experts == 0 else model.cfg.n_layers // moe.every
+    if moe_layers or model.cfg.fp8:
+        row_axes = ()  # the chunk couples its rows (`row_axes_for`)
     # Zero-bubble reaches ZB-H1's bubble where the chunk is collective-free (schedule_for_mesh);
-    # `inspect --schedule` makes the same choice.
-    schedule = schedule_for_mesh(schedule, dict(mesh.shape), axis_name,
-                                 stage_losses=bool(moe_layers))
+    # `inspect --schedule` and the planner make the same choice.
+    schedule = schedule_for_mesh(schedule, dict(mesh.shape), axis_name, row_axes=row_axes)
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     graphdef = nnx.graphdef(model)
 
