@@ -868,6 +868,20 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axes,
     def add_to_chunk(grads, j, d):
         return jax.tree.map(lambda g, x: update(g, index(g, j) + x, j), grads, d)
 
+    def add_forward(carry, r, fo):
+        """Row r's forward results written into the carry (both control flows): its stash slot,
+        loss, chunk statistics, head gradients, and the head's cotangent into the gradient slot
+        its backward reads (a scratch slot when this forward ran no head)."""
+        head_cotangent_to = jnp.where((r["f_on"] == 1) & (r["f_head"] == 1), r["f_grad_slot"],
+                                      lowered.gradient_slots)
+        return dict(
+            carry,
+            stash=[update(buf, x, r["f_stash_slot"]) for buf, x in zip(carry["stash"], fo["stash"])],
+            loss=carry["loss"] + fo["loss"],
+            stats=add_to_chunk(carry["stats"], r["f_chunk"], fo["stats"]),
+            head_grads=jax.tree.map(jnp.add, carry["head_grads"], fo["dhead"]),
+            grads=update(carry["grads"], fo["head_cotangent"], head_cotangent_to))
+
     # Stage-dependent control flow (zero-bubble on a collective-free chunk): each device runs
     # the one action its own row names, through `lax.switch`. The branches return small values
     # only; the buffers are written after the switch, as in the uniform tick.
@@ -903,17 +917,10 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axes,
         r = dict(zip(FIELDS, index(rows, stage)))  # this device's row: its own action
         branch = r["f_on"] * (1 + r["f_head"]) + 3 * r["b_on"] + 4 * r["w_on"]
         o = jax.lax.switch(branch, branches, carry, r)
-        head_cotangent_to = jnp.where((r["f_on"] == 1) & (r["f_head"] == 1), r["f_grad_slot"],
-                                      lowered.gradient_slots)
         input_grad = jnp.where((r["b_on"] == 1) & (r["b_first"] == 1), o["send_grad"],
                                index(carry["input_grads"], r["b_microbatch"]))
         carry = dict(
-            carry,
-            stash=[update(buf, x, r["f_stash_slot"]) for buf, x in zip(carry["stash"], o["stash"])],
-            loss=carry["loss"] + o["loss"],
-            stats=add_to_chunk(carry["stats"], r["f_chunk"], o["stats"]),
-            head_grads=jax.tree.map(jnp.add, carry["head_grads"], o["dhead"]),
-            grads=update(carry["grads"], o["head_cotangent"], head_cotangent_to),
+            add_forward(carry, r, o),
             input_grads=update(carry["input_grads"], input_grad, r["b_microbatch"]),
             stage_grads=add_to_chunk(carry["stage_grads"], r["w_chunk"], o["dparams"]))
         # The exchange, on every device every tick, outside the switch.
@@ -928,15 +935,7 @@ def _pipeline_body(stage_fn, head_fn, schedule, axis_name, rows_axes,
         r = dict(zip(FIELDS, index(rows, stage)))  # this device's actions (same on its stage)
         # Slot F. The predicates are the tick's, the same on every device (module docstring).
         fo = jax.lax.cond(running[0] == 1, forward_slot, no_forward, carry, r, head_runs == 1)
-        carry = dict(
-            carry,
-            stash=[update(buf, x, r["f_stash_slot"]) for buf, x in zip(carry["stash"], fo["stash"])],
-            loss=carry["loss"] + fo["loss"],
-            stats=add_to_chunk(carry["stats"], r["f_chunk"], fo["stats"]),
-            head_grads=jax.tree.map(jnp.add, carry["head_grads"], fo["dhead"]),
-            grads=update(carry["grads"], fo["head_cotangent"],
-                         jnp.where((r["f_on"] == 1) & (r["f_head"] == 1), r["f_grad_slot"],
-                                   lowered.gradient_slots)))
+        carry = add_forward(carry, r, fo)
         # Slot B.
         bo = jax.lax.cond(running[1] == 1, backward_slot, no_backward, carry, r)
         input_grad = jnp.where((r["b_on"] == 1) & (r["b_first"] == 1), bo["send_grad"],
