@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from typing import Sequence
@@ -12,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpar.config import MESH_AXES, ConfigError, DistributedConfig, RuntimeConfig
+from jaxpar.targets import cuda_plugin_folders
 
 
 def emulate_cpu_devices(runtime: RuntimeConfig) -> None:
@@ -24,7 +24,7 @@ def emulate_cpu_devices(runtime: RuntimeConfig) -> None:
     no_driver = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia",
                                                     "/dev/dxg"))  # dxg: WSL2's GPU
     if (no_driver and not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms
-            and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None):
+            and cuda_plugin_folders()):
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", runtime.cpu_devices)
 

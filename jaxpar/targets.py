@@ -71,12 +71,25 @@ def parse_target(text: str) -> tuple[str, int]:
     return name, int(count) if count else 1
 
 
+def cuda_plugin_folders() -> list[str]:
+    """The folders of the installed CUDA plugin package (`jax_plugins.xla_cuda12`); [] without it.
+
+    `importlib.util.find_spec("a.b")` imports `a` first and raises ModuleNotFoundError when `a`
+    is missing, and the `jax_plugins` namespace exists only while some plugin is installed: a
+    machine with only the `test` extra has none. Every question "is the plugin here?" comes here."""
+    try:
+        spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+    except ImportError:
+        return []
+    return list(spec.submodule_search_locations or []) if spec is not None else []
+
+
 def plugin_library() -> str:
     """Path of the CUDA plugin's shared library, or MissingExtra naming the extra to install."""
-    spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
-    if spec is None or not spec.submodule_search_locations:
+    folders = cuda_plugin_folders()
+    if not folders:
         raise MissingExtra(f"compiling for a GPU needs the CUDA plugin: {INSTALL_HINT}")
-    for folder in spec.submodule_search_locations:
+    for folder in folders:
         path = os.path.join(folder, "xla_cuda_plugin.so")
         if os.path.isfile(path):
             return path
