@@ -173,4 +173,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxpar.config import RuntimeConfig
+    from jaxpar.mesh import emulate_cpu_devices
+
+    # As jaxpar.train starts: one CPU device on a CPU machine, and the CPU directly where the CUDA
+    # plugin is installed without a driver (no cuInit traceback); before the backend starts.
+    emulate_cpu_devices(RuntimeConfig(cpu_devices=1))
     sys.exit(main())

@@ -166,6 +166,25 @@ def test_sample_cli_prints_the_prompt_and_the_greedy_continuation(run_dir):
     assert proc.stdout.decode() == "def " + ByteTokenizer().decode(ids) + "\n"
 
 
+def without_jax_platforms() -> dict[str, str]:
+    """This environment less JAX_PLATFORMS (conftest.py sets it to cpu): a command then picks its
+    backend itself, as on a user's machine."""
+    return {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+
+
+def test_sample_cli_starts_on_the_cpu_without_a_cuinit_traceback(run_dir):
+    """With the CUDA plugin installed and no driver (the gpu-compile extra on this machine), JAX
+    left to itself tries the plugin first and logs a cuInit(0) traceback; jaxpar.sample starts as
+    jaxpar.train does (jaxpar.mesh.emulate_cpu_devices). Without the plugin nothing is tried, and
+    this passes either way."""
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.sample", str(run_dir), "--prompt", "def ",
+                           "--max-tokens", "2"], capture_output=True, cwd=ROOT, timeout=300,
+                          env=without_jax_platforms())
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err[-2000:]
+    assert "cuInit" not in err and "Traceback" not in err, err[-2000:]
+
+
 ERRORS = {  # case -> (RUN_DIR contents, prompt, what stderr says)
     "no checkpoint": ("config.yaml", "def ", "no usable checkpoint"),
     "no config.yaml": ("nothing", "def ", "has no config.yaml"),
