@@ -682,9 +682,12 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--max-documents", type=int, default=None)
     prep.add_argument("--shard-tokens", type=int, default=None,
                       help="tokens per shard (cut at a document end); default 2**26")
+    check = sub.add_parser("verify", help="read prepared shards whole and check them against "
+                                          "their manifest (hashes, document index, token ids)")
+    check.add_argument("directories", nargs="+", metavar="DIR", help="a directory of shards")
     args = parser.parse_args(argv)
-    if args.command == "prepare":
-        return _prepare_command(args)
+    if args.command in ("prepare", "verify"):
+        return _shards_command(args)
     try:
         if args.vocab_size < 258:
             raise ConfigError(f"--vocab-size={args.vocab_size}: a byte-level BPE needs at least 258 "
@@ -702,9 +705,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prepare_command(args) -> int:
+def _shards_command(args) -> int:
+    """`prepare` and `verify`: jaxpar.shards' commands (it imports this module)."""
     from jaxpar import shards
 
+    if args.command == "verify":
+        try:
+            for directory in args.directories:
+                print(shards.verify(directory))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.tokenizer != "byte" and not os.path.isfile(args.tokenizer):
         print(f"error: --tokenizer={args.tokenizer} does not exist; use 'byte' or the path of a "
               "tokenizer.json", file=sys.stderr)

@@ -1,0 +1,212 @@
+"""Nothing trains on wrong data (issue 33): prepared shards are verified before a run reads them,
+a resume onto other data is refused, damaged compressed input and a full disk are one line, and
+the launcher, the converter and the planner refuse what they cannot do before doing any of it.
+
+Each test starts from a reproducer of the issue. Most run in this process; the few that must see
+a command's exit code and output start it as a subprocess.
+"""
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxpar import data, shards
+from jaxpar.config import ConfigError, DataConfig
+from jaxpar.data import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = str(ROOT / "configs" / "tiny.yaml")
+
+
+def quiet(message):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Every test records its verified shards in a cache of its own."""
+    monkeypatch.setenv("JAXPAR_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
+    root = tmp_path_factory.mktemp("corpus")
+    with open(root / "docs.jsonl", "w") as f:
+        for n in range(1500):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 60)))}) + "\n")
+    return root / "docs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "set"
+    assert data.main(["prepare", str(corpus), "--out", str(out), "--val-fraction", "0.1",
+                      "--shard-tokens", "60000"]) == 0
+    return out
+
+
+def copy_of(prepared: Path, tmp_path: Path) -> Path:
+    shutil.copytree(prepared, tmp_path / "set")
+    return tmp_path / "set"
+
+
+def open_for_training(directory: Path):
+    return data.packed_source(DataConfig(source=str(directory)), ByteTokenizer(), 32)
+
+
+# --- Item 1: training verifies what is in the shards ------------------------------------------------
+
+
+def overwrite_ids(path: Path, fraction: float, value=None, seed=0) -> None:
+    """Overwrites `fraction` of the uint16 ids of a shard in place (its size unchanged): with
+    `value`, or with other valid byte ids (end-of-document tokens left where they are)."""
+    ids = np.fromfile(path, dtype="<u2")
+    rng = np.random.default_rng(seed)
+    where = rng.choice(len(ids), size=max(1, int(fraction * len(ids))), replace=False)
+    if value is None:
+        where = where[ids[where] != 256]
+    ids[where] = value if value is not None else (ids[where] + 1 + rng.integers(0, 200, len(where))) % 256
+    ids.tofile(path)
+
+
+def swap_two_ends(path: Path) -> None:
+    ends = np.fromfile(path, dtype="<i8")
+    ends[[3, 4]] = ends[[4, 3]]
+    ends.tofile(path)
+
+
+def edit_manifest(directory: Path, key: str, value) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["tokenizer"][key] = value
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+CORRUPTIONS = {
+    # what the issue's probe did -> what the refusal must say
+    "30% of ids 65535": (lambda d: overwrite_ids(d / "train-00000.bin", 0.3, 0xFFFF),
+                         r"train-00000.bin: token \d+ is id 65535, beyond the tokenizer's 257 ids"),
+    "25,000 valid ids": (lambda d: overwrite_ids(d / "train-00001.bin", 25000 / 60000),
+                         r"train-00001.bin: its SHA-256 is \w+\.\.\., but manifest.json records"),
+    "one valid id": (lambda d: overwrite_ids(d / "train-00001.bin", 1 / 50000, seed=3),
+                     r"train-00001.bin: its SHA-256 is"),
+    "two ends swapped": (lambda d: swap_two_ends(d / "train-00000.idx"),
+                         r"train-00000.idx: document 4 ends at token \d+, not after the one before"),
+    "vocab_size 100": (lambda d: edit_manifest(d, "vocab_size", 100),
+                       r"manifest.json: tokenizer.vocab_size is 100, but the tokenizer it names "
+                       r"\('byte', the same file\) has 257"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_shards_that_differ_from_their_manifest_are_refused_naming_the_file(prepared, tmp_path, corruption):
+    directory = copy_of(prepared, tmp_path)
+    corrupt, message = CORRUPTIONS[corruption]
+    corrupt(directory)
+    with pytest.raises(ConfigError, match=message) as refused:
+        open_for_training(directory)
+    assert "prepare the corpus again" in str(refused.value) or "manifest" in str(refused.value)
+    # The full check says the same.
+    with pytest.raises(ConfigError, match=message):
+        shards.verify(str(directory), log=quiet)
+
+
+def test_a_later_shard_and_the_val_split_are_verified_too(prepared, tmp_path):
+    directory = copy_of(prepared, tmp_path)
+    last = sorted(directory.glob("train-*.bin"))[-1]
+    overwrite_ids(last, 0.01)
+    with pytest.raises(ConfigError, match=f"{last.name}: its SHA-256"):
+        open_for_training(directory)
+    directory = copy_of(prepared, tmp_path / "b")
+    overwrite_ids(directory / "val-00000.bin", 0.01)
+    open_for_training(directory)  # training reads the train split alone
+    with pytest.raises(ConfigError, match="val-00000.bin: its SHA-256"):
+        shards.PreparedSequences(str(directory), "byte", 32, split="val")
+
+
+def test_verification_is_cached_by_file_identity(prepared, tmp_path, monkeypatch):
+    directory = copy_of(prepared, tmp_path)
+    read = []
+    real = shards.verify_shard
+    monkeypatch.setattr(shards, "verify_shard", lambda d, r, *a: read.append(r["name"]) or real(d, r, *a))
+    open_for_training(directory)
+    names = [r["name"] for r in json.loads((directory / "manifest.json").read_text())["splits"]["train"]["shards"]]
+    assert read == names  # first use: every shard of the split read whole
+    read.clear()
+    open_for_training(directory)
+    assert read == []  # a second start: nothing read again
+    # A shard rewritten in place, its modification time set back: its change time tells.
+    shard = directory / "train-00001.bin"
+    st = os.stat(shard)
+    overwrite_ids(shard, 0.001, seed=5)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(shard).st_size == st.st_size and os.stat(shard).st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(ConfigError, match="train-00001.bin: its SHA-256"):
+        open_for_training(directory)
+    assert read == ["train-00001.bin"[:-4]]  # only the changed shard was read again
+
+
+def test_verify_command_checks_everything_and_exits_2_naming_the_file(prepared, tmp_path, capsys):
+    directory = copy_of(prepared, tmp_path)
+    assert data.main(["verify", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert f"{directory}: " in out and "shard(s) verified" in out and "MiB read in" in out
+    overwrite_ids(directory / "val-00000.bin", 0.3, 0xFFFF)
+    assert data.main(["verify", str(directory)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "val-00000.bin: token" in err[0] and "beyond the tokenizer's" in err[0]
+    assert data.main(["verify", str(tmp_path / "nothing")]) == 2
+    assert "has no manifest.json" in capsys.readouterr().err
+
+
+def test_training_on_overwritten_ids_exits_2_before_the_first_step(prepared, tmp_path):
+    """The issue's reproducer, as a user runs it."""
+    directory = copy_of(prepared, tmp_path)
+    overwrite_ids(directory / "train-00000.bin", 0.3, 0xFFFF)
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxpar.train", TINY_YAML, f"data.source={directory}",
+         "data.max_documents=null", "train.steps=3", "runtime.cpu_devices=1",
+         "checkpoint.every=100", f"train.run_dir={run}"],
+        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "train-00000.bin: token" in lines[0] and "beyond the tokenizer's 257 ids" in lines[0]
+    assert not (run / "metrics.jsonl").exists()
+
+
+def write_text_corpus(directory: Path, megabytes: float) -> None:
+    """Text files of printable bytes, 256 KiB each: a byte-tokenized set of twice the size."""
+    directory.mkdir()
+    rng = np.random.default_rng(1)
+    for n in range(int(megabytes * 4)):
+        (directory / f"{n:04d}.txt").write_bytes((rng.integers(32, 127, 1 << 18, dtype=np.uint8)).tobytes())
+
+
+def test_a_25_mb_set_verifies_in_seconds_and_a_second_start_reads_nothing(tmp_path, monkeypatch):
+    write_text_corpus(tmp_path / "text", 12.5)
+    out = tmp_path / "set"
+    shards.prepare([str(tmp_path / "text" / "*.txt")], str(out), log=quiet, progress=False,
+                   shard_tokens=1 << 22)
+    size = sum(p.stat().st_size for p in out.glob("*-*.*"))
+    assert 25 << 20 <= size < 27 << 20
+    clock = time.perf_counter()
+    open_for_training(out)
+    first = time.perf_counter() - clock
+    read = []
+    monkeypatch.setattr(shards, "verify_shard", lambda *a: read.append(a) or None)
+    clock = time.perf_counter()
+    open_for_training(out)
+    second = time.perf_counter() - clock
+    assert read == [] and first < 10, (first, second)
+    print(f"25 MiB set: first use {first:.2f} s, second start {second:.3f} s")
