@@ -11,8 +11,13 @@ as `LlamaForCausalLM` expects (the table in `jaxpar/models/llama.py`): our einsu
 `model-00001-of-0000N.safetensors` ... plus `model.safetensors.index.json` (the weight map).
 Mixture-of-experts models have no Llama counterpart and are refused. A model with q/k/v biases
 (model.qkv_bias) is written as `Qwen2ForCausalLM`, any other as `LlamaForCausalLM`; rotary scaling
-(model.rope_scaling) goes into config.json's rope_scaling. The run's tokenizer.json (and the
-tokenizer_config.json beside it, if any) is copied along when data.tokenizer names one.
+(model.rope_scaling) goes into config.json's rope_scaling.
+
+The tokenizer goes along: the run's tokenizer.json (and the tokenizer_config.json beside it, if
+any) is copied when data.tokenizer names one; a byte-level run (data.tokenizer=byte) gets a
+tokenizer.json built with the `tokenizers` library (`byte_tokenizer`) and a tokenizer_config.json,
+so that `transformers.AutoTokenizer.from_pretrained(OUT)` encodes text to jaxpar's ids and decodes
+them back to the same text. config.json's eos_token_id is the run's end-of-document id.
 """
 
 from __future__ import annotations
@@ -157,6 +162,73 @@ def write_safetensors(tensors: dict[str, np.ndarray], out: str,
     return files
 
 
+def _byte_symbols() -> list[str]:
+    """The character that stands for each byte 0-255 in a byte-level tokenizer.json (the
+    convention of the `tokenizers` ByteLevel pre-tokenizer and decoder, GPT-2's): a printable
+    Latin-1 byte is its own character; the 68 others (controls, space, 0x7F-0xA0, the soft
+    hyphen 0xAD) take U+0100, U+0101, ... in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    symbols, shifted = [], 0x100
+    for byte in range(256):
+        if byte in printable:
+            symbols.append(chr(byte))
+        else:
+            symbols.append(chr(shifted))
+            shifted += 1
+    return symbols
+
+
+def byte_tokenizer():
+    """jaxpar's byte tokenizer (`jaxpar.data.ByteTokenizer`) as a `tokenizers.Tokenizer`: token
+    id b is the byte b of the text's UTF-8, and 256 is the end-of-document token (special, so
+    skipped when decoding with skip_special_tokens). A BPE model without merges over the 256
+    byte symbols: it never joins two bytes, so encoding gives one id per byte; the ByteLevel
+    decoder turns ids back into bytes and decodes them as UTF-8, an invalid sequence becoming
+    U+FFFD as in ByteTokenizer.decode."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from jaxpar.data import EOD_TOKEN, ByteTokenizer
+
+    vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # Bytes to symbols only; no splitting into words (with no merges it changes no id).
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(EOD_TOKEN, special=True)])
+    assert tokenizer.token_to_id(EOD_TOKEN) == ByteTokenizer.eod_id
+    return tokenizer
+
+
+def write_tokenizer(cfg, out: str) -> int | None:
+    """Writes the run's tokenizer into `out` (tokenizer.json, tokenizer_config.json); returns its
+    end-of-document id, or None when data.tokenizer names no file here (nothing written)."""
+    import shutil
+
+    from jaxpar.data import EOD_TOKEN, ByteTokenizer, make_tokenizer
+
+    if cfg.data.tokenizer == "byte":
+        byte_tokenizer().save(os.path.join(out, "tokenizer.json"))
+        settings = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOD_TOKEN,
+            # jaxpar reads "<|endoftext|>" in a text as its 13 bytes; so does transformers with
+            # this (the tokenizers library alone turns it into 256).
+            "split_special_tokens": True,
+            "clean_up_tokenization_spaces": False,  # decode gives the text back, spaces included
+            "model_max_length": cfg.model.max_seq_len,
+        }
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+            json.dump(settings, f, indent=2)
+        return ByteTokenizer.eod_id
+    if not os.path.isfile(cfg.data.tokenizer):
+        return None
+    beside = os.path.join(os.path.dirname(cfg.data.tokenizer), "tokenizer_config.json")
+    shutil.copyfile(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
+    if os.path.isfile(beside):
+        shutil.copyfile(beside, os.path.join(out, "tokenizer_config.json"))
+    return make_tokenizer(cfg.data).eod_id
+
+
 def load_params(run_dir: str, step: int | None = None):
     """(config, params as numpy arrays, step) from the run's newest intact checkpoint (or
     `step`), restored onto one CPU device without the optimizer state."""
@@ -185,15 +257,10 @@ def export(run_dir: str, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTE
     cfg, params, step = load_params(run_dir, step)
     tensors = hf_state_dict(params, cfg.model)
     files = write_safetensors(tensors, out, max_shard_bytes)
+    eod_id = write_tokenizer(cfg, out)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(cfg.model), f, indent=2)
-    if cfg.data.tokenizer != "byte" and os.path.isfile(cfg.data.tokenizer):
-        import shutil
-
-        beside = os.path.join(os.path.dirname(cfg.data.tokenizer), "tokenizer_config.json")
-        shutil.copyfile(cfg.data.tokenizer, os.path.join(out, "tokenizer.json"))
-        if os.path.isfile(beside):
-            shutil.copyfile(beside, os.path.join(out, "tokenizer_config.json"))
+        json.dump({**hf_config(cfg.model), **({} if eod_id is None else {"eos_token_id": eod_id})},
+                  f, indent=2)
     return {"step": step, "out": out, "files": files, "tensors": len(tensors),
             "bytes": sum(t.nbytes for t in tensors.values())}
 
@@ -227,4 +294,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -
 
 
 if __name__ == "__main__":
+    from jaxpar.config import RuntimeConfig
+    from jaxpar.mesh import emulate_cpu_devices
+
+    # As jaxpar.train starts: one CPU device on a CPU machine, and the CPU directly where the CUDA
+    # plugin is installed without a driver (no cuInit traceback); before the backend starts.
+    emulate_cpu_devices(RuntimeConfig(cpu_devices=1))
     sys.exit(main())

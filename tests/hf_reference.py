@@ -12,6 +12,9 @@ torch, and PyPI's Linux torch for its Python needs the CUDA libraries.
     .venv-hf/bin/python tests/hf_reference.py logits OUT.npz NAME=DIR ...
         Loads each directory with AutoModelForCausalLM (as a user would: the class comes from
         its config.json) and writes its float32 logits on TOKENS to OUT.npz under NAME.
+    .venv-hf/bin/python tests/hf_reference.py tokenizer DIR CASES.json OUT.json
+        Loads DIR (a jaxpar export) with AutoTokenizer and AutoModelForCausalLM and writes to
+        OUT.json what they give on CASES.json (see `tokenizer` below).
 
 Every norm weight and bias is drawn at random too (transformers starts them at 1 and 0), so a
 swapped norm or a missing bias changes the logits.
@@ -127,6 +130,36 @@ def logits(out: str, pairs: list[str]) -> None:
     np.savez(out, **results)
 
 
+def tokenizer(where: str, cases_path: str, out: str) -> None:
+    """CASES.json: {"texts": [str], "ids": [[int]], "logits_text": str}. OUT.json: each text's
+    input_ids (`encoded`) and those decoded (`decoded_texts`), each id list decoded with
+    skip_special_tokens (`decoded_ids`), the tokenizer's and the model config's eos_token_id,
+    the model's class and its float32 logits [seq, vocab] on the ids of logits_text."""
+    import torch
+    import transformers
+
+    with open(cases_path) as f:
+        cases = json.load(f)
+    tok = transformers.AutoTokenizer.from_pretrained(where)
+    model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
+    encoded = [tok(text)["input_ids"] for text in cases["texts"]]
+    with torch.no_grad():
+        ids = tok(cases["logits_text"], return_tensors="pt")["input_ids"]
+        logits = model(ids).logits[0].float().numpy()
+    result = {
+        "encoded": encoded,
+        "decoded_texts": [tok.decode(ids) for ids in encoded],
+        "decoded_ids": [tok.decode(ids, skip_special_tokens=True) for ids in cases["ids"]],
+        "eos_token_id": tok.eos_token_id,
+        "model_eos_token_id": model.config.eos_token_id,
+        "model_class": type(model).__name__,
+        "logits": logits.tolist(),
+    }
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"build": lambda: build(args[0]), "logits": lambda: logits(args[0], args[1:])}[command]()
+    {"build": lambda: build(args[0]), "logits": lambda: logits(args[0], args[1:]),
+     "tokenizer": lambda: tokenizer(*args)}[command]()
