@@ -163,6 +163,7 @@ class DataConfig:
     # string): strict stops naming the file and line; replace turns bad bytes into U+FFFD and
     # leaves the rest out; skip leaves the document out. Both say how many in a warning.
     errors: DataErrors = "strict"  # strict | replace | skip (see above)
+    allow_source_change: bool = False  # resume onto other data (source(s), tokenizer, seed); config.yaml keeps it
 
 
 @dataclass

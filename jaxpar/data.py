@@ -36,11 +36,14 @@ Hugging Face `tokenizer.json` (`python -m jaxpar.data train-tokenizer` trains on
 from __future__ import annotations
 
 import argparse
+import errno
+import gzip
 import io
 import json
 import os
 import sys
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -207,21 +210,92 @@ class _Counted(io.RawIOBase):
         super().close()
 
 
-def open_source_file(path: str):
-    """(binary stream of the file's contents, its raw reader) -- .gz and .zst are decompressed;
-    `raw.consumed` counts the bytes read from disk so far."""
-    raw = _Counted(path)
-    name = path.lower()
-    if name.endswith(".gz"):
-        import gzip
+class _Decompressed(io.RawIOBase):
+    """A decompressing stream whose errors -- input cut short, damaged or of another format --
+    are a ConfigError naming the file (gzip's EOFError or BadGzipFile, zlib's or zstandard's
+    error), not a traceback."""
 
-        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+    def __init__(self, stream, path: str, kind: str, errors: tuple):
+        self._stream, self._path, self._kind, self._errors = stream, path, kind, errors
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            return self._stream.readinto(buffer)
+        except self._errors as e:
+            raise ConfigError(f"{self._path} is not a whole {self._kind} file ({e}): it is cut "
+                              f"short or damaged; replace it with a good copy") from None
+
+    def close(self) -> None:
+        self._stream.close()
+        super().close()
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_SKIPPABLE = 0x184D2A50  # the 16 magic numbers 0x184D2A50 .. 0x184D2A5F
+
+
+def zstd_problem(path: str) -> str | None:
+    """Why a .zst file is not a sequence of whole frames (None when it is), found by walking its
+    frame and block headers (RFC 8878) without decompressing: a file cut short in a frame
+    decompresses without an error, to less, in the zstandard library. A file cut exactly
+    between two frames is a whole file of fewer frames, which no reader can tell."""
+    import zstandard
+
+    size, at, frames = os.path.getsize(path), 0, 0
+    cut = f"{path} is cut short: its zstd frame {{}} runs past the end of the file ({size} bytes)"
+    with open(path, "rb") as f:
+        while at < size:
+            f.seek(at)
+            head = f.read(18)  # the longest frame header
+            magic = int.from_bytes(head[:4], "little")
+            if len(head) >= 8 and magic & 0xFFFFFFF0 == _ZSTD_SKIPPABLE:
+                at += 8 + int.from_bytes(head[4:8], "little")
+            elif magic == _ZSTD_MAGIC:
+                try:
+                    at += zstandard.frame_header_size(head)
+                except zstandard.ZstdError:
+                    return cut.format(frames + 1)
+                checksum, last = head[4] & 4, 0
+                while not last and at < size:
+                    f.seek(at)
+                    header = int.from_bytes(f.read(3).ljust(3, b"\0"), "little")
+                    last, kind, length = header & 1, (header >> 1) & 3, header >> 3
+                    at += 3 + (1 if kind == 1 else length)  # an RLE block holds one byte
+                if not last:
+                    return cut.format(frames + 1)
+                at += 4 if checksum else 0
+            elif frames:
+                return (f"{path}: byte {at}, after its {frames} whole zstd frame(s), begins no "
+                        "other: the file is damaged")
+            else:
+                return f"{path} is not a zstd file (its first bytes begin no zstd frame)"
+            frames += 1
+    return cut.format(frames) if at > size else None
+
+
+def open_source_file(path: str):
+    """(binary stream of the file's contents, its raw reader) -- .gz and .zst are decompressed
+    (every frame of a .zst; a .zst cut short is refused before it is read); `raw.consumed`
+    counts the bytes read from disk so far."""
+    name = path.lower()
     if name.endswith(".zst"):
         try:
             import zstandard
         except ImportError:  # a dependency of jaxpar; missing only in a hand-made environment
             raise ConfigError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)), raw
+        if (problem := zstd_problem(path)) is not None:
+            raise ConfigError(f"{problem}; replace it with a good copy")
+        raw = _Counted(path)
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True, read_across_frames=True)
+        return io.BufferedReader(_Decompressed(reader, path, "zstd", (zstandard.ZstdError,))), raw
+    raw = _Counted(path)
+    if name.endswith(".gz"):
+        stream = gzip.GzipFile(fileobj=raw, mode="rb")
+        return io.BufferedReader(_Decompressed(stream, path, "gzip", (EOFError, gzip.BadGzipFile, zlib.error)),
+                                 buffer_size=1 << 20), raw
     return io.BufferedReader(raw, buffer_size=1 << 20), raw
 
 
@@ -729,6 +803,11 @@ def _shards_command(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"error: {shards.no_space_message(args.out)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"\ninterrupted: the complete shards in {args.out} are kept; the same command "
               "resumes from them", file=sys.stderr)

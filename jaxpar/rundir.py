@@ -36,6 +36,8 @@ import threading
 import time
 import warnings
 
+import yaml
+
 from jaxpar import checkpoint as checkpoint_lib
 from jaxpar.config import ConfigError
 
@@ -45,6 +47,13 @@ STALE_S = 300.0  # another host's lock untouched this long is stale
 METRICS = "metrics.jsonl"
 HISTORY = ("config.yaml", METRICS, "loss.png")  # plus events.out.tfevents.* and checkpoints/
 REPLACED = "replaced-"
+RECORD = "config.yaml"  # the run's settings, rewritten at every start
+EARLIER_RECORD = "config.until-step-{step}.yaml"  # the record before a resume onto other data
+# The settings that say which sequences global batch k holds: a checkpoint's data position (a
+# count of global batches, train.batch_size and train.seq_len checked beside it) means the same
+# data only while these stay the same.
+DATA_KEYS = ("data.source", "data.sources", "data.tokenizer", "data.max_documents", "data.shuffle",
+             "data.text_field", "train.seed")
 
 
 # --- The lock -------------------------------------------------------------------------------
@@ -220,6 +229,7 @@ def _last_metrics_step(path: str) -> int | None:
 def survey(run_dir: str) -> History:
     run_dir = os.path.abspath(run_dir)
     files = [f for f in HISTORY if os.path.isfile(os.path.join(run_dir, f))]
+    files += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, EARLIER_RECORD.format(step="*"))))
     files += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
     committed, unfinished = checkpoint_lib.list_steps(checkpoint_lib.checkpoint_dir(run_dir))
     return History(run_dir, files, _last_metrics_step(os.path.join(run_dir, METRICS)),
@@ -299,4 +309,62 @@ def set_aside(run_dir: str, start: Start) -> str | None:
     for rel in start.move:
         os.makedirs(os.path.dirname(os.path.join(target, rel)), exist_ok=True)
         os.replace(os.path.join(run_dir, rel), os.path.join(target, rel))
+    return target
+
+
+# --- The data a run trained on --------------------------------------------------------------------
+
+
+def _setting(tree, key: str):
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    if key == "data.sources" and isinstance(tree, list):  # a source's name is only its label
+        return [{"path": s.get("path"), "weight": s.get("weight")} if isinstance(s, dict) else s
+                for s in tree]
+    return tree
+
+
+_ABSENT = object()
+
+
+def data_changes(run_dir: str, settings: dict) -> list[tuple[str, object, object]]:
+    """(key, recorded value, value in `settings`) for each of DATA_KEYS that `settings` (a
+    config as `jaxpar.config.to_dict` gives it) sets otherwise than the run's record
+    (`<run_dir>/config.yaml`). Keys the record lacks (an older jaxpar's), or no readable record,
+    are no change."""
+    try:
+        with open(os.path.join(run_dir, RECORD)) as f:
+            recorded = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return []
+    changes = []
+    for key in DATA_KEYS:
+        was, now = _setting(recorded, key), _setting(settings, key)
+        if was is not _ABSENT and was != now:
+            changes.append((key, was, now))
+    return changes
+
+
+def data_change_error(changes, run_dir: str, step: int) -> ConfigError:
+    """The refusal of a resume onto other data: both values of each changed key, what to do."""
+    def show(value) -> str:
+        return repr(value) if isinstance(value, str) else json.dumps(value)
+
+    what = ", ".join(f"{key}={show(now)} (the run trained on {show(was)})" for key, was, now in changes)
+    return ConfigError(
+        f"{what}: checkpoint step {step} in train.run_dir={run_dir} keeps the position of the "
+        f"first {step} global batches in the data its {RECORD} names, which other data would not "
+        f"continue; resume with the recorded settings, start a new run (another train.run_dir, "
+        f"or train.resume=never), or set data.allow_source_change=true to go on with the new data "
+        f"({RECORD} then records it, and the earlier one is kept as "
+        f"{EARLIER_RECORD.format(step=step)})")
+
+
+def keep_record(run_dir: str, step: int) -> str:
+    """Copies the run's record to `config.until-step-<step>.yaml` (before the resume onto other
+    data rewrites it); returns the copy's path."""
+    target = os.path.join(run_dir, EARLIER_RECORD.format(step=step))
+    shutil.copy2(os.path.join(run_dir, RECORD), target)
     return target

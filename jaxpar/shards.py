@@ -96,12 +96,17 @@ def token_dtype(vocab_size: int) -> str:
 def _write_json(path: str, obj) -> None:
     """Written whole under a temporary name, synced, then renamed: never half-written."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # e.g. a full disk: nothing half-written left behind
+            os.unlink(tmp)
+        raise
 
 
 def _read_json(path: str) -> dict:
@@ -174,7 +179,8 @@ class _SplitWriter:
 
     def abort(self) -> None:
         for ext, f in self.files.items():
-            f.close()
+            with contextlib.suppress(OSError):  # closing writes what is buffered: on a full
+                f.close()  # disk that fails again, and the file goes anyway
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.tmp[ext])
 
@@ -502,6 +508,21 @@ def prepare(sources: list[str], out: str, *, tokenizer: str = "byte", fmt: str =
         return manifest
 
 
+def no_space_message(out: str) -> str:
+    """The one line of a preparation stopped by a full disk: where, what is free, what is kept
+    (the complete shards, which a rerun resumes from)."""
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    parts = len([n for n in os.listdir(out) if n.startswith("part-") and n.endswith(".json")]
+                ) if os.path.isdir(out) else 0
+    kept = (f"the {parts} complete shard(s) in {out} are kept" if parts
+            else "no shard was complete, nothing is kept")
+    return (f"no space left on the device of {out}: {free / 2**20:.1f} MiB is free; {kept}; free "
+            "some space and run the same command to resume")
+
+
 def _describe(entries: list[tuple[str, str]], progress: bool | None) -> list[dict]:
     """Path, kind, size and SHA-256 of every source file (what names the input, for a resume)."""
     from tqdm import tqdm
@@ -544,10 +565,11 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
         return state["chunk"]
 
     def finish():
-        writers, state["chunk"] = state["chunk"], None
         k = len(parts)
+        closed = {s: w.close() for s, w in state["chunk"].items()}  # failing: aborted below
+        state["chunk"] = None
         part = {"index": k, "end": list(state["end"]), "documents_total": state["total"],
-                "splits": {s: w.close() for s, w in writers.items()}}
+                "splits": closed}
         _write_json(os.path.join(out, f"part-{k:05d}.json"), part)
         parts.append(part)
 

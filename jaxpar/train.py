@@ -588,8 +588,10 @@ def _keep_metrics_until(run_dir: str, step: int) -> None:
 
 def _check_data_position(cfg: Config, saved: dict | None, step: int) -> None:
     """The data position saved with checkpoint `step` (a count of global batches) means the same
-    sequences only with the same batch size and sequence length: refuse a resume that changes
-    them. (Checkpoints from before these were saved carry neither and are not checked.)"""
+    sequences only with the same batch size and sequence length, and the same data and seed as
+    the run's config.yaml records (jaxpar.rundir.DATA_KEYS): refuse a resume that changes them,
+    unless data.allow_source_change, which keeps the earlier record beside the new one.
+    (Checkpoints from before batch size and length were saved carry neither: not checked.)"""
     t = cfg.train
     for key, now in (("batch_size", t.batch_size), ("seq_len", t.seq_len)):
         was = (saved or {}).get(key)
@@ -599,6 +601,13 @@ def _check_data_position(cfg: Config, saved: dict | None, step: int) -> None:
                 f"{was}: its data position (the first {step} global batches) would no longer name "
                 f"the same data; resume with train.{key}={was}, or start a new run (another "
                 f"train.run_dir, or train.resume=never)")
+    if changes := rundir_lib.data_changes(t.run_dir, config_lib.to_dict(cfg)):
+        if not cfg.data.allow_source_change:
+            raise rundir_lib.data_change_error(changes, t.run_dir, step)
+        kept = rundir_lib.keep_record(t.run_dir, step)
+        print(f"data.allow_source_change: resuming step {step} on other data "
+              f"({', '.join(key for key, _, _ in changes)}); the earlier config.yaml is kept as "
+              f"{kept}", file=sys.stderr)
 
 
 def _checkpoint_bytes(ckpt: checkpoint_lib.Checkpointer, state_shape) -> int:

@@ -41,9 +41,9 @@ def corpus(tmp_path_factory) -> Path:
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
     root = tmp_path_factory.mktemp("corpus")
-    with open(root / "docs.jsonl", "w") as f:
-        for n in range(1500):
-            f.write(json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 60)))}) + "\n")
+    lines = (json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 60)))}) + "\n"
+             for _ in range(1500))
+    (root / "docs.jsonl").write_text("".join(lines))
     return root / "docs.jsonl"
 
 
@@ -102,8 +102,8 @@ CORRUPTIONS = {
     "two ends swapped": (lambda d: swap_two_ends(d / "train-00000.idx"),
                          r"train-00000.idx: document 4 ends at token \d+, not after the one before"),
     "vocab_size 100": (lambda d: edit_manifest(d, "vocab_size", 100),
-                       r"manifest.json: tokenizer.vocab_size is 100, but the tokenizer it names "
-                       r"\('byte', the same file\) has 257"),
+                       (r"manifest.json: tokenizer.vocab_size is 100, but the tokenizer it names "
+                        r"\('byte', the same file\) has 257")),
 }
 
 
@@ -122,7 +122,7 @@ def test_shards_that_differ_from_their_manifest_are_refused_naming_the_file(prep
 
 def test_a_later_shard_and_the_val_split_are_verified_too(prepared, tmp_path):
     directory = copy_of(prepared, tmp_path)
-    last = sorted(directory.glob("train-*.bin"))[-1]
+    last = max(directory.glob("train-*.bin"))
     overwrite_ids(last, 0.01)
     with pytest.raises(ConfigError, match=f"{last.name}: its SHA-256"):
         open_for_training(directory)
@@ -177,7 +177,7 @@ def test_training_on_overwritten_ids_exits_2_before_the_first_step(prepared, tmp
         [sys.executable, "-m", "jaxpar.train", TINY_YAML, f"data.source={directory}",
          "data.max_documents=null", "train.steps=3", "runtime.cpu_devices=1",
          "checkpoint.every=100", f"train.run_dir={run}"],
-        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 2, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -210,3 +210,184 @@ def test_a_25_mb_set_verifies_in_seconds_and_a_second_start_reads_nothing(tmp_pa
     second = time.perf_counter() - clock
     assert read == [] and first < 10, (first, second)
     print(f"25 MiB set: first use {first:.2f} s, second start {second:.3f} s")
+
+
+# --- Item 2: a resume onto other data is refused ----------------------------------------------------
+
+
+ONE_LAYOUT = ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]
+
+
+def tiny(run_dir, *extra):
+    from jaxpar import config as config_lib
+
+    cfg = config_lib.load_config(TINY_YAML, ONE_LAYOUT + [f"train.run_dir={run_dir}", *extra])
+    return cfg, config_lib.validate(cfg, 8)
+
+
+@pytest.fixture(scope="module")
+def other_set(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("other") / "set"
+    shards.prepare([str(corpus)], str(out), log=quiet, progress=False, shard_tokens=100000)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_run(prepared, tmp_path_factory) -> Path:
+    """4 steps on `prepared`, checkpoints at 2 and 4 (a template: tests copy it)."""
+    from jaxpar.train import train
+
+    run = tmp_path_factory.mktemp("base") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXPAR_CACHE", str(run.parent / "cache"))
+        train(*tiny(run, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=0",
+                    f"data.source={prepared}"))
+    return run
+
+
+def everything_in(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != "jaxpar.lock"}
+
+
+@pytest.mark.parametrize("change", ["data.source", "train.seed", "data.max_documents"])
+def test_a_resume_onto_other_data_is_refused_naming_both_values(base_run, prepared, other_set,
+                                                                 tmp_path, change):
+    from jaxpar.train import train
+
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    before = everything_in(run)
+    setting, was, now = {
+        "data.source": (f"data.source={other_set}", repr(str(prepared)), repr(str(other_set))),
+        "train.seed": ("train.seed=1", "0", "1"),
+        "data.max_documents": ("data.max_documents=20", "30", "20"),
+    }[change]
+    with pytest.raises(ConfigError) as refused:
+        train(*tiny(run, "train.steps=6", f"data.source={prepared}", setting))
+    message = str(refused.value)
+    assert f"{change}={now} (the run trained on {was})" in message, message
+    assert "checkpoint step 4" in message and "data.allow_source_change=true" in message
+    assert "train.resume=never" in message
+    assert everything_in(run) == before  # config.yaml still says what the run trained on
+
+
+def test_allow_source_change_goes_on_and_the_record_keeps_both(base_run, prepared, other_set, tmp_path):
+    import yaml
+
+    from jaxpar import rundir
+    from jaxpar.train import train
+
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    train(*tiny(run, "train.steps=6", f"data.source={other_set}", "data.allow_source_change=true"))
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    assert record["data"]["source"] == str(other_set) and record["data"]["allow_source_change"] is True
+    earlier = yaml.safe_load((run / "config.until-step-4.yaml").read_text())
+    assert earlier["data"]["source"] == str(prepared)
+    assert max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()) == 6
+    # The record now names the new data: resuming on it needs nothing more.
+    assert rundir.data_changes(str(run), yaml.safe_load((run / "config.yaml").read_text())) == []
+    assert "config.until-step-4.yaml" in rundir.survey(str(run)).files  # resume=never moves it aside
+
+
+def test_a_mixture_s_paths_and_weights_are_its_data_but_not_its_names(tmp_path):
+    from jaxpar import rundir
+
+    def settings(*sources):
+        return {"data": {"sources": [dict(s) for s in sources]}, "train": {"seed": 0}}
+
+    a, b = {"path": "/a", "weight": 0.7, "name": "web"}, {"path": "/b", "weight": 0.3, "name": "code"}
+    (tmp_path / "config.yaml").write_text(json.dumps(settings(a, b)))
+    assert rundir.data_changes(str(tmp_path), settings(a, b)) == []
+    assert rundir.data_changes(str(tmp_path), settings(a, dict(b, name="other"))) == []
+    (key, was, now), = rundir.data_changes(str(tmp_path), settings(a, dict(b, weight=0.5)))
+    assert key == "data.sources" and was[1]["weight"] == 0.3 and now[1]["weight"] == 0.5
+    assert rundir.data_changes(str(tmp_path), settings(b, a))[0][0] == "data.sources"
+    assert rundir.data_changes(str(tmp_path / "nowhere"), settings(a)) == []  # no record: no check
+
+
+# --- Item 3: damaged compressed input and a full disk are one line ----------------------------------
+
+
+def jsonl(first: int, count: int) -> bytes:
+    return "".join(json.dumps({"text": f"document {n} " + "words " * 20}) + "\n"
+                   for n in range(first, first + count)).encode()
+
+
+def zst(data: bytes, checksum: bool = False) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor(write_checksum=checksum).compress(data)
+
+
+def flip(blob: bytes, at: int) -> bytes:
+    return blob[:at] + bytes([blob[at] ^ 0x55]) + blob[at + 1:]
+
+
+BIG_DOCUMENT = (b"the same sentence again and again. " * 123000)  # 4.3 MB of text, 1 document
+TWO_FRAMES = zst(jsonl(0, 200), checksum=True) + zst(jsonl(200, 200))
+DAMAGED = {
+    # file name -> (its bytes, what the one line says)
+    "big.txt.zst": (zst(BIG_DOCUMENT)[:-40], "is cut short: its zstd frame 1 runs past the end"),
+    "two.jsonl.zst": (TWO_FRAMES[:-100], "is cut short: its zstd frame 2 runs past the end"),
+    "tail.jsonl.zst": (TWO_FRAMES + b"junk", "after its 2 whole zstd frame(s), begins no other"),
+    "plain.jsonl.zst": (jsonl(0, 5), "is not a zstd file"),
+    "cut.jsonl.gz": (gzip.compress(jsonl(0, 400))[:-200], "is not a whole gzip file (Compressed file ended"),
+    "flipped.jsonl.gz": (flip(gzip.compress(jsonl(0, 400)), 300), "is not a whole gzip file"),
+    "plain.jsonl.gz": (jsonl(0, 5), "is not a whole gzip file (Not a gzipped file"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGED))
+def test_damaged_compressed_input_is_one_line_naming_the_file_and_leaves_nothing(name, tmp_path, capsys):
+    blob, message = DAMAGED[name]
+    (tmp_path / name).write_bytes(blob)
+    out = tmp_path / "out"
+    assert data.main(["prepare", str(tmp_path / name), "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / name}"), lines
+    assert message in lines[0], lines
+    assert not out.exists()
+
+
+def test_every_frame_of_a_zst_is_read(tmp_path):
+    (tmp_path / "two.jsonl.zst").write_bytes(TWO_FRAMES)
+    documents = data.read_documents(DataConfig(source=str(tmp_path / "two.jsonl.zst")))
+    assert len(documents) == 400 and documents[-1].startswith("document 399 ")
+
+
+def mount_tmpfs(where: Path, size: str) -> Path:
+    where.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    return where
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    yield mount_tmpfs(tmp_path / "disk", "600k")
+    subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
+
+
+def test_a_full_disk_during_prepare_is_one_line_and_the_rerun_resumes(small_disk, tmp_path, capsys):
+    (tmp_path / "docs.jsonl").write_bytes(jsonl(0, 6000))  # 1.2 MB of shards
+    command = ["prepare", str(tmp_path / "docs.jsonl"), "--shard-tokens", "40000"]
+    assert data.main([*command, "--out", str(tmp_path / "whole")]) == 0
+    capsys.readouterr()
+    out = small_disk / "set"
+    assert data.main([*command, "--out", str(out)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    assert lines[0].startswith(f"error: no space left on the device of {out}: ")
+    assert "complete shard(s)" in lines[0] and "run the same command to resume" in lines[0]
+    assert not [n for n in os.listdir(out) if ".tmp-" in n]  # nothing half-written kept
+    subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
+    assert data.main([*command, "--out", str(out)]) == 0
+    assert "already complete; resuming at document" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir() if p.name != ".lock"}
