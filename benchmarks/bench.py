@@ -234,7 +234,7 @@ def run_benchmark(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -
         "tokens_per_sec_mean": tokens_per_step / step_time["mean"],
         "flops_per_token": flops_tok,
         "model_flops_per_step": inspected["model_flops_per_step"],
-        "xla_flops_per_step": inspected["flops_per_step"],
+        "xla_flops_per_step": inspected["xla_flops_per_step"],
         "tflops_per_sec_per_device": flops_tok * tokens_per_sec / len(devices) / 1e12,
         "peak_flops_per_device": peak,
         "mfu": metrics_lib.mfu(tokens_per_sec, flops_tok, devices),

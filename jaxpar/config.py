@@ -20,12 +20,17 @@ whose checkpoint is unusable when the trainer opens it.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import glob
+import inspect
+import io
 import math
 import os
 import tempfile
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -190,7 +195,7 @@ class TrainConfig:
     seq_len: int = 256  # tokens per sequence (packed documents)
     log_every: int = 10  # a metrics.jsonl / TensorBoard record every n steps (and the last)
     run_dir: str = "runs/default"  # config.yaml, metrics, checkpoints and plots go here
-    progress: bool = True  # live progress bar on the terminal
+    progress: bool = True  # a line per logged step on stderr (above a live bar on a terminal); false = quiet
     resume: str = "auto"  # auto (latest complete checkpoint in run_dir) | never | a step number
     on_nan: OnNaN = "stop"  # stop (error naming the step) | skip (drop that step's update)
     loss_chunks: int = 0  # the loss computes logits for seq/loss_chunks positions at a time; 0 = auto
@@ -224,6 +229,9 @@ class DistributedConfig:
 @dataclass
 class RuntimeConfig:
     cpu_devices: int = 8  # on a CPU-only machine, emulate this many devices (1 = plain run)
+    # On a CPU, a run predicted to need more host memory than this is refused (exit 3) before it
+    # compiles (jaxpar/host.py); None = what the kernel reports as available (MemAvailable).
+    host_memory_gib: float | None = None  # GiB of RAM this run may take on a CPU (see above)
 
 
 @dataclass
@@ -251,6 +259,35 @@ def _all_keys(cls, prefix: str = "") -> list[str]:
         if sub is not None:
             keys += _all_keys(sub, prefix + f.name + ".")
     return keys
+
+
+def _trailing_comments(cls) -> dict[str, str]:
+    """{field name: the comment at the end of its line} in the source of dataclass `cls`."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    at_line = {tok.start[0]: tok.string.lstrip("#").strip()
+               for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+               if tok.type == tokenize.COMMENT}
+    return {node.target.id: at_line.get(node.end_lineno, "")
+            for node in ast.parse(source).body[0].body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+
+def settings_help(cls=None, prefix: str = "") -> str:
+    """Every setting, one line each: `dotted.key=default  comment`, read from the dataclasses
+    here (their defaults and the comment on each field's line): what `--help` prints."""
+    cls = Config if cls is None else cls
+    comments, lines = _trailing_comments(cls), []
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_type(cls, f)
+        if sub is not None:
+            lines.append(f"{prefix}{f.name}: {comments.get(f.name, '')}".rstrip(": "))
+            lines.append(settings_help(sub, f"{prefix}{f.name}."))
+            continue
+        default = getattr(defaults, f.name)
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+        lines.append(f"  {prefix}{f.name}={shown}".ljust(44) + f"  {comments.get(f.name, '')}".rstrip())
+    return "\n".join(lines)
 
 
 def _dataclass_type(cls, f) -> type | None:
@@ -396,7 +433,7 @@ def load_yaml(path: str) -> dict:
     if os.path.isdir(path):
         raise ConfigError(f"config file '{path}' is a directory; give a YAML file, e.g. configs/tiny.yaml")
     if not os.path.isfile(path):
-        raise ConfigError(f"config file '{path}' does not exist")
+        raise ConfigError(f"config file '{path}' does not exist{_similar_config(path)}")
     try:
         with open(path) as f:
             loaded = yaml.safe_load(f)
@@ -409,10 +446,34 @@ def load_yaml(path: str) -> dict:
     return loaded
 
 
+def _similar_config(path: str) -> str:
+    """"; did you mean 'configs/gpt2-124m.yaml'?" for a missing YAML file with a close name in its
+    folder or in the presets folder beside the package; "" when none is close."""
+    folder = os.path.dirname(path) or "."
+    presets = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    for where in (folder, presets):
+        if not os.path.isdir(where):
+            continue
+        names = sorted(n for n in os.listdir(where) if n.endswith((".yaml", ".yml")))
+        close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.5)
+        if close:
+            shown = os.path.join(folder if where == folder else os.path.relpath(where), close[0])
+            return f"; did you mean '{shown}'?"
+    return ""
+
+
+def _dashed(arg: str) -> ConfigError:
+    bare = arg.lstrip("-")
+    return ConfigError(f"argument '{arg}': settings are written without dashes, as dotted.key=value "
+                       f"(e.g. {bare if '=' in bare else 'train.steps=10'}); --help lists them all")
+
+
 def parse_overrides(overrides: list[str]) -> dict:
     """`["train.steps=20", "mesh.data=-1"]` -> nested dict, values parsed as YAML scalars."""
     tree: dict = {}
     for item in overrides:
+        if item.startswith("-"):
+            raise _dashed(item)
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
         key, raw = item.split("=", 1)
@@ -492,6 +553,9 @@ def dump_yaml(cfg: Config, path: str) -> None:
 def parse_cli(argv: list[str]) -> tuple[str | None, list[str]]:
     """`[CONFIG.yaml] [key=value ...]` -> (config path or None, overrides)."""
     path = None
+    for arg in argv:
+        if arg.startswith("-"):
+            raise _dashed(arg)
     if argv and "=" not in argv[0]:
         path, argv = argv[0], argv[1:]
     for arg in argv:

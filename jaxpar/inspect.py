@@ -55,6 +55,13 @@ def compile_step(trainer: Trainer):
     return lowered.compile()
 
 
+FLOPS_NOTE = ("model_flops_per_step: (6N + 12LdT) per token x the step's tokens, all devices "
+              "together (what MFU counts); xla_flops_per_step: XLA's cost analysis of the "
+              "compiled program, per device x devices. XLA counts a while loop's body once, not "
+              "per iteration, so the layer scan and the loss chunks make it fall short of the "
+              "step's work: do not read it as the step's FLOPs.")
+
+
 def _cost(compiled) -> float | None:
     """XLA's FLOP count of the compiled program; None where the backend gives none (GPU
     programs compiled without a GPU)."""
@@ -109,9 +116,12 @@ def report(trainer: Trainer, compiled, compare: bool = False,
         "zero_stage": cfg.parallel.zero_stage,
         "params": params,
         "memory_per_device": memory,
-        "flops_per_step": None if flops_device is None else flops_device * devices,
+        # Both for the whole step, all devices together; see FLOPS_NOTE.
         "model_flops_per_step": metrics_lib.flops_per_token(cfg.model, cfg.train.seq_len)
         * cfg.train.batch_size * cfg.train.seq_len,
+        "xla_flops_per_step": None if flops_device is None else flops_device * devices,
+        "xla_flops_per_device": flops_device,
+        "flops_note": FLOPS_NOTE,
         "collectives": hlo.collectives(text := compiled.as_text()),
         "kernels": hlo.kernels(text),
     }
@@ -167,9 +177,12 @@ def format_human(r: dict) -> str:
     if r["kernels"]:
         lines += ["", f"{'kernel (custom call)':<40} {'count':>8}"]
         lines += [f"{name:<40} {count:>8}" for name, count in r["kernels"].items()]
-    flops = r["flops_per_step"]
-    lines += ["", f"FLOPs per step: XLA {flops:.3e}" if flops else "FLOPs per step: XLA n/a",
-              f"                model (6N + 12LdT) {r['model_flops_per_step']:.3e}"]
+    xla, per_device = r["xla_flops_per_step"], r["xla_flops_per_device"]
+    lines += ["", f"FLOPs per step, all {r['devices']} device(s) together",
+              f"  model (6N + 12LdT) x tokens   {r['model_flops_per_step']:.3e}",
+              f"  XLA cost analysis             {xla:.3e} ({per_device:.3e} per device; a while "
+              "loop's body counted once, not per iteration: not the step's work)" if xla else
+              "  XLA cost analysis             n/a (none for this backend)"]
     return "\n".join(lines)
 
 

@@ -157,20 +157,72 @@ def format_rate(tokens_per_sec: float | None, mfu_value: float | None) -> str:
     return f"{tps} tok/s | MFU {mfu_text}"
 
 
+def format_duration(seconds: float) -> str:
+    """12 s, 4 min 05 s, 2 h 03 min."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
 class Progress:
-    """A live bar (step, loss, tokens/s, MFU, ETA) on a terminal, plain lines otherwise."""
+    """One plain line per logged step (step, loss, eval loss, tokens/s, MFU, time per step, ETA).
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
-        from tqdm import tqdm
+    On a terminal the lines are printed above a live bar, so the loss history stays on screen
+    when the run ends, as nanoGPT's and torchtitan's logs do; off a terminal (a log file, Slurm,
+    nohup) the lines alone, with no carriage returns. The ETA is shown once `TIMED_STEPS` steps
+    after the first (which holds the compilation) have been timed: before that it would be a
+    guess from the compile time. `enabled=False` prints nothing."""
 
-        self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                         disable=not enabled, file=sys.stderr)
+    TIMED_STEPS = 3
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, stream=None):
+        self._stream = sys.stderr if stream is None else stream
+        self._total, self._initial, self._enabled = total, initial, enabled
+        self._bar = None
+        if enabled and self._stream.isatty():
+            from tqdm import tqdm
+
+            # tqdm's own rate and ETA are left out: they would count the compiling step.
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                             file=self._stream, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
+                                                           "[{elapsed}{postfix}]")
+
+    def eta(self, step: int, record: dict) -> float | None:
+        """Seconds left at the record's time per step; None until enough steps were timed."""
+        step_time = record.get("step_time_s")
+        if step_time is None or step - self._initial - 1 < self.TIMED_STEPS:
+            return None
+        return (self._total - step) * step_time
+
+    def line(self, step: int, record: dict) -> str:
+        parts = [f"step {step}/{self._total}", f"loss {record['loss']:.4f}"]
+        if record.get("eval_loss") is not None:
+            parts.append(f"eval loss {record['eval_loss']:.4f}")
+        parts.append(format_rate(record["tokens_per_sec"], record["mfu"]))
+        if record.get("step_time_s") is not None:
+            parts.append(f"{1000 * record['step_time_s']:,.0f} ms/step")
+        eta = self.eta(step, record)
+        parts.append("ETA " + (format_duration(eta) if eta is not None else "after a few steps"))
+        return " | ".join(parts)
 
     def update(self, step: int, record: dict | None) -> None:
-        self._bar.update(step - self._bar.n)
-        if record is not None:
-            rate = format_rate(record["tokens_per_sec"], record["mfu"])
-            self._bar.set_postfix_str(f"loss {record['loss']:.3f} | {rate}")
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+        if record is None or not self._enabled:
+            return
+        text = self.line(step, record)
+        if self._bar is None:
+            print(text, file=self._stream, flush=True)
+            return
+        self._bar.write(text, file=self._stream)
+        eta = self.eta(step, record)
+        self._bar.set_postfix_str(f"loss {record['loss']:.3f} | "
+                                  f"{format_rate(record['tokens_per_sec'], record['mfu'])}"
+                                  + (f" | ETA {format_duration(eta)}" if eta is not None else ""))
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar import checkpoint as checkpoint_lib
 from jaxpar import config as config_lib
 from jaxpar import convert as convert_lib
+from jaxpar import host as host_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar import rundir as rundir_lib
 from jaxpar import sharding as sharding_lib
@@ -75,6 +76,28 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
         return jnp.where(n <= warmup, rising, falling)
 
     return schedule
+
+
+SCHEDULE_KEYS = ("train.steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio")
+
+
+def _schedule_change(cfg: Config, run_dir: str, start: int) -> str | None:
+    """On resume: a note when the learning-rate schedule's settings differ from those the run was
+    saved with (its config.yaml, read before it is rewritten). The schedule is a function of them,
+    so raising train.steps after a finished run restarts the cosine from higher up; say so."""
+    try:
+        saved = config_lib.load_config(os.path.join(run_dir, "config.yaml"))
+    except (ConfigError, OSError):
+        return None
+    value = lambda c, key: getattr(getattr(c, key.split(".")[0]), key.split(".")[1])  # noqa: E731
+    changed = [f"{key} {value(saved, key)} -> {value(cfg, key)}" for key in SCHEDULE_KEYS
+               if value(saved, key) != value(cfg, key)]
+    if not changed:
+        return None
+    before, after = float(lr_schedule(saved)(start)), float(lr_schedule(cfg)(start))
+    return (f"note: {', '.join(changed)} since the run was saved: the learning-rate schedule is "
+            f"recomputed for the new settings, so update {start + 1} runs at {after:.2e} where the "
+            f"saved schedule had {before:.2e}")
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -396,31 +419,66 @@ class Preemption:
     written), in the loop after the current step, with a checkpoint. A second SIGINT stops at
     once: with `exit_at_once` (the command line) the process exits 130 on the spot, without
     unwinding (a crash-free stop even inside a compile or a save; the last committed checkpoint
-    is intact), otherwise KeyboardInterrupt is raised."""
+    is intact), otherwise KeyboardInterrupt is raised.
+
+    With `exit_at_once`, a SIGINT is also seen by a watcher thread the moment it arrives (through
+    `signal.set_wakeup_fd`): Python runs its handlers only between bytecodes, so while the main
+    thread waits on a step, a handler would wait out the step. The watcher exits at once when the
+    wait for the next safe point (`expected_wait_s`: the forecast or measured time of a step) is
+    longer than `PROMPT_S`, and on a second SIGINT whatever the main thread is doing."""
+
+    PROMPT_S = 5.0
 
     def __init__(self, exit_at_once: bool = False):
         self.requested: str | None = None
         self.exit_at_once = exit_at_once
+        self.expected_wait_s = 0.0
         self._previous = {}
+        self._wakeup = None  # (read end, write end, the wakeup fd it replaced)
 
     def _handle(self, signum, frame):
         if self.requested is not None and signum == signal.SIGINT:
             if self.exit_at_once:
-                os.write(2, b"\ninterrupted again: stopped at once, without a checkpoint (the last "
-                            b"complete one is intact)\n")
-                os._exit(130)
+                _exit_at_once(b"\ninterrupted again: stopped at once, without a checkpoint (the "
+                              b"last complete one is intact)\n")
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
+
+    def _watch(self, read_end: int) -> None:
+        interrupts = 0
+        while chunk := os.read(read_end, 64):  # b"" once __exit__ closes the write end
+            interrupts += chunk.count(signal.SIGINT)
+            if interrupts >= 2:
+                _exit_at_once(b"\ninterrupted again: stopped at once, without a checkpoint (the "
+                              b"last complete one is intact)\n")
+            if interrupts and self.expected_wait_s > self.PROMPT_S:
+                _exit_at_once(
+                    f"\nstopped at once: a step takes about {self.expected_wait_s:.0f} s here, too "
+                    "long to wait for; nothing after the last complete checkpoint was saved (run "
+                    "the same command to resume from it)\n".encode())
+        os.close(read_end)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if self.exit_at_once:
+                read_end, write_end = os.pipe()
+                os.set_blocking(write_end, False)
+                replaced = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+                self._wakeup = (read_end, write_end, replaced)
+                threading.Thread(target=self._watch, args=(read_end,), daemon=True,
+                                 name="jaxpar-interrupt-watcher").start()
         return self
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._wakeup is not None:
+            read_end, write_end, replaced = self._wakeup
+            signal.set_wakeup_fd(replaced)
+            os.close(write_end)  # the watcher's read returns b"": it closes the read end and ends
+            self._wakeup = None
 
     def agreed(self) -> str | None:
         """The stop request, agreed by every process (signals reach nodes at different times; all
@@ -437,6 +495,11 @@ class Preemption:
         process passes the same checks in the same order)."""
         if (signame := self.agreed()) is not None:
             raise Interrupted(signame, before_step)
+
+
+def _exit_at_once(message: bytes) -> None:
+    os.write(2, message)
+    os._exit(130)
 
 
 class Interrupted(Exception):
@@ -687,6 +750,8 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
             if is_main:
                 _keep_metrics_until(t.run_dir, start)
                 print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
+                if (note := _schedule_change(cfg, t.run_dir, start)) is not None:
+                    print(note, file=sys.stderr)
         elif t.init_from is not None:  # its weights on this mesh; a fresh optimizer, step 0
             state = convert_lib.init_state(trainer, t.init_from)
             if is_main:
@@ -729,6 +794,88 @@ def _evaluate(trainer: Trainer, params, eval_data) -> float:
     return nll / max(count, 1.0)
 
 
+class _StepClock:
+    """Time per step over the window since the last logged step, with the first step (which holds
+    the compilation) and any evaluation or checkpoint save kept out: each is its own figure."""
+
+    def __init__(self):
+        self.started = self.ended = time.perf_counter()
+        self.compile_s: float | None = None
+        self.window_start, self.window_steps = self.started, 0
+        self.eval_s = self.save_s = 0.0  # in all, for the summary
+
+    def stepped(self, metrics) -> None:
+        self.window_steps += 1
+        if self.compile_s is None:  # the first step holds the compilation: time the rest
+            jax.block_until_ready(metrics)
+            now = time.perf_counter()
+            self.compile_s, self.window_start, self.window_steps = now - self.started, now, 0
+
+    def timed(self, what: str, fn, *args):
+        """Runs fn(*args) with its time kept out of the step window; returns (result, seconds)."""
+        start = time.perf_counter()
+        result = fn(*args)
+        spent = time.perf_counter() - start
+        self.window_start += spent
+        setattr(self, what, getattr(self, what) + spent)
+        return result, spent
+
+    def step_time(self) -> float | None:
+        """Mean seconds per step since the last call (None when no step was timed); restarts."""
+        now = time.perf_counter()
+        mean = (now - self.window_start) / self.window_steps if self.window_steps else None
+        self.window_start, self.window_steps = now, 0
+        return mean
+
+
+def _read_device(metrics, t, step: int, ckpt) -> tuple[float, int]:
+    """The step's loss and skipped-step count, read from the device; NonFiniteLoss if the state
+    froze on a non-finite value since the last read."""
+    loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
+    if first_bad:  # the state is frozen since that step
+        what = ("the loss, a gradient or the updated weights' norm" if t.on_nan == "stop"
+                else "the updated weights' norm")
+        raise NonFiniteLoss(
+            f"{what} became non-finite at step {first_bad} (train.on_nan={t.on_nan}; seen at step "
+            f"{step}, the first read of the device since; no later update reached the weights); "
+            f"the last good checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}")
+    return loss, int(metrics["skipped_steps"])
+
+
+def _record(step: int, loss: float, metrics, step_time: float | None, tokens_per_step: int,
+            flops_tok: float, devices) -> dict:
+    """One metrics.jsonl line: the step's figures (the device's extra metrics included)."""
+    tokens_per_sec = tokens_per_step / step_time if step_time else None
+    return {
+        "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
+        "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
+        "step_time_s": step_time,
+        "memory_bytes": metrics_lib.device_memory_bytes(jax.local_devices()[0]),
+        **{k: float(v) for k, v in metrics.items() if k not in ("loss", "tokens", "first_bad_step")},
+    }
+
+
+def _saver(cfg: Config, trainer: Trainer, ckpt, iterator):
+    """save(step, state, force): a checkpoint when `checkpoint.every` (or `force`) says so;
+    returns whether one was written."""
+    t = cfg.train
+
+    def save(at: int, state, force: bool = False) -> bool:
+        if not (force or ckpt.should_save(at)):
+            return False
+        # Checked before the save starts: orbax's own failure would come later, from a
+        # background thread (the previous checkpoint intact, but pages of tracebacks).
+        if shutil.disk_usage(ckpt.directory).free < _checkpoint_bytes(ckpt, trainer.state_shape):
+            raise _disk_full(ckpt, trainer, t.run_dir, at)
+        data = {"grain": iterator.get_state(), "process_count": jax.process_count(),
+                "seed": t.seed,  # training draws no random numbers: the seed fixes init and data
+                "batch_size": t.batch_size, "seq_len": t.seq_len}  # what the data position means
+        ckpt.save(at, state, data, force=force)
+        return True
+
+    return save
+
+
 def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state, start: int,
           preemption: Preemption, eval_data=None) -> dict:
     """Steps from `start` to train.steps: log, evaluate, save, stop on a signal. Returns the
@@ -739,27 +886,13 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
     is_main = jax.process_index() == 0
     devices = list(trainer.mesh.devices.flat)
     flops_tok = metrics_lib.flops_per_token(cfg.model, t.seq_len)
-    tokens_per_step = t.batch_size * t.seq_len
     iterator = _data_iterator(dataset, data_state, start)
     # A mixture's samples per source are a function of the global sample count (the mixing is
     # a fixed interleave), so the tokens seen per source need no bookkeeping, and survive a resume.
     source_counts = data_lib.source_counter(cfg.data)
-    clock = time.perf_counter()
-    first_loss = last_loss = compile_s = window_start = eval_loss = tokens_seen = None
-    window_steps, step, stopped_by, skipped_steps, eval_s = 0, start, None, 0, 0.0
-
-    def save(at: int, state, force: bool = False) -> None:
-        if not (force or ckpt.should_save(at)):
-            return
-        # Checked before the save starts: orbax's own failure would come later, from a
-        # background thread (the previous checkpoint intact, but pages of tracebacks).
-        if shutil.disk_usage(ckpt.directory).free < _checkpoint_bytes(ckpt, trainer.state_shape):
-            raise _disk_full(ckpt, trainer, t.run_dir, at)
-        data = {"grain": iterator.get_state(), "process_count": jax.process_count(),
-                "seed": t.seed,  # training draws no random numbers: the seed fixes init and data
-                "batch_size": t.batch_size, "seq_len": t.seq_len}  # what the data position means
-        ckpt.save(at, state, data, force=force)
-
+    clock, save = _StepClock(), _saver(cfg, trainer, ckpt, iterator)
+    first_loss = loss = eval_loss = tokens_seen = None
+    step, stopped_by, skipped_steps = start, None, 0
     writer = metrics_lib.MetricsWriter(t.run_dir, purge_after=start) if is_main else None
     progress = metrics_lib.Progress(t.steps, initial=start, enabled=is_main and t.progress)
     try:
@@ -767,76 +900,63 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
             local = next(iterator)
             if trainer.cfg.model.attention == "cudnn" and sizes["context"] == 1:
                 _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
-            batch = trainer.shard_batch(local)
-            state, metrics = trainer.step(state, batch)
-            window_steps += 1
-            if compile_s is None:  # the first step holds the compilation: time the rest
-                jax.block_until_ready(metrics)
-                compile_s, window_start, window_steps = time.perf_counter() - clock, time.perf_counter(), 0
+            state, metrics = trainer.step(state, trainer.shard_batch(local))
+            clock.stepped(metrics)
             stop = preemption.agreed()  # read once: a signal arriving later waits a step
             evaluated = eval_data is not None and (step % t.eval_every == 0 or step == t.steps)
             logged = step % t.log_every == 0 or step == t.steps or evaluated
             # The host reads the device only here (logging, saving, stopping), never per step.
             if logged or ckpt.should_save(step) or stop:
-                loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
-                skipped_steps = int(metrics["skipped_steps"])
-                if first_bad:  # the state is frozen since that step
-                    what = ("the loss, a gradient or the updated weights' norm" if
-                            t.on_nan == "stop" else "the updated weights' norm")
-                    raise NonFiniteLoss(
-                        f"{what} became non-finite at step {first_bad} (train.on_nan="
-                        f"{t.on_nan}; seen at step {step}, the first read of the device "
-                        f"since; no later update reached the weights); the last good "
-                        f"checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}")
-            save(step, state, force=step == t.steps or stop is not None)
-            if logged:
-                now = time.perf_counter()
-                if evaluated:  # after the step's update; its time is kept out of the step times
-                    eval_loss = _evaluate(trainer, state["params"], eval_data)
-                    spent = time.perf_counter() - now
-                    eval_s, window_start, now = eval_s + spent, window_start + spent, now + spent
-                step_time = (now - window_start) / window_steps if window_steps else None
-                tokens_per_sec = tokens_per_step / step_time if step_time else None
-                record = {
-                    "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
-                    "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
-                    "step_time_s": step_time,
-                    "memory_bytes": metrics_lib.device_memory_bytes(jax.local_devices()[0]),
-                    **{k: float(v) for k, v in metrics.items()
-                       if k not in ("loss", "tokens", "first_bad_step")},
-                }
+                loss, skipped_steps = _read_device(metrics, t, step, ckpt)
+            saved, save_s = clock.timed("save_s", save, step, state, step == t.steps or stop is not None)
+            if not logged:
+                progress.update(step, None)
+            else:
+                step_time = clock.step_time()  # before evaluating: its time is its own figure
+                preemption.expected_wait_s = step_time or preemption.expected_wait_s
+                record = _record(step, loss, metrics, step_time, t.batch_size * t.seq_len,
+                                 flops_tok, devices)
+                if saved:
+                    record["checkpoint_time_s"] = save_s
                 if evaluated:
+                    eval_loss, record["eval_time_s"] = clock.timed(
+                        "eval_s", _evaluate, trainer, state["params"], eval_data)
                     record["eval_loss"] = eval_loss
                 if source_counts is not None:
                     tokens_seen = {name: count * t.seq_len
                                    for name, count in source_counts(step * t.batch_size).items()}
                     record["tokens_seen"] = tokens_seen
                 first_loss = loss if first_loss is None else first_loss
-                last_loss = loss
                 if writer is not None:
                     writer.write(record)
                 progress.update(step, record)
-                window_start, window_steps = now, 0
-            else:
-                progress.update(step, None)
             if stop:
                 stopped_by = stop
                 break
     finally:
+        clock.ended = time.perf_counter()  # the plot and the last flush are not training time
         progress.close()
         if writer is not None:
             writer.close()
-    total_s = time.perf_counter() - clock
+    return _summary(cfg, clock, step, start, devices, sizes, flops_tok, first_loss, loss,
+                    stopped_by, skipped_steps, eval_loss, tokens_seen)
+
+
+def _summary(cfg: Config, clock: _StepClock, step: int, start: int, devices, sizes, flops_tok,
+             first_loss, last_loss, stopped_by, skipped_steps, eval_loss, tokens_seen) -> dict:
+    t = cfg.train
+    total_s = clock.ended - clock.started
     run_steps = step - start - 1
-    run_s = total_s - (compile_s or 0.0) - eval_s
-    tokens_per_sec = tokens_per_step * run_steps / run_s if run_steps > 0 else None
+    run_s = total_s - (clock.compile_s or 0.0) - clock.eval_s - clock.save_s
+    tokens_per_sec = t.batch_size * t.seq_len * run_steps / run_s if run_steps > 0 else None
     return {
         "steps": step, "start_step": start, "first_loss": first_loss, "final_loss": last_loss,
-        "seconds": total_s, "compile_seconds": compile_s or 0.0, "tokens_per_sec": tokens_per_sec,
+        "seconds": total_s, "compile_seconds": clock.compile_s or 0.0, "tokens_per_sec": tokens_per_sec,
         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
         "devices": len(devices), "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
         "run_dir": t.run_dir, "stopped_by": stopped_by, "skipped_steps": skipped_steps,
-        "eval_loss": eval_loss, "eval_seconds": eval_s, "tokens_seen": tokens_seen,
+        "eval_loss": eval_loss, "eval_seconds": clock.eval_s, "checkpoint_seconds": clock.save_s,
+        "tokens_seen": tokens_seen,
     }
 
 
@@ -880,14 +1000,31 @@ def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[
 
 USAGE = """usage: python -m jaxpar.train [CONFIG.yaml] [dotted.key=value ...]
 
-Trains with the defaults (jaxpar/config.py), then CONFIG.yaml, then the overrides, e.g.
-  python -m jaxpar.train configs/gpt2-124m.yaml train.steps=100 mesh.data=-1"""
+Trains with the defaults below, then CONFIG.yaml (presets in configs/), then the overrides,
+written without dashes, e.g.
+  python -m jaxpar.train configs/tiny.yaml train.steps=20 mesh.data=2 mesh.fsdp=2 mesh.tensor=2
+  python -m jaxpar.train configs/gpt2-124m.yaml train.steps=100 mesh.data=-1
+Exit codes: 0 done, 1 a failure during training, 2 bad settings, 3 too big for this machine's
+memory (on a CPU), 130 stopped by Ctrl-C.
+
+Settings (key, default, meaning):"""
+
+
+def _preflight(cfg: Config, sizes: dict[str, int], preemption: Preemption) -> None:
+    """On a CPU: jaxpar.host.DoesNotFit for a run predicted not to fit in the host's memory; a
+    warning with the expected time per step for a slow one. Before anything compiles."""
+    forecast = host_lib.check(cfg, sizes)
+    if forecast is None:
+        return
+    preemption.expected_wait_s = forecast.step_seconds  # until a step is measured
+    if forecast.slow and jax.process_index() == 0:
+        print(host_lib.warning(forecast, cfg), file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
-        print(USAGE)
+        print(USAGE + "\n" + config_lib.settings_help())
         return 0
     # From the first moment, a signal only asks for a stop (Preemption): start-up checks for it
     # between its phases, the loop after each step; nothing is interrupted half-way.
@@ -896,11 +1033,15 @@ def main(argv: list[str] | None = None) -> int:
     with Preemption(exit_at_once=True) as preemption:
         try:
             cfg, sizes = load_and_validate(argv)
+            _preflight(cfg, sizes, preemption)
             preemption.check_startup(1)
             summary = train(cfg, sizes, preemption)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
+        except host_lib.DoesNotFit as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
         except (NonFiniteLoss, DiskFull) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

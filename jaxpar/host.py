@@ -1,0 +1,151 @@
+"""Before a run compiles on a CPU: will it fit in this machine's RAM, and how long will a step take?
+
+On a CPU every emulated device's buffers live in the host's memory, so a preset written for GPUs
+(`configs/gpt2-124m.yaml`: 17.6 GiB of activations at batch 12 x 1024 tokens) can take the whole
+machine, and a step that an H100 runs in 40 ms takes minutes. Both are predicted here from the
+config alone, before anything compiles:
+
+- memory: the planner's per-device prediction for XLA:CPU's program (`jaxpar.plan.predict_memory`,
+  backend "cpu"), times the emulated devices of this process, times `COMPILER_MARGIN`, plus
+  `PROCESS_BYTES` for the Python process, the JAX runtime and the data loader; compared with the
+  memory the kernel says is available (`/proc/meminfo`'s MemAvailable) or `runtime.host_memory_gib`.
+- time per step: the step's executed FLOPs (`jaxpar.plan.hardware_flops`, recomputation included)
+  over this machine's float32 matmul rate, measured here in a fraction of a second, times
+  `STEP_EFFICIENCY`, the share of that rate a whole train step reaches on a CPU.
+
+Calibration (2-core x86-64 machines, jax 0.12.0.1; the matmul probe read 190-200 GFLOP/s there):
+the gpt2-124m preset on one device ran 254-278 s per step and peaked at 22.0 GB resident
+(predicted here: 20.3 GiB); the default job (0.9 M parameters, 8 emulated devices) ran 5,641
+tokens/s and peaked at 1.7 GB. A forecast is a guide, about +-50% on time: the CPU's other load,
+its vector units and XLA:CPU's kernels for the shapes at hand all move it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import plan as plan_lib
+from jaxpar.config import Config
+
+GIB = 2**30
+# The Python process, JAX's runtime, compiled code and the data pipeline, beside the program's
+# buffers: the default job's 1.7 GB peak less its 0.29 GB of predicted device buffers.
+PROCESS_BYTES = 1.4 * GIB
+# XLA:CPU's compilation and allocator on top of the compiled program's buffers: gpt2-124m's 22.0 GB
+# peak over its 18.9 GB of predicted buffers + PROCESS_BYTES.
+COMPILER_MARGIN = 1.08
+# A run is refused when its forecast exceeds this share of the available memory: the rest is left
+# to the page cache, the shell and the rest of the machine.
+USABLE_SHARE = 0.9
+# The share of the float32 matmul probe's rate a whole train step reaches on XLA:CPU: gpt2-124m at
+# 266 s per step ran 40.6 GFLOP/s of its step's executed FLOPs against the probe's 195.
+STEP_EFFICIENCY = 0.21
+# A forecast above this many seconds per step is reported as slow.
+SLOW_STEP_S = 10.0
+
+
+class DoesNotFit(Exception):
+    """The run is predicted to need more memory than this host has available (exit code 3)."""
+
+
+@dataclass(frozen=True)
+class Forecast:
+    memory_bytes: float  # the process's predicted peak resident memory
+    available_bytes: float | None  # what the host has for it (None: unknown)
+    step_seconds: float  # predicted time of one train step
+    step_flops: float  # executed FLOPs of one step, all emulated devices together
+    matmul_flops_per_s: float  # this machine's float32 matmul rate, as measured
+
+    @property
+    def fits(self) -> bool:
+        return self.available_bytes is None or self.memory_bytes <= USABLE_SHARE * self.available_bytes
+
+    @property
+    def slow(self) -> bool:
+        return self.step_seconds > SLOW_STEP_S
+
+
+def available_bytes(cfg: Config) -> float | None:
+    """`runtime.host_memory_gib`, else the kernel's MemAvailable; None where neither is known."""
+    if cfg.runtime.host_memory_gib is not None:
+        return cfg.runtime.host_memory_gib * GIB
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def matmul_rate(n: int = 1024, repeats: int = 5) -> float:
+    """This machine's float32 matmul rate (FLOP/s) on JAX's CPU backend: the best of a few
+    [n, n] x [n, n] products (about 0.1 s on 2 cores)."""
+    cpu = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    product = jax.jit(lambda x: x @ x)
+    product(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def forecast(cfg: Config, sizes: dict[str, int], local_devices: int,
+             rate: float | None = None) -> Forecast:
+    """Predicted peak memory of this process and time per step of `cfg` on this CPU host."""
+    kernel = plan_lib.attention_kernel(cfg, sizes, None)
+    per_device = plan_lib.predict_memory(cfg, sizes, kernel, backend="cpu")["total"]
+    memory = COMPILER_MARGIN * per_device * local_devices + PROCESS_BYTES
+    t = cfg.train
+    flops = plan_lib.hardware_flops(cfg.model, t.seq_len, cfg.parallel.remat) * t.batch_size * t.seq_len
+    rate = matmul_rate() if rate is None else rate
+    return Forecast(memory_bytes=memory, available_bytes=available_bytes(cfg),
+                    step_seconds=flops / (rate * STEP_EFFICIENCY), step_flops=flops,
+                    matmul_flops_per_s=rate)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def refusal(f: Forecast, cfg: Config) -> str:
+    """The one-line message of a run that will not fit."""
+    return (f"this run needs about {f.memory_bytes / GIB:.1f} GiB of host memory on this CPU "
+            f"(train.batch_size={cfg.train.batch_size} x train.seq_len={cfg.train.seq_len}, "
+            f"{cfg.runtime.cpu_devices} emulated device(s)) and {f.available_bytes / GIB:.1f} GiB "
+            f"is available ({USABLE_SHARE:.0%} of it usable); use a smaller train.batch_size or "
+            "train.seq_len, parallel.remat=full, a smaller model (configs/tiny.yaml), a GPU, or "
+            "set runtime.host_memory_gib to the GiB this run may take if the estimate is wrong")
+
+
+def warning(f: Forecast, cfg: Config) -> str:
+    """The one-line notice of a slow run: the expected time per step and for the whole run."""
+    return (f"warning: on this CPU one step is expected to take about {_duration(f.step_seconds)} "
+            f"({f.step_flops:.2e} FLOPs at about {f.matmul_flops_per_s * STEP_EFFICIENCY / 1e9:.0f} "
+            f"GFLOP/s), {cfg.train.steps} steps about {_duration(f.step_seconds * cfg.train.steps)}; "
+            f"memory about {f.memory_bytes / GIB:.1f} GiB. This preset is sized for GPUs: for a "
+            "quick try on a CPU use configs/tiny.yaml or the default job. Ctrl-C stops at once.")
+
+
+def check(cfg: Config, sizes: dict[str, int]) -> Forecast | None:
+    """On a CPU backend: raises DoesNotFit when the run is predicted not to fit in the available
+    memory; returns the forecast (None on other backends: their devices hold their own memory)."""
+    if jax.default_backend() != "cpu":
+        return None
+    f = forecast(cfg, sizes, jax.local_device_count())
+    if not f.fits:
+        raise DoesNotFit(refusal(f, cfg))
+    return f
