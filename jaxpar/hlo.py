@@ -1,18 +1,35 @@
 """Reading collectives out of compiled HLO text: what kind, how many times, how many bytes.
 
-Counts are dynamic: a collective inside a `while` body (the scan over layers) counts once per
-iteration, using the trip count XLA records in the loop's backend config.
+Counts are dynamic: a collective inside a `while` body (the scan over layers, a chunk loop) counts
+once per iteration, using the trip count XLA records in the loop's backend config; loops nest. A
+collective inside a `conditional` branch counts as if its branch were taken each time (an upper
+bound: one branch runs). Collectives inside fusions (XLA:GPU's Triton all-reduces) and async
+wrappers count where they run, once per start, never again at the matching `-done`.
 
-Bytes are the size of the whole buffer the collective works on, per device: the operand of an
-all-reduce, all-to-all or collective-permute, the gathered result of an all-gather, the
-unscattered input of a reduce-scatter.
+Bytes are per device and per call, one convention for every backend and for the sync and async
+(`-start` / `-done`) forms alike, a tuple-shaped (combined) collective summed over its elements:
+
+| collective | bytes counted |
+| --- | --- |
+| all-gather | its result (the gathered buffer) |
+| reduce-scatter | its input (the unscattered buffer) |
+| all-reduce | its operands (= its result) |
+| all-to-all, collective-permute | its operands |
+| ragged-all-to-all | its input buffer (an upper bound on what it sends) |
+
+These are buffer sizes, not what a link carries. A ring over n devices sends, per device,
+(n-1)/n of the counted bytes for an all-gather, a reduce-scatter or an all-to-all, 2(n-1)/n of
+them for an all-reduce (a reduce-scatter, then an all-gather) and all of them for a
+collective-permute; "wire" bytes follow from these and the group size. This module reports the
+buffer sizes only.
 
 XLA:CPU note. The SPMD partitioner writes a gradient reduce-scatter as an all-reduce whose result
 is immediately cut to the local shard by a dynamic-slice; GPU and TPU compilers rewrite that pair
 into one reduce-scatter, XLA:CPU runs it as it stands. An all-reduce whose every result feeds only
 dynamic-slices (possibly through a dtype convert: XLA:CPU all-reduces bfloat16 gradients in
 float32 and converts back) is therefore reported as a reduce-scatter, with `as_all_reduce`
-counting those pairs, so that one report describes the program on every backend.
+counting those pairs, so that one report describes the program on every backend. Its bytes are the
+all-reduce's operands: the unscattered input, as for a real reduce-scatter.
 """
 
 from __future__ import annotations
@@ -80,8 +97,20 @@ def parse(text: str) -> dict[str, Computation]:
     return comps
 
 
+def _callees(ins: Instr) -> list[str]:
+    """Computations `ins` runs: loop bodies and conditions, fusions, async wrappers, reducers,
+    conditional branches. An async `-done` or `-update` runs none: its `-start` did."""
+    if ins.op.endswith(("-done", "-update")):
+        return []
+    branches = [name for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.text)
+                for name in re.findall(r"%([\w.\-]+)", group)]
+    return _CALLED.findall(ins.text) + branches
+
+
 def multiplicities(comps: dict[str, Computation]) -> dict[str, int]:
-    """How many times each computation runs per call of the entry (while bodies x trip count)."""
+    """How many times each computation runs per call of the entry: a while body its recorded
+    trip count (1 where XLA recorded none) per run of the loop; every other callee, conditional
+    branches included, once per run of its caller."""
     times: dict[str, int] = defaultdict(int)
     entry = next(c for c in comps.values() if c.is_entry)
 
@@ -92,8 +121,8 @@ def multiplicities(comps: dict[str, Computation]) -> dict[str, int]:
             if ins.op == "while":
                 found = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.text)
                 trips = int(found.group(1)) if found else 1
-            for callee in _CALLED.findall(ins.text):
-                if callee in comps and ins.op not in ("all-reduce", "reduce-scatter", "reduce", "fusion"):
+            for callee in _callees(ins):
+                if callee in comps:
                     visit(callee, n * (trips if callee in _body_of(ins) else 1))
 
     visit(entry.name, 1)
@@ -104,16 +133,37 @@ def _body_of(ins: Instr) -> set[str]:
     return set(re.findall(r"body=%([\w.\-]+)", ins.text))
 
 
-def _group_size(text: str) -> int:
-    found = re.search(r"replica_groups=\[(\d+),(\d+)\]", text)  # iota: [groups, size]<=[...]
-    if found:
-        return int(found.group(2))
-    found = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)  # mesh[...] {axes}
-    if found:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", found.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", found.group(2)))
-    found = re.search(r"replica_groups=\{\{([\d,]*)\}", text)  # explicit {{0,1},{2,3}}
-    return len(found.group(1).split(",")) if found else 1
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape: "(f32[4]{0}, (bf16[2], bf16[2]))" gives
+    "f32[4]{0}" and "(bf16[2], bf16[2])"; a shape that is not a tuple is its own one element."""
+    shape = re.sub(r"/\*.*?\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    out, depth, start = [], 0, 1
+    for at, char in enumerate(shape):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if (char == "," and depth == 1) or (char == ")" and depth == 0):
+            out.append(shape[start:at].strip())
+            start = at + 1
+    return [e for e in out if e]
+
+
+def moved_bytes(ins: Instr, shapes: dict[str, str]) -> list[int]:
+    """Bytes of each buffer that collective `ins` works on, by the module's convention: an
+    all-gather's results, any other kind's operands (`shapes`: instruction name -> shape, in the
+    computation of `ins`). An all-gather-start's shape is the pair (operands, results)."""
+    kind = ins.op.removesuffix("-start")
+    if kind == "all-gather":
+        result = tuple_elements(ins.shape)[1] if ins.op.endswith("-start") else ins.shape
+        return shape_bytes(result)
+    operands = ins.operands
+    if kind == "ragged-all-to-all" or "slice_sizes=" in ins.text:
+        operands = operands[:1]  # the input; the others are the output buffer and offsets
+    missing = [name for name in operands if name not in shapes]
+    if missing:
+        raise ValueError(f"HLO {ins.op} %{ins.name}: operand {missing[0]} is not defined in its computation")
+    return [b for name in operands for b in shape_bytes(shapes[name])]
 
 
 _PASS_THROUGH = ("get-tuple-element", "bitcast", "copy", "convert")
@@ -186,17 +236,13 @@ def collectives(text: str) -> dict[str, dict[str, int]]:
         n = times.get(comp.name, 0)
         if n == 0:
             continue
+        shapes = {ins.name: ins.shape for ins in comp.instrs}
         for ins in comp.instrs:
             kind = ins.op.removesuffix("-start")
             if kind not in KINDS:
                 continue
-            sizes = shape_bytes(ins.shape)
-            if ins.op.endswith("-start") and len(sizes) > 1:
-                sizes = [max(sizes)]  # async start ops return (operand, result) pairs
-            nbytes = sum(sizes)
-            if kind == "reduce-scatter":
-                nbytes *= _group_size(ins.text)
-            parts = {kind: nbytes}
+            sizes = moved_bytes(ins, shapes)
+            parts = {kind: sum(sizes)}
             if kind == "all-reduce":
                 parts = _split_all_reduce(comp, comps, ins, sizes)
             dtypes = sorted({d for d, _ in _ARRAY.findall(ins.shape) if d in DTYPE_BYTES})
