@@ -1,16 +1,17 @@
 """Writes the example notebooks (examples/*.ipynb) from the cells below, without outputs.
 
-    python examples/make_notebooks.py                   # rewrite examples/*.ipynb
-    python examples/make_notebooks.py OUT_DIR           # write them somewhere else
-    python examples/make_notebooks.py --repo-url URL    # badge and install cell point at URL
+    python examples/make_notebooks.py            # rewrite examples/*.ipynb
+    python examples/make_notebooks.py OUT_DIR    # write them somewhere else
 
-The repository the notebooks name (their Colab badge opens the notebook from it, their first cell
-pip-installs jaxpar from it on Colab) is one setting, REPO_URL below; --repo-url or the
-JAXPAR_REPO_URL environment variable override it for one run (the flag wins).
+The repository the notebooks name is set in one place, `[project.urls] Repository` in
+pyproject.toml: their Colab badge opens the notebook from it, and their first cell clones it when
+jaxpar is not installed and no checkout of it is found beside the notebook. Change it there, then
+rerun this script and commit the notebooks.
 
 The notebooks are generated so that a review reads Python, not JSON; edit the cells here and
 rerun. `tests/test_notebooks.py` checks that the committed notebooks equal this script's output,
-carry no outputs, and run top to bottom with JAXPAR_NOTEBOOK_SMALL=1.
+name no other URL than pyproject.toml's, carry no outputs, and run top to bottom with
+JAXPAR_NOTEBOOK_SMALL=1.
 """
 
 from __future__ import annotations
@@ -18,18 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 import textwrap
+import tomllib
 
 import nbformat
 
-# The GitHub repository the notebooks open from and install from. A PLACEHOLDER: no public
-# repository is known to exist at this address. For a fork, regenerate the notebooks with
-#     python examples/make_notebooks.py --repo-url https://github.com/OWNER/NAME
-# and commit them (or change the value here). Colab opens notebooks from github.com only.
-REPO_URL = "https://github.com/jaxpar/jaxpar"
-BRANCH = "main"  # the branch the Colab badge opens
-REPO_URL_ENV = "JAXPAR_REPO_URL"  # overrides REPO_URL when set (and --repo-url is not given)
 HERE = os.path.dirname(os.path.abspath(__file__))
+PYPROJECT = os.path.join(os.path.dirname(HERE), "pyproject.toml")
+BRANCH = "main"  # the branch the Colab badge opens
 _REPO = "<<OWNER/NAME>>"  # in the cells below; build() puts the repository's owner/name there
 
 
@@ -42,33 +40,79 @@ def github_path(repo_url: str) -> str:
     return f"{match[1]}/{match[2]}"
 
 
+def repository_url(pyproject: str | None = None) -> str:
+    """`[project.urls] Repository` of `pyproject` (default: this repository's) as
+    https://github.com/OWNER/NAME; ValueError when it is missing or not a GitHub repository."""
+    pyproject = pyproject or PYPROJECT
+    with open(pyproject, "rb") as f:
+        url = tomllib.load(f).get("project", {}).get("urls", {}).get("Repository")
+    if url is None:
+        raise ValueError(f"{pyproject} has no [project.urls] Repository = \"https://github.com/"
+                         "OWNER/NAME\"; the notebooks open from and clone that repository")
+    return f"https://github.com/{github_path(str(url))}"
+
+
 def badge(name: str) -> str:
     url = f"https://colab.research.google.com/github/{_REPO}/blob/{BRANCH}/examples/{name}.ipynb"
     return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
 
 
-# The first code cell of every notebook: install on Colab, 8 devices before any backend starts.
+# The first code cell of every notebook: jaxpar installed (from the checkout the notebook is in or
+# was uploaded beside, else from a clone of the repository), then the backend started with 8 CPU
+# devices as `python -m jaxpar.train` starts it.
 SETUP = """\
+import importlib.util
 import os
+import subprocess
 import sys
+from pathlib import Path
 
-if "google.colab" in sys.modules:  # on Colab: install jaxpar (REPO_URL of make_notebooks.py)
-    import subprocess
+REPO_URL = "https://github.com/<<OWNER/NAME>>"  # [project.urls] Repository of pyproject.toml
 
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "jaxpar @ git+https://github.com/<<OWNER/NAME>>"], check=True)
+
+def find_checkout(start):
+    \"\"\"The jaxpar repository `start` is in (this notebook in its examples/), or one in a
+    folder beside it (the repository uploaded next to the notebook); None if neither.\"\"\"
+    beside = sorted(path for path in start.iterdir() if path.is_dir())
+    for folder in [start, *start.parents, *beside]:
+        if (folder / "pyproject.toml").is_file() and (folder / "jaxpar" / "__init__.py").is_file():
+            return folder
+    return None
+
+
+def install_jaxpar(start):
+    \"\"\"pip-installs jaxpar (editable) from the repository found from `start`, else from a
+    clone of REPO_URL made there, and makes it importable in this kernel.\"\"\"
+    checkout = find_checkout(start)
+    if checkout is None:
+        checkout = start / "jaxpar"
+        clone = subprocess.run(["git", "clone", "--quiet", "--depth=1", REPO_URL, str(checkout)],
+                               env=dict(os.environ, GIT_TERMINAL_PROMPT="0"))
+        if clone.returncode != 0:
+            raise RuntimeError(f"jaxpar is not installed, no checkout of it is beside this notebook"
+                               f", and git could not clone {REPO_URL}: upload the repository "
+                               "next to the notebook, or install jaxpar in this Python")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", str(checkout)], check=True)
+    sys.path.insert(0, str(checkout))  # importable now, without restarting the kernel
+    importlib.invalidate_caches()
+
+
+if importlib.util.find_spec("jaxpar") is None:  # e.g. a fresh Colab runtime
+    install_jaxpar(Path.cwd())
 
 SMALL = os.environ.get("JAXPAR_NOTEBOOK_SMALL") == "1"  # CI: fewer steps, smaller sizes
-
-# Eight emulated CPU devices. This must happen before JAX starts a backend; on a GPU runtime the
-# GPUs stay the default backend and the eight CPU devices exist beside them.
-flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 if SMALL:  # CI: skip LLVM's optimizations, which about halves compile times on CPU
-    flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = flags.strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+from jaxpar.config import RuntimeConfig
+from jaxpar.mesh import emulate_cpu_devices
+
+# Eight emulated CPU devices, before JAX starts a backend; as `python -m jaxpar.train` starts, so
+# a machine with JAX's CUDA plugin but no GPU driver starts on the CPU without a cuInit error. On
+# a GPU runtime the GPUs stay the default backend and the eight CPU devices exist beside them.
+emulate_cpu_devices(RuntimeConfig(cpu_devices=8))
 """
 
 # Notebooks 02-05 lay meshes of 8 devices: 8 accelerators where there are, else the CPU devices.
@@ -876,9 +920,9 @@ NOTEBOOKS = {
 }
 
 
-def build(name: str, repo_url: str = REPO_URL) -> nbformat.NotebookNode:
+def build(name: str, repo_url: str) -> nbformat.NotebookNode:
     """The notebook `name`, without outputs, with stable cell ids (reruns give the same file),
-    its Colab badge and install cell pointing at `repo_url`."""
+    its Colab badge and install cell pointing at `repo_url` (https://github.com/OWNER/NAME)."""
     repo = github_path(repo_url)
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.from_dict(dict(cell)) for cell in NOTEBOOKS[name]]
@@ -894,23 +938,22 @@ def build(name: str, repo_url: str = REPO_URL) -> nbformat.NotebookNode:
     return nb
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", nargs="?", default=HERE, help="where to write (default: here)")
-    parser.add_argument("--repo-url", default=os.environ.get(REPO_URL_ENV) or REPO_URL,
-                        help=f"https://github.com/OWNER/NAME (default: ${REPO_URL_ENV}, else "
-                             f"{REPO_URL})")
     args = parser.parse_args(argv)
     try:
-        github_path(args.repo_url)
-    except ValueError as e:
-        parser.error(str(e))
+        url = repository_url()
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     os.makedirs(args.out_dir, exist_ok=True)
     for name in NOTEBOOKS:
         path = os.path.join(args.out_dir, f"{name}.ipynb")
-        nbformat.write(build(name, args.repo_url), path)
+        nbformat.write(build(name, url), path)
         print(path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
