@@ -36,6 +36,14 @@ What crosses processes (here over loopback, on a cluster over the network):
   on a cluster must be a shared file system; process 0 commits. Only process 0 writes
   metrics.jsonl, the plots, and shows progress.
 
+Before the first process starts, the launch is checked, and refused in one line (exit code 2)
+when it cannot work: --port outside 1-65535 or taken; more processes than the machine holds
+(`most_processes`: about PROCESS_BYTES of the memory available now for each, at most
+PROCESSES_PER_CORE per core); and, for `python -m jaxpar.train`, the config every process would
+refuse -- on the CPU checked for the devices of all of them, nproc x runtime.cpu_devices (on
+GPUs, each process counts its own). A stop asked for while the processes are being started ends
+the starting there.
+
 Output: process 0's stdout and stderr pass through live; the others are kept as a rolling tail.
 
 Failure: when a process exits non-zero or is killed, the launcher asks the others to stop
@@ -71,6 +79,7 @@ import argparse
 import codecs
 import collections
 import ctypes
+import dataclasses
 import os
 import queue
 import signal
@@ -82,12 +91,19 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
+from jaxpar import config as config_lib
+
 POLL_S = 0.1  # how often the launcher looks at its queue of exits and signals
 KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for the process table to show the exit
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 CONFIG_ERROR = 2  # jaxpar's exit code for a configuration error: a restart would repeat it
 MANIFEST = "jaxpar_manifest.json"  # jaxpar.checkpoint.MANIFEST: in a checkpoint once committed
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# What one process takes, for the count a machine can hold: a `python -m jaxpar.train` of
+# configs/tiny.yaml on one CPU device peaked at 1.2 GB resident (jax 0.12.0.1); a real model
+# takes more, which its own memory check reports.
+PROCESS_BYTES = 1 << 30
+PROCESSES_PER_CORE = 8  # beyond this, start-up alone (imports, compiles) takes the machine
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -173,10 +189,14 @@ def _child_setup(libc) -> None:
 
 
 def _start_children(command: list[str], nproc: int, coordinator: str,
-                    tail_lines: int, restart: int = 0) -> list[Child]:
+                    tail_lines: int, restart: int = 0, requested: list[int] = ()) -> list[Child]:
+    """Starts the processes; a stop asked for meanwhile (a signal in `requested`) ends the
+    starting there: the ones started are returned, to be stopped."""
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
     children = []
     for index in range(nproc):  # all forks happen before any thread starts (preexec_fn)
+        if requested:
+            break
         env = dict(os.environ, JAXPAR_COORDINATOR=coordinator, JAXPAR_NUM_PROCESSES=str(nproc),
                    JAXPAR_PROCESS_ID=str(index), JAXPAR_RESTART_COUNT=str(restart),
                    PYTHONUNBUFFERED="1")
@@ -212,8 +232,6 @@ def _train_settings(train_args: list[str]) -> tuple[str | None, str]:
     """(train.run_dir, train.resume) as `python -m jaxpar.train *train_args` would see them; run
     dir None when the arguments do not parse (the processes then report that, with exit code 2).
     jaxpar.config reads YAML only: the launcher stays free of JAX."""
-    from jaxpar import config as config_lib
-
     try:
         path, overrides = config_lib.parse_cli(list(train_args))
         t = config_lib.load_config(path, overrides).train
@@ -265,6 +283,92 @@ class Resumption:
                    "a restart continues from the last checkpoint)")
 
 
+# --- Before the first fork: what the launch asks for, checked -----------------------------------
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None off Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def most_processes() -> tuple[int, str]:
+    """How many processes this machine holds, and why: PROCESS_BYTES each of the memory
+    available now, PROCESSES_PER_CORE per core."""
+    cores = os.cpu_count() or 1
+    most, why = cores * PROCESSES_PER_CORE, f"{cores} cores x {PROCESSES_PER_CORE}"
+    memory = _available_memory()
+    if memory is not None and memory // PROCESS_BYTES < most:
+        most = max(1, memory // PROCESS_BYTES)
+        why = (f"{memory / 2**30:.1f} GiB of memory available, about "
+               f"{PROCESS_BYTES / 2**30:.0f} GiB a process")
+    return most, why
+
+
+def _on_cpu() -> bool:
+    """Whether the processes will run on the CPU (runtime.cpu_devices each): JAX_PLATFORMS says
+    so, or there is no NVIDIA driver (jaxpar.mesh.emulate_cpu_devices decides the same way)."""
+    if os.environ.get("JAX_PLATFORMS"):
+        return os.environ["JAX_PLATFORMS"].split(",")[0] == "cpu"
+    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg"))
+
+
+def _config_problem(nproc: int, train_args: list[str]) -> str | None:
+    """The config error every process would stop with, checked here once, for the devices of
+    all the processes together where they run on the CPU (nproc x runtime.cpu_devices); None
+    when there is none (or only the processes can tell: their devices on GPUs)."""
+    try:
+        path, overrides = config_lib.parse_cli(list(train_args))
+        settings = config_lib.user_settings(path, overrides)
+        cfg = config_lib.build_config(settings)
+        config_lib.validate_runtime(cfg)
+    except config_lib.ConfigError as e:
+        return f"config error: {e}"
+    if not _on_cpu():
+        return None
+    devices = nproc * cfg.runtime.cpu_devices
+    if "mesh" not in settings:  # as jaxpar.train does: the default layout, fitted to the devices
+        cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(devices))
+    try:
+        if cfg.train.init_from is None:
+            config_lib.validate(cfg, devices)
+        else:  # the model's shape comes from train.init_from, which the processes read
+            config_lib.resolve_mesh(cfg.mesh, devices)
+    except config_lib.ConfigError as e:
+        return (f"config error: {e} (the run has --nproc {nproc} x runtime.cpu_devices="
+                f"{cfg.runtime.cpu_devices} = {devices} devices)")
+    return None
+
+
+def launch_problem(nproc: int, train_args: list[str], port: int | None, config: bool) -> str | None:
+    """What makes the launch fail before any process starts (None: nothing): the port, more
+    processes than the machine holds (`most_processes`), and with `config` (the command is
+    jaxpar.train) the config for nproc processes (`_config_problem`)."""
+    if nproc < 1:
+        return f"--nproc={nproc}: need at least 1 process"
+    if port is not None and not 1 <= port <= 65535:
+        return f"--port={port}: a TCP port is 1-65535; e.g. --port 29500, or leave it out for a free one"
+    if port is not None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+            except OSError as e:
+                return (f"--port={port} cannot be the coordinator's ({e.strerror}); give another, "
+                        "or leave --port out for a free one")
+    most, why = most_processes()
+    if nproc > most:
+        return (f"--nproc {nproc}: this machine holds about {most} processes ({why}); use "
+                f"--nproc {most} or fewer, with more devices each (runtime.cpu_devices) on the CPU")
+    return _config_problem(nproc, train_args) if config else None
+
+
 # --- The launcher -------------------------------------------------------------------------
 
 
@@ -309,9 +413,12 @@ def _run_once(command: list[str], nproc: int, coordinator: str, restart: int, gr
     """One attempt: starts the processes, forwards the signals that arrive in `requested`, and
     stops them all at the first failure. Returns the children (all stopped, unless one survived
     SIGKILL) and the first failure (child, Popen returncode), or None when all exited 0."""
-    children = _start_children(command, nproc, coordinator, tail_lines, restart)
-    _say(f"{nproc} processes, coordinator {coordinator}: "
-         + ", ".join(f"process {c.index} pid {c.proc.pid}" for c in children))
+    children = _start_children(command, nproc, coordinator, tail_lines, restart, requested)
+    _say(f"{len(children)} processes, coordinator {coordinator}: "
+         + ", ".join(f"process {c.index} pid {c.proc.pid}" for c in children)
+         + (f" (a stop was requested before the other {nproc - len(children)} started)"
+            if len(children) < nproc else ""))
+    nproc = len(children)
     exits: queue.Queue = queue.Queue()
     _watch_exits(children, exits)
     failed: tuple[Child, int] | None = None
@@ -365,6 +472,9 @@ def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, g
     processes of one distributed run on 127.0.0.1, restarting all of them up to `max_restarts`
     times after a failure; returns the exit code: 0 when all exit 0, else the last attempt's first
     failed process's (128 + signal for a signal). See the module docstring."""
+    if (problem := launch_problem(nproc, list(train_args), port, config=command is None)) is not None:
+        _say(f"error: {problem}")  # before any process starts
+        return CONFIG_ERROR
     base = [*(command or [sys.executable, "-m", "jaxpar.train"]), *train_args]
     # The run dir of a custom command is known only from the train arguments it is given.
     run_dir, resume = _train_settings(train_args) if command is None or train_args else (None, "auto")
@@ -451,8 +561,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.train_args[:1] == ["--"]:
         args.train_args = args.train_args[1:]
-    if args.nproc < 1:
-        parser.error(f"--nproc={args.nproc}: need at least 1 process")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts={args.max_restarts}: need a count >= 0")
     if args.grace < 0:

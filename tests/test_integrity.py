@@ -391,3 +391,79 @@ def test_a_full_disk_during_prepare_is_one_line_and_the_rerun_resumes(small_disk
     assert "already complete; resuming at document" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == \
         {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir() if p.name != ".lock"}
+
+
+# --- Item 5: a launch is checked before the first fork, and stops on SIGTERM at any time -----------
+
+
+def no_fork(*args, **kwargs):
+    raise AssertionError("the launcher started a process")
+
+
+@pytest.mark.parametrize("args, overrides, message", [
+    (["--nproc", "100000"], [], r"--nproc 100000: this machine holds about \d+ processes \("),
+    (["--nproc", "2", "--port", "70000"], [], r"--port=70000: a TCP port is 1-65535"),
+    (["--nproc", "0"], [], r"--nproc=0: need at least 1 process"),
+    (["--nproc", "3"], ["runtime.cpu_devices=1", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"],
+     (r"config error: mesh: .* multiplies to 2 .*\(the run has --nproc 3 x runtime.cpu_devices=1 = 3 "
+      r"devices\)")),
+    (["--nproc", "2"], ["runtime.cpu_devices=0"], r"config error: runtime.cpu_devices=0: must be at least 1"),
+    (["--nproc", "2"], ["train.steps=0"], r"config error: train.steps=0: must be at least 1"),
+    (["--nproc", "2"], ["train.stepz=4"], r"config error: unknown config key 'train.stepz'"),
+])
+def test_a_launch_that_cannot_work_is_refused_before_any_process_starts(args, overrides, message,
+                                                                        monkeypatch, capsys):
+    import re
+
+    from jaxpar import launch
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_fork)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert launch.main([*args, TINY_YAML, *overrides]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxpar.launch: error: "), lines
+    assert re.search(message, lines[0]), lines
+
+
+def test_a_port_in_use_is_refused_and_the_count_follows_the_memory(monkeypatch, capsys):
+    import socket
+
+    from jaxpar import launch
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_fork)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert launch.main(["--nproc", "2", "--port", str(port), TINY_YAML]) == 2
+    assert f"--port={port} cannot be the coordinator's (Address already in use)" in capsys.readouterr().err
+    monkeypatch.setattr(launch, "_available_memory", lambda: 5 * 2**30 + 1)
+    most, _ = launch.most_processes()
+    assert most == min(5, (os.cpu_count() or 1) * launch.PROCESSES_PER_CORE)
+    assert launch.launch_problem(most + 1, [], None, config=False).startswith(f"--nproc {most + 1}: ")
+    assert launch.launch_problem(most, [], None, config=False) is None
+
+
+def test_sigterm_while_the_processes_start_stops_the_starting(monkeypatch, capsys):
+    import signal
+
+    from jaxpar import launch
+
+    started = []
+    real = launch.subprocess.Popen
+
+    def popen(*args, **kwargs):  # SIGTERM arrives while the third process is being started
+        if len(started) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    sleeper = [sys.executable, "-c", ("import signal, sys, time; "
+                                      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(60)")]
+    clock = time.monotonic()
+    # 0 where a process had set its handler, 143 (killed by SIGTERM) where one was still starting
+    assert launch.launch(12, [], command=sleeper, grace=10) in (0, 143)
+    assert time.monotonic() - clock < 10
+    assert len(started) == 3 and all(p.poll() is not None for p in started)
+    assert "(a stop was requested before the other 9 started)" in capsys.readouterr().err
