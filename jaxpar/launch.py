@@ -38,7 +38,7 @@ What crosses processes (here over loopback, on a cluster over the network):
 
 Before the first process starts, the launch is checked, and refused in one line (exit code 2)
 when it cannot work: --port outside 1-65535 or taken; more processes than the machine holds
-(`most_processes`: about PROCESS_BYTES of the memory available now for each, at most
+(`most_processes`: about PROCESS_BYTES of the machine's memory for each, at most
 PROCESSES_PER_CORE per core); and, for `python -m jaxpar.train`, the config every process would
 refuse -- on the CPU checked for the devices of all of them, nproc x runtime.cpu_devices (on
 GPUs, each process counts its own). A stop asked for while the processes are being started ends
@@ -286,12 +286,13 @@ class Resumption:
 # --- Before the first fork: what the launch asks for, checked -----------------------------------
 
 
-def _available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None off Linux)."""
+def _machine_memory() -> int | None:
+    """MemTotal of /proc/meminfo in bytes (None off Linux). The machine's whole memory, not what
+    is free at the moment: the bound must not move with what other jobs hold."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
@@ -299,14 +300,14 @@ def _available_memory() -> int | None:
 
 
 def most_processes() -> tuple[int, str]:
-    """How many processes this machine holds, and why: PROCESS_BYTES each of the memory
-    available now, PROCESSES_PER_CORE per core."""
+    """How many processes this machine holds, and why: PROCESS_BYTES each of its memory,
+    PROCESSES_PER_CORE per core."""
     cores = os.cpu_count() or 1
     most, why = cores * PROCESSES_PER_CORE, f"{cores} cores x {PROCESSES_PER_CORE}"
-    memory = _available_memory()
+    memory = _machine_memory()
     if memory is not None and memory // PROCESS_BYTES < most:
         most = max(1, memory // PROCESS_BYTES)
-        why = (f"{memory / 2**30:.1f} GiB of memory available, about "
+        why = (f"{memory / 2**30:.1f} GiB of memory, about "
                f"{PROCESS_BYTES / 2**30:.0f} GiB a process")
     return most, why
 

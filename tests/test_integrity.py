@@ -437,7 +437,7 @@ def test_a_port_in_use_is_refused_and_the_count_follows_the_memory(monkeypatch, 
         port = taken.getsockname()[1]
         assert launch.main(["--nproc", "2", "--port", str(port), TINY_YAML]) == 2
     assert f"--port={port} cannot be the coordinator's (Address already in use)" in capsys.readouterr().err
-    monkeypatch.setattr(launch, "_available_memory", lambda: 5 * 2**30 + 1)
+    monkeypatch.setattr(launch, "_machine_memory", lambda: 5 * 2**30 + 1)
     most, _ = launch.most_processes()
     assert most == min(5, (os.cpu_count() or 1) * launch.PROCESSES_PER_CORE)
     assert launch.launch_problem(most + 1, [], None, config=False).startswith(f"--nproc {most + 1}: ")
