@@ -61,6 +61,11 @@ class CheckpointMismatchError(ConfigError):
     """The checkpoint holds a model of another shape (or another set of parameters)."""
 
 
+class CheckpointNotFoundError(ConfigError, FileNotFoundError):
+    """A checkpoint step asked for by name does not exist or cannot be used: a setting to change
+    (a ConfigError, exit code 2), and a FileNotFoundError to the code that catches that."""
+
+
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped because it is incomplete or corrupted."""
 
@@ -344,6 +349,15 @@ class Checkpointer:
         if problems:
             shown = "\n  ".join(problems[:8]) + (
                 f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+            if not any(p.startswith(f"{PARAMS_ITEM}.") for p in problems) and any(
+                    p.startswith("opt_state") for p in problems):
+                # The parameters match: the optimizer state is what differs (another update rule).
+                raise CheckpointMismatchError(
+                    f"checkpoint step {step} in {self.directory} holds the state of another "
+                    f"optimizer (the model's parameters match):\n  {shown}\nresume with the "
+                    "optimizer.name it was trained with (its config.yaml), or keep its weights "
+                    "with a fresh optimizer: train.init_from=<that run directory> in a new "
+                    "train.run_dir")
             raise CheckpointMismatchError(
                 f"checkpoint step {step} in {self.directory} holds a model of another shape:"
                 f"\n  {shown}\nrestore it with the model config it was trained with"
@@ -366,8 +380,10 @@ class Checkpointer:
             if step is None:
                 raise FileNotFoundError(f"no usable checkpoint in {self.directory}")
         elif (problem := self.problem(step)) is not None:
-            raise FileNotFoundError(
-                f"checkpoint step {step} in {self.directory} is unusable: {problem}")
+            usable = [s for s in self.all_steps() if self.problem(s) is None]
+            raise CheckpointNotFoundError(
+                f"checkpoint step {step} in {self.directory} is unusable: {problem}; "
+                + (f"its usable checkpoints are steps {usable}" if usable else "it has no usable checkpoint"))
         # Checkpoints from before the train state carried the guard's counters (skipped_steps,
         # first_bad_step) lack them: those scalars start at 0 instead.
         missing = self._missing_counters(step, state_shape)

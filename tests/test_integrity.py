@@ -468,3 +468,30 @@ def test_sigterm_while_the_processes_start_stops_the_starting(monkeypatch, capsy
     assert time.monotonic() - clock < 10
     assert len(started) == 3 and all(p.poll() is not None for p in started)
     assert "(a stop was requested before the other 9 started)" in capsys.readouterr().err
+
+
+# --- Item 7: a checkpoint step that is not there, another optimizer --------------------------------
+
+
+def test_to_hf_of_a_step_that_does_not_exist_exits_2_listing_the_steps(base_run, tmp_path, capsys):
+    from jaxpar import convert
+
+    assert convert.main(["to-hf", str(base_run), "--out", str(tmp_path / "hf"), "--step", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("config error: checkpoint step 3 in ") and "\n" not in err, err
+    assert "there is no such checkpoint; its usable checkpoints are steps [2, 4]" in err
+    assert not (tmp_path / "hf").exists() or not os.listdir(tmp_path / "hf")
+
+
+def test_resuming_with_another_optimizer_says_it_is_the_optimizer(base_run, prepared, tmp_path):
+    from jaxpar.train import train
+
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    with pytest.raises(ConfigError, match=r"holds the state of another optimizer \(the model's "
+                                          r"parameters match\)") as refused:
+        train(*tiny(run, "train.steps=6", f"data.source={prepared}", "optimizer.name=sgd"))
+    assert "another shape" not in str(refused.value)
+    assert "optimizer.name it was trained with" in str(refused.value)
+    with pytest.raises(ConfigError, match="holds a model of another shape"):  # a model change still says so
+        train(*tiny(run, "train.steps=6", f"data.source={prepared}", "model.d_ff=96"))
