@@ -18,7 +18,8 @@ embeddings, rotary scaling none or `llama3`. Everything else is refused by name 
 nothing written: another architecture, a sliding window that would cut attention short, another
 rope scaling, biases jaxpar lacks, a head_dim other than hidden_size / num_attention_heads, an
 activation other than silu. The checkpoint is checked before anything is written: every tensor
-the config implies present with its shape, nothing unknown, every byte inside its file.
+the config implies present with its shape, nothing unknown, every byte inside its file; and as
+it is read, every value finite (a NaN or infinity names the tensor, and the output is removed).
 
 Loading is sharded, one tensor at a time. `load_hf_params` places each parameter with
 `jax.make_array_from_callback` onto its sharding on the target mesh; for each device's shard the
@@ -335,10 +336,12 @@ def check_tensors(tensors: dict[str, TensorInfo], m: ModelConfig, hf_dir: str) -
 READ_BYTES = 16 << 20  # what one read takes from a file at most
 
 
-def _rows_reader(info: TensorInfo, dtype: np.dtype):
-    """read(r0, r1, cols=None): rows r0..r1 of the tensor (its first axis), of a matrix only the
-    columns `cols` (a slice), as `dtype`: read from disk READ_BYTES at a time into the result,
-    so that a shard that splits the columns costs its own size, not the rows'."""
+def _rows_reader(info: TensorInfo, dtype: np.dtype, name: str):
+    """read(r0, r1, cols=None): rows r0..r1 of the tensor `name` (its first axis), of a matrix
+    only the columns `cols` (a slice), as `dtype`: read from disk READ_BYTES at a time into the
+    result, so that a shard that splits the columns costs its own size, not the rows'. A NaN or
+    infinity among them is a ConfigError naming the tensor: such weights train and sample
+    nothing."""
     src = _np_dtype(info.dtype)
     rest = info.shape[1:]
     row = src.itemsize * int(np.prod(rest, dtype=np.int64))
@@ -357,6 +360,13 @@ def _rows_reader(info: TensorInfo, dtype: np.dtype):
                                       f"bytes at {info.offset + a * row}")
                 rows = np.frombuffer(raw, src).reshape(b - a, *rest)
                 out[a - r0:b - r0] = rows if cols is None else rows[:, cols]
+                if not (finite := np.isfinite(out[a - r0:b - r0])).all():
+                    bad = np.argwhere(~finite)[0]
+                    raise ConfigError(
+                        f"{info.file}: tensor {name} holds {np.count_nonzero(~finite)} non-finite "
+                        f"value(s), the first {out[a - r0 + bad[0]][tuple(bad[1:])]} in row "
+                        f"{a + bad[0]}: weights with NaN or infinity train and sample nothing; "
+                        "import an intact checkpoint")
         finally:
             os.close(fd)
         return out
@@ -407,14 +417,15 @@ def load_hf_params(hf_dir: str, m: ModelConfig, shapes: dict, shardings: dict,
         like = flat_shapes[path]
         dtype = _np_dtype(np.dtype(like.dtype).name)
         if stacked:
-            readers = [_rows_reader(tensors[name.format(l=layer)], dtype) for layer in range(m.n_layers)]
+            readers = [_rows_reader(tensors[name.format(l=layer)], dtype, name.format(l=layer))
+                       for layer in range(m.n_layers)]
 
             def shard(idx, readers=readers, convert=convert, shape=like.shape[1:]):
                 first, last = _span(idx[0], len(readers))
                 return np.stack([convert(readers[layer], idx[1:], shape)
                                  for layer in range(first, last)])
         else:
-            reader = _rows_reader(tensors[name], dtype)
+            reader = _rows_reader(tensors[name], dtype, name)
 
             def shard(idx, reader=reader, convert=convert, shape=like.shape):
                 return np.ascontiguousarray(convert(reader, idx, shape))

@@ -259,7 +259,19 @@ def _truncate(path, by: int = 100):
         f.truncate(os.path.getsize(path) - by)
 
 
+def _put_nan(directory, name: str = "model.layers.1.mlp.down_proj.weight", at: int = 77):
+    """Writes a NaN over element `at` of tensor `name` of the checkpoint in `directory`."""
+    info = convert.checkpoint_tensors(str(directory))[name]
+    dtype = convert._np_dtype(info.dtype)
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset + at * dtype.itemsize)
+        f.write(np.array([np.nan], dtype=dtype).tobytes())
+
+
 BAD = {  # case -> (variant, how to break the copy, what the message must name)
+    "NaN in a tensor": ("llama2-gqa-sharded", _put_nan,
+                        [("tensor model.layers.1.mlp.down_proj.weight holds 1 non-finite value(s), "
+                          "the first nan in row 0"), "import an intact checkpoint"]),
     "missing shard": ("llama2-gqa-sharded",
                       lambda d: os.remove(d / "model-00003-of-00007.safetensors"),
                       ["model-00003-of-00007.safetensors is missing", "tensor model."]),
