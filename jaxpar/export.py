@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -
                         help=f"largest safetensors file (default {DEFAULT_MAX_SHARD_BYTES})")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
     try:
         from jaxpar.config import check_writable_dir
 
