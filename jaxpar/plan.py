@@ -8,7 +8,9 @@ pipeline schedule and microbatches, gradient accumulation -- keeps the ones `jax
 accepts (so every plan printed is runnable), predicts for each its memory per device and its step
 time (hence MFU), and prints the fastest ones that fit: JSON by default, a table with `--human`,
 each with its breakdown, one line of why, and the `python -m jaxpar.train` command. `tensor` and
-`context` stay inside a node unless nothing fits that way (the plan then says so).
+`context` stay inside a node unless nothing fits that way (the plan then says so). Each axis
+takes only divisors of what it splits (`_meshes`), so the enumeration grows with the model's
+divisors, not with the GPU count: a million GPUs is answered in about as long as eight.
 
 Memory per device (`predict_memory`), in bytes, for jaxpar's own program:
 - params, optimizer state (Adam: two moments) and gradients in param_dtype, each divided as the
@@ -715,17 +717,9 @@ def _model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _factorizations(n: int, k: int):
-    """Every k-tuple of positive integers whose product is n."""
-    if k == 1:
-        yield (n,)
-        return
-    for d in _divisors(n):
-        for rest in _factorizations(n // d, k - 1):
-            yield (d,) + rest
+    """The divisors of n, ascending, in O(sqrt(n)) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass
@@ -745,18 +739,24 @@ class Plan:
 
 
 def _meshes(m: ModelConfig, t, n: int):
-    """Mesh sizes whose axes divide what they split (the cheap part of `validate`'s rules)."""
-    for pipe, data, fsdp, expert, context, tensor in _factorizations(n, 6):
-        if (m.n_layers % pipe or m.n_heads % tensor or m.n_kv_heads % tensor or m.d_ff % tensor
-                or m.vocab_size % tensor or t.seq_len % (2 * context if context > 1 else 1)):
-            continue
-        if expert > 1 and (m.moe.num_experts == 0 or m.moe.num_experts % expert):
-            continue
-        if t.batch_size % (data * fsdp * expert):
-            continue
-        if fsdp > 1 and m.d_model % fsdp:
-            continue
-        yield dict(zip(MESH_AXES, (pipe, data, fsdp, expert, context, tensor)))
+    """Mesh sizes whose axes divide what they split (the cheap part of `validate`'s rules), in
+    the order of their axes' sizes (pipe first, each ascending). Each axis takes only divisors of
+    what it splits and of the devices left, so the work follows the model's divisors, not n: a
+    count that no layout divides is answered at once, however large."""
+    heads = math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)  # what tensor splits
+    for pipe in _divisors(math.gcd(n, m.n_layers)):
+        for data in _divisors(math.gcd(n // pipe, t.batch_size)):
+            left = n // (pipe * data)
+            for fsdp in _divisors(math.gcd(left, t.batch_size // data)):
+                if fsdp > 1 and m.d_model % fsdp:
+                    continue
+                rows = t.batch_size // (data * fsdp)
+                for expert in _divisors(math.gcd(left // fsdp, rows, m.moe.num_experts or 1)):
+                    rest = left // (fsdp * expert)
+                    for context in _divisors(math.gcd(rest, max(t.seq_len // 2, 1))):
+                        tensor = rest // context
+                        if heads % tensor == 0 and (context == 1 or t.seq_len % (2 * context) == 0):
+                            yield dict(zip(MESH_AXES, (pipe, data, fsdp, expert, context, tensor)))
 
 
 def _settings(cfg: Config, sizes: dict[str, int]):

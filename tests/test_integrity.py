@@ -495,3 +495,50 @@ def test_resuming_with_another_optimizer_says_it_is_the_optimizer(base_run, prep
     assert "optimizer.name it was trained with" in str(refused.value)
     with pytest.raises(ConfigError, match="holds a model of another shape"):  # a model change still says so
         train(*tiny(run, "train.steps=6", f"data.source={prepared}", "model.d_ff=96"))
+
+
+# --- Item 6: plan answers within seconds whatever the count ----------------------------------------
+
+
+def brute_force_meshes(m, t, n: int) -> list[dict]:
+    """Every 6-factorisation of n that passes the divisibility rules, in lexicographic order: the
+    enumeration the planner made before it was pruned."""
+    import itertools
+
+    from jaxpar.config import MESH_AXES
+
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    found = []
+    for sizes in itertools.product(divisors, repeat=6):
+        pipe, data, fsdp, expert, context, tensor = sizes
+        if np.prod(sizes) != n:
+            continue
+        if (m.n_layers % pipe or m.n_heads % tensor or m.n_kv_heads % tensor or m.d_ff % tensor
+                or m.vocab_size % tensor or t.seq_len % (2 * context if context > 1 else 1)
+                or (expert > 1 and (m.moe.num_experts == 0 or m.moe.num_experts % expert))
+                or t.batch_size % (data * fsdp * expert) or (fsdp > 1 and m.d_model % fsdp)):
+            continue
+        found.append(dict(zip(MESH_AXES, sizes)))
+    return found
+
+
+@pytest.mark.parametrize("preset, n", [("gpt2-124m", 12), ("llama-1b", 32), ("moe-tiny", 16),
+                                       ("tiny", 16), ("llama-1b", 7)])
+def test_the_pruned_mesh_enumeration_is_the_whole_one(preset, n):
+    from jaxpar import config as config_lib
+    from jaxpar import plan
+
+    cfg = config_lib.load_config(str(ROOT / "configs" / f"{preset}.yaml"))
+    assert list(plan._meshes(cfg.model, cfg.train, n)) == brute_force_meshes(cfg.model, cfg.train, n)
+
+
+@pytest.mark.parametrize("gpus", ["1000000xh100", "64000000xh100", "65536xh100"])
+def test_plan_answers_a_huge_count_within_seconds(gpus, capsys):
+    from jaxpar import plan
+
+    clock = time.perf_counter()
+    code = plan.main([str(ROOT / "configs" / "llama-1b.yaml"), "--gpus", gpus])
+    seconds = time.perf_counter() - clock
+    assert code in (0, 3) and seconds < 20, (code, seconds)
+    result = json.loads(capsys.readouterr().out)
+    assert result["plans"] or "no layout of" in result["error"]
