@@ -14,7 +14,10 @@ library's batch encoding) and writes, into DIR:
   hash of their text: the same document always falls on the same side);
 - `manifest.json`: the tokenizer (spec, SHA-256 of its file, vocabulary, end-of-document id), the
   token dtype, the options, every source file (path, size, SHA-256) and every shard (documents,
-  tokens, SHA-256 of both files). Training checks the tokenizer and the shard sizes against it.
+  tokens, SHA-256 of both files). Training checks the shards it reads against it before the
+  first step (`verify_shards`: sizes, hashes, the document index, the token ids, the tokenizer),
+  and reads a shard again only when its files' identity changed; `python -m jaxpar.data verify
+  DIR` checks every shard whole.
 
 Why flat token files and not ArrayRecord: packing cuts sequences at any token, across documents,
 so the unit of random access is a token range, not a record. A flat file gives any window with
@@ -615,7 +618,15 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
     finally:
         bar.close()
     skipped.warn(options["errors"])
+    return _write_manifest(out, plan, parts, splits, new_tokens, clock, log)
 
+
+def _write_manifest(out: str, plan: dict, parts: list[dict], splits: list[str], new_tokens: int,
+                    clock: float, log) -> dict:
+    """The finished preparation's manifest (the plan, and each split's shards from the part
+    files), written last; the part files and the plan are removed then, and the preparation
+    logged. Refused when the sources held no text."""
+    options = plan["options"]
     manifest = dict(plan)
     manifest["splits"] = {}
     for s in splits:
