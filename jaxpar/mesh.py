@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import Sequence
@@ -11,7 +12,19 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxpar.config import MESH_AXES, ConfigError, DistributedConfig, RuntimeConfig
-from jaxpar.targets import cuda_plugin_folders
+
+
+def cuda_plugin_folders() -> list[str]:
+    """The folders of the installed CUDA plugin package (`jax_plugins.xla_cuda12`); [] without it.
+
+    `importlib.util.find_spec("a.b")` imports `a` first and raises ModuleNotFoundError when `a`
+    is missing, and the `jax_plugins` namespace exists only while some plugin is installed: a
+    machine with only the `test` extra has none. Every question "is the plugin here?" comes here."""
+    try:
+        spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+    except ImportError:
+        return []
+    return list(spec.submodule_search_locations or []) if spec is not None else []
 
 
 def emulate_cpu_devices(runtime: RuntimeConfig) -> None:

@@ -15,13 +15,13 @@ from a newer XLA may not parse.
 
 from __future__ import annotations
 
-import importlib.util
 import mmap
 import os
 import re
 from dataclasses import dataclass
 
 from jaxpar.config import ConfigError
+from jaxpar.mesh import cuda_plugin_folders
 
 # Short name -> the `device_description_str` of the plugin's embedded description.
 TARGETS = {
@@ -69,19 +69,6 @@ def parse_target(text: str) -> tuple[str, int]:
     if count and not (count.isdigit() and int(count) >= 1):
         raise ConfigError(f"--target {text!r}: the device count after ':' must be a positive integer")
     return name, int(count) if count else 1
-
-
-def cuda_plugin_folders() -> list[str]:
-    """The folders of the installed CUDA plugin package (`jax_plugins.xla_cuda12`); [] without it.
-
-    `importlib.util.find_spec("a.b")` imports `a` first and raises ModuleNotFoundError when `a`
-    is missing, and the `jax_plugins` namespace exists only while some plugin is installed: a
-    machine with only the `test` extra has none. Every question "is the plugin here?" comes here."""
-    try:
-        spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
-    except ImportError:
-        return []
-    return list(spec.submodule_search_locations or []) if spec is not None else []
 
 
 def plugin_library() -> str:

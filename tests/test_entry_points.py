@@ -49,10 +49,10 @@ def test_the_bare_python_hides_the_cuda_plugin():
     """The premise: under tests/bare_python the old question `find_spec("jax_plugins.xla_cuda12")`
     fails as it does on a bare machine, JAX starts on the CPU, and jaxpar sees no plugin."""
     code = ("import importlib.util, jax\n"
-            "from jaxpar import targets\n"
+            "from jaxpar import mesh\n"
             "try:\n    importlib.util.find_spec('jax_plugins.xla_cuda12')\n"
             "except ModuleNotFoundError:\n    print('no jax_plugins')\n"
-            "print(jax.default_backend(), targets.cuda_plugin_folders())\n")
+            "print(jax.default_backend(), mesh.cuda_plugin_folders())\n")
     proc = _start("-c", code)
     _finish(proc, 0)
     assert proc.out.split() == ["no", "jax_plugins", "cpu", "[]"], proc.out
