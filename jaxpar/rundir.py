@@ -315,14 +315,24 @@ def set_aside(run_dir: str, start: Start) -> str | None:
 # --- The data a run trained on --------------------------------------------------------------------
 
 
+def _path(value, keep: str = ""):
+    """A recorded path made absolute as `jaxpar.config.resolve_paths` makes it (a record from
+    before config.yaml stored absolute paths: relative to this directory)."""
+    if not isinstance(value, str) or value == keep:
+        return value
+    return os.path.abspath(os.path.expanduser(value))
+
+
 def _setting(tree, key: str):
     for part in key.split("."):
         if not isinstance(tree, dict) or part not in tree:
             return _ABSENT
         tree = tree[part]
     if key == "data.sources" and isinstance(tree, list):  # a source's name is only its label
-        return [{"path": s.get("path"), "weight": s.get("weight")} if isinstance(s, dict) else s
-                for s in tree]
+        return [{"path": _path(s.get("path")), "weight": s.get("weight")} if isinstance(s, dict)
+                else s for s in tree]
+    if key in ("data.source", "data.tokenizer"):
+        return _path(tree, "stdlib" if key == "data.source" else "byte")
     return tree
 
 

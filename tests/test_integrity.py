@@ -305,6 +305,11 @@ def test_a_mixture_s_paths_and_weights_are_its_data_but_not_its_names(tmp_path):
     assert key == "data.sources" and was[1]["weight"] == 0.3 and now[1]["weight"] == 0.5
     assert rundir.data_changes(str(tmp_path), settings(b, a))[0][0] == "data.sources"
     assert rundir.data_changes(str(tmp_path / "nowhere"), settings(a)) == []  # no record: no check
+    # A record of relative paths (an older config.yaml) names the same files as absolute ones.
+    (tmp_path / "config.yaml").write_text(json.dumps({"data": {"source": "corpus/*.txt", "tokenizer": "byte"}}))
+    here = {"data": {"source": os.path.abspath("corpus/*.txt"), "tokenizer": "byte"}}
+    assert rundir.data_changes(str(tmp_path), here) == []
+    assert rundir.data_changes(str(tmp_path), {"data": {"source": "stdlib", "tokenizer": "byte"}})
 
 
 # --- Item 3: damaged compressed input and a full disk are one line ----------------------------------
@@ -444,6 +449,7 @@ def test_a_port_in_use_is_refused_and_the_count_follows_the_memory(monkeypatch, 
     assert launch.launch_problem(most, [], None, config=False) is None
 
 
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the sleepers import no JAX
 def test_sigterm_while_the_processes_start_stops_the_starting(monkeypatch, capsys):
     import signal
 
