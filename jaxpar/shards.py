@@ -52,6 +52,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 
@@ -302,8 +303,11 @@ def _file_identity(path: str) -> list[int]:
 
 
 def _verified_path(directory: str) -> str:
-    key = hashlib.sha256(os.path.realpath(directory).encode()).hexdigest()[:16]
-    return os.path.join(cache_root(), "verified", f"{key}.json")
+    """Where the shards of `directory` that passed are recorded: one file per directory and host
+    (a home directory shared by a cluster's nodes, whose file systems number devices and inodes
+    their own way, keeps each node's record apart)."""
+    key = hashlib.sha256(f"{socket.gethostname()}:{os.path.realpath(directory)}".encode())
+    return os.path.join(cache_root(), "verified", f"{key.hexdigest()[:16]}.json")
 
 
 def _verified_key(directory: str, record: dict, dtype: str, tokenizer: dict) -> dict:
