@@ -215,8 +215,9 @@ class _Decompressed(io.RawIOBase):
     are a ConfigError naming the file (gzip's EOFError or BadGzipFile, zlib's or zstandard's
     error), not a traceback."""
 
-    def __init__(self, stream, path: str, kind: str, errors: tuple):
+    def __init__(self, stream, path: str, kind: str, errors: tuple, raw=None):
         self._stream, self._path, self._kind, self._errors = stream, path, kind, errors
+        self._raw = raw  # closed with the stream (gzip leaves its file object open)
 
     def readable(self) -> bool:
         return True
@@ -230,6 +231,8 @@ class _Decompressed(io.RawIOBase):
 
     def close(self) -> None:
         self._stream.close()
+        if self._raw is not None:
+            self._raw.close()
         super().close()
 
 
@@ -294,8 +297,8 @@ def open_source_file(path: str):
     raw = _Counted(path)
     if name.endswith(".gz"):
         stream = gzip.GzipFile(fileobj=raw, mode="rb")
-        return io.BufferedReader(_Decompressed(stream, path, "gzip", (EOFError, gzip.BadGzipFile, zlib.error)),
-                                 buffer_size=1 << 20), raw
+        errors = (EOFError, gzip.BadGzipFile, zlib.error)
+        return io.BufferedReader(_Decompressed(stream, path, "gzip", errors, raw), buffer_size=1 << 20), raw
     return io.BufferedReader(raw, buffer_size=1 << 20), raw
 
 
