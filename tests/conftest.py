@@ -78,7 +78,8 @@ FILE_SECONDS = {
     "test_gpu_memory.py": 40, "test_plan.py": 40, "test_bench.py": 38, "test_memory.py": 30,
     "test_prepare.py": 25, "test_checkpoint.py": 22, "test_eval.py": 20, "test_loss.py": 15,
     "test_model.py": 13, "test_attention.py": 11, "test_config.py": 9, "test_seam.py": 5,
-    "test_data.py": 5, "test_mixture.py": 2,
+    "test_data.py": 5, "test_mixture.py": 2, "test_first_run.py": 50, "test_entry_points.py": 45,
+    "test_integrity.py": 30, "test_export_tokenizer.py": 20, "test_hlo.py": 20,
 }
 
 

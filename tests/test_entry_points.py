@@ -89,6 +89,7 @@ def test_every_entry_point_runs_or_names_the_extra_without_a_plugin(tmp_path):
 
 def test_launch_runs_its_workers_without_a_plugin(tmp_path):
     proc = _start("-m", "jaxpar.launch", "--nproc", "2", *TINY, "train.steps=2", "mesh.data=2",
+                  "mesh.fsdp=1", "mesh.tensor=1",
                   f"train.run_dir={tmp_path / 'run'}")
     _finish(proc, 0)
     assert (tmp_path / "run" / "metrics.jsonl").exists()
