@@ -112,6 +112,11 @@ class ModelConfig:
     max_documents_per_row: int = 16  # cudnn: documents a packed row may hold (costs 4*B*N*T bytes each)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (off by default)
 
+    @property
+    def head_dim(self) -> int:
+        """The width of one attention head, d_model / n_heads: every use reads it here."""
+        return self.d_model // self.n_heads
+
 
 @dataclass
 class MeshConfig:
@@ -854,9 +859,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
             f"try n_kv_heads in {_divisors(m.n_heads)}"
         )
     _require_divides("model.n_heads", m.n_heads, "model.d_model", m.d_model)
-    if (m.d_model // m.n_heads) % 2:
+    if m.head_dim % 2:
         raise ConfigError(
-            f"model.d_model/model.n_heads = {m.d_model // m.n_heads} is odd; rotary embeddings "
+            f"model.d_model/model.n_heads = {m.head_dim} is odd; rotary embeddings "
             "need an even head dimension"
         )
     rs = m.rope_scaling

@@ -199,8 +199,8 @@ def _head_bias(read, idx, shape):  # jaxpar [N, H] = Hugging Face [N*H]
 def param_table(m: ModelConfig) -> dict[str, tuple[str, bool, object, tuple]]:
     """jaxpar parameter path -> (Hugging Face name, with {l} for the layer when stacked; stacked;
     the shard converter; the Hugging Face tensor's shape)."""
-    e, n, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
-    h = e // n
+    e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    f, v = m.d_ff, m.vocab_size
     attn, mlp = "model.layers.{l}.self_attn.", "model.layers.{l}.mlp."
     table = {
         "embedding": ("model.embed_tokens.weight", False, _same, (v, e)),

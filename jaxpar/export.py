@@ -107,7 +107,7 @@ def hf_config(model_cfg: ModelConfig) -> dict:
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
         "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.d_model // m.n_heads,
+        "head_dim": m.head_dim,
         "vocab_size": m.vocab_size,
         "max_position_embeddings": m.max_seq_len,
         "rope_theta": m.rope_theta,

@@ -198,8 +198,8 @@ def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | 
     """(name, shape, logical names) of every parameter of `jaxpar.models.llama.Transformer`,
     stacked blocks with their leading `layers` axis (tests/test_plan.py checks it against the
     model itself)."""
-    e, n, k, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size
-    h = e // n
+    e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    f, v = m.d_ff, m.vocab_size
     moe = m.moe
     units = m.n_layers if moe.num_experts == 0 else m.n_layers // moe.every
     per_unit = 1 if moe.num_experts == 0 else moe.every
@@ -406,7 +406,7 @@ def shape_for(cfg: Config, sizes: dict[str, int], rows: int) -> Shape:
     between = tokens // (tensor if cfg.parallel.sequence_parallel else 1)
     return Shape(rows=rows, tokens=tokens, seq=t.seq_len, between=between,
                  heads=m.n_heads // tensor, kv_heads=m.n_kv_heads // tensor,
-                 head_dim=m.d_model // m.n_heads, d_ff=m.d_ff // tensor,
+                 head_dim=m.head_dim, d_ff=m.d_ff // tensor,
                  vocab=m.vocab_size // tensor)
 
 
@@ -663,7 +663,7 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     bw_t, _ = link_bandwidth(sizes, ("tensor",), device, gpus_per_node)
     comm["tensor"] = layers * per_layer * ring(act, tensor, "all-reduce") / bw_t
     # context: K and V blocks go c - 1 hops forward; K, V, dK, dV backward.
-    kv = (t.batch_size // dp) * (t.seq_len // context) * 2 * (m.n_kv_heads // tensor) * (m.d_model // m.n_heads) * a
+    kv = (t.batch_size // dp) * (t.seq_len // context) * 2 * (m.n_kv_heads // tensor) * m.head_dim * a
     bw_c, _ = link_bandwidth(sizes, ("context",), device, gpus_per_node)
     ring_time = layers * (context - 1) * 3 * kv / bw_c if context > 1 else 0.0
     comm["context"] = max(0.0, ring_time - attention_s)

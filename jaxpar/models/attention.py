@@ -123,7 +123,7 @@ def kernel_for(cfg, device, *, pipelined: bool = False, ring: bool = False) -> s
     -- and "xla" everywhere else."""
     if cfg.attention != "auto":
         return cfg.attention
-    head_dim = cfg.d_model // cfg.n_heads
+    head_dim = cfg.head_dim
     capability = getattr(device, "compute_capability", None) or "0"
     fits = (device.platform in ("gpu", "cuda") and float(capability) >= 9.0
             and cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 256

@@ -54,7 +54,7 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.models.attention import attend, kernel_for
 from jaxpar.models.fp8 import einsum as block_einsum
-from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_matmul_params
+from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_layers, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
 from jaxpar.models.loss import chunked_cross_entropy
@@ -150,7 +150,7 @@ class KVCache(NamedTuple):
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` sequences of at most `max_len` tokens, in model.dtype."""
-        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.d_model // cfg.n_heads)
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
         zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
         return cls(zeros, zeros, jnp.zeros((), jnp.int32))
 
@@ -176,8 +176,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None):
         self.cfg = cfg
         self.context_layout = context_layout
-        e, n, k = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
-        h = e // n
+        e, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = _param(rngs, (e, n, h), ("embed", "heads", "head_dim"), cfg)
         self.wk = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
         self.wv = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
@@ -300,7 +299,8 @@ def scan_unit(cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = Non
 
 
 def scan_length(cfg: ModelConfig) -> int:
-    return cfg.n_layers if cfg.moe.num_experts == 0 else cfg.n_layers // cfg.moe.every
+    """Steps of the layer scan: one per block, or one per group with one MoE block."""
+    return moe_layers(cfg) or cfg.n_layers
 
 
 def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = "none"):
@@ -432,19 +432,17 @@ class Transformer(nnx.Module):
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul (every weight but the norms and the embedding lookup;
     the output head counts, tied or not) -- the N of the 6N FLOPs-per-token rule."""
-    e, n, k, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size
-    h = e // n
+    e, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    f, v = cfg.d_ff, cfg.vocab_size
     attention = e * n * h + 2 * e * k * h + n * h * e
-    moe_layers = 0 if cfg.moe.num_experts == 0 else cfg.n_layers // cfg.moe.every
-    dense_layers = cfg.n_layers - moe_layers
-    return (cfg.n_layers * attention + dense_layers * 3 * e * f
-            + moe_layers * moe_matmul_params(cfg) + e * v)
+    moe = moe_layers(cfg)
+    return (cfg.n_layers * attention + (cfg.n_layers - moe) * 3 * e * f
+            + moe * moe_matmul_params(cfg) + e * v)
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
     """Matmul weights one token goes through (an MoE layer counts its top_k experts only)."""
     if cfg.moe.num_experts == 0:
         return matmul_params(cfg)
-    moe_layers = cfg.n_layers // cfg.moe.every
     inactive = (cfg.moe.num_experts - cfg.moe.top_k) * 3 * cfg.d_model * expert_d_ff(cfg)
-    return matmul_params(cfg) - moe_layers * inactive
+    return matmul_params(cfg) - moe_layers(cfg) * inactive

@@ -20,6 +20,12 @@ def expert_d_ff(cfg: ModelConfig) -> int:
     return cfg.moe.d_ff or cfg.d_ff
 
 
+def moe_layers(cfg: ModelConfig) -> int:
+    """How many blocks have an MoE MLP: every `model.moe.every`-th one (the last of each group
+    the layer scan repeats), none in a dense model."""
+    return 0 if cfg.moe.num_experts == 0 else cfg.n_layers // cfg.moe.every
+
+
 def moe_matmul_params(cfg: ModelConfig) -> int:
     """Matmul weights of one MoE MLP: router, every routed expert, the shared experts."""
     e, f, m = cfg.d_model, expert_d_ff(cfg), cfg.moe
