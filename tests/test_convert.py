@@ -111,7 +111,7 @@ def test_logits_match_transformers_on_an_fsdp_x_tensor_mesh(hf, variant):
 
     # The same check catches what a wrong conversion would do.
     attn = params["blocks"]["attn"]
-    n, h = cfg.model.n_heads, cfg.model.d_model // cfg.model.n_heads
+    n, h = cfg.model.n_heads, cfg.model.head_dim
     interleave = np.concatenate([np.arange(0, h, 2), np.arange(1, h, 2)])  # rotate-half <-> pairs
     wrong = {
         "q/k in the interleaved rotary layout": {"wq": attn["wq"][..., interleave],

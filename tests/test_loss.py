@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.mesh import make_mesh
 from jaxpar.models.loss import chunked_cross_entropy, pick_chunks
@@ -63,13 +64,13 @@ def test_float32_matches_full_logits(chunks):
 
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 def test_bfloat16_matmul_matches_full_logits(chunks):
-    """Tolerances: the forward and d/dh do per token exactly what the reference does (same bf16
-    inputs, float32 products), so they agree to float32 rounding. d/dweight is where chunking
-    shows: the cotangent of the bf16 copy of the weight is itself bf16, so each chunk's partial
-    weight gradient is rounded to bf16 (relative error up to 2^-9) before the float32 sum over
-    chunks, where the reference rounds the full sum once. The two results then differ by a few
-    bf16 roundings; what matters is that chunking is no less accurate than the reference, which
-    the comparison with the exact gradient (float32 math on the bf16-rounded inputs) checks."""
+    """The forward does per token exactly what the reference does (the same bf16 operands,
+    float32 products): equal to float32 rounding. The gradients differ in where they round: the
+    chunked backward rounds d nll / d logits to bf16 (both gradient GEMMs take bf16 operands and
+    accumulate in float32) and sums the weight gradient in float32; autodiff of the reference
+    rounds each gradient to bf16 once, at the cotangent of the bf16 copy of its input. Against
+    the exact gradient (float32 math on the bf16-rounded inputs) the chunked one must be no less
+    accurate than the reference (measured: d/dh 2.0e-3 vs 1.9e-3, d/dweight 1.9e-3 vs 2.8e-3)."""
     h, weight, targets, mask = make_inputs()
     (want, _), (want_dh, want_dw) = loss_and_grads(reference_loss, h, weight, targets, mask,
                                                    dtype=jnp.bfloat16)
@@ -77,13 +78,13 @@ def test_bfloat16_matmul_matches_full_logits(chunks):
                                         dtype=jnp.bfloat16, chunks=chunks)
     assert dh.dtype == jnp.float32 and dw.dtype == jnp.float32
     assert rel_err(got, want) <= 1e-6
-    assert rel_err(dh, want_dh) <= 1e-6
-    assert rel_err(dw, want_dw) <= 1e-2  # measured about 4e-3 for 2-4 chunks
+    assert rel_err(dh, want_dh) <= 1e-2 and rel_err(dw, want_dw) <= 1e-2
 
-    # Exact gradient of the same function: the rounding to bf16 taken out of the autodiff path.
     rounded = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in (h, weight)]
-    _, (_, exact_dw) = loss_and_grads(reference_loss, *rounded, targets, mask, dtype=jnp.float32)
-    assert rel_err(dw, exact_dw) <= 1.5 * rel_err(want_dw, exact_dw)  # both about 2e-3
+    _, (exact_dh, exact_dw) = loss_and_grads(reference_loss, *rounded, targets, mask,
+                                             dtype=jnp.float32)
+    assert rel_err(dh, exact_dh) <= 1.25 * rel_err(want_dh, exact_dh)
+    assert rel_err(dw, exact_dw) <= 1.25 * rel_err(want_dw, exact_dw)
 
 
 def test_chunks_must_divide_seq():
@@ -115,7 +116,7 @@ def _check_sharded(mesh, chunks):
 
 def project_mesh():
     """data 2 x context 2 x tensor 2 with the project's own (auto-axis, GSPMD) mesh."""
-    return make_mesh(dict(pipe=1, data=2, fsdp=1, expert=1, context=2, tensor=2))
+    return make_mesh({"pipe": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 2, "tensor": 2})
 
 
 @pytest.mark.parametrize("chunks", [4, 16])
@@ -180,3 +181,39 @@ def test_pick_chunks():
     assert pick_chunks(6, 6, 10**6, budget_bytes=1) == 6
     result = pick_chunks(96, 2 * 96, 50_000, budget_bytes=2**20)
     assert 96 % result == 0 and 2 * 96 * 50_000 * 4 / result <= 2**20
+
+
+# --- The trainer's loss in chunks, on layouts that shard the output weight -------------------
+#
+# Per-leaf gradient parity (float32, 1e-5) of the tiny model with the loss in 4 chunks against
+# one device with the loss unchunked. Under ZeRO-3 the output weight is sharded over fsdp: the
+# loss gathers it once and reduces its gradient once, from partial sums kept per device and part
+# of the token rows; a partial sum counted twice, or a part left out, shows in `lm_head` or the
+# tied `embedding`.
+
+HEAD_LAYOUTS = {
+    "fsdp8_zero3_tied": ({"fsdp": 8}, ["parallel.zero_stage=3", "model.tie_embeddings=true"]),
+    "data2_fsdp2_context2_zero3": ({"data": 2, "fsdp": 2, "context": 2},
+                                   ["parallel.zero_stage=3"]),
+}
+
+
+@functools.cache
+def _unchunked_reference(tied: bool):
+    from jaxpar.inspect import compile_step
+    from tests.parity import parity_trainer, random_batches, run_parity
+
+    trainer = parity_trainer([f"model.tie_embeddings={str(tied).lower()}", "train.loss_chunks=1"], {})
+    return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
+
+
+@pytest.mark.parametrize("name", list(HEAD_LAYOUTS))
+def test_chunked_loss_on_a_sharded_head_matches_one_device_unchunked(name):
+    from jaxpar.inspect import compile_step
+    from tests.parity import assert_parity, parity_trainer, random_batches, run_parity
+
+    mesh, extra = HEAD_LAYOUTS[name]
+    want = _unchunked_reference("model.tie_embeddings=true" in extra)
+    trainer = parity_trainer(extra + ["train.loss_chunks=4"], mesh)
+    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), init=want.init)
+    assert_parity(got, want)
