@@ -10,7 +10,7 @@ choice stops with a `ConfigError` that names the key, the value and the choices.
 compiled: it re-checks the types (for configs built or changed in Python), the mesh, the
 divisibility of every split dimension, MoE routing, ring attention's sequence cut and the loss
 chunks, that the data and tokenizer files exist, and the pipeline, whose schedule rules live
-with the schedules in `jaxpar.parallel.pipeline.validate_pipeline` and are called from here.
+with the schedules in `jaxpar.parallel.schedule.validate_pipeline` and are called from here.
 Some checks cannot be made here and raise the same `ConfigError` later: the distributed keys
 when the processes start (`jaxpar.mesh.start_distributed`), what only the data shows (the
 tokenizer's vocabulary against model.vocab_size, a corpus shorter than one sequence, malformed
@@ -730,7 +730,7 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     if p == 1:
         return
     # The schedule's own rules live beside the schedules (plain Python; the module imports jax).
-    from jaxpar.parallel.pipeline import validate_pipeline
+    from jaxpar.parallel.schedule import validate_pipeline
 
     try:
         validate_pipeline(par.pipeline_schedule, p, par.microbatches, par.virtual_stages,

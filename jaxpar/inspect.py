@@ -43,7 +43,7 @@ from jaxpar import hlo
 from jaxpar import targets as targets_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar.config import ConfigError
-from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel import schedule as pipeline_lib
 from jaxpar.sharding import shard_bytes
 from jaxpar.train import Trainer, build_trainer, load_and_validate
 

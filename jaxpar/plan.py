@@ -430,7 +430,7 @@ def executed_schedule(cfg: Config, sizes: dict[str, int]):
     configured one, made stage-dependent where `pipeline.schedule_for_mesh` says so (zero-bubble
     on a collective-free chunk)."""
     p = cfg.parallel
-    from jaxpar.parallel import pipeline as pipeline_lib
+    from jaxpar.parallel import schedule as pipeline_lib
 
     return _executed(p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages,
                      tuple(sorted(sizes.items())), pipeline_lib.row_axes_for(cfg.model, p.zero_stage))
@@ -440,7 +440,7 @@ def executed_schedule(cfg: Config, sizes: dict[str, int]):
 def _executed(kind: str, stages: int, microbatches: int, virtual: int,
               sizes: tuple[tuple[str, int], ...], row_axes: tuple[str, ...]):
     """Many layouts share one schedule: built once (pure Python)."""
-    from jaxpar.parallel import pipeline as pipeline_lib
+    from jaxpar.parallel import schedule as pipeline_lib
 
     built = pipeline_lib.build_schedule(kind, stages, microbatches, virtual)
     return pipeline_lib.schedule_for_mesh(built, dict(sizes), row_axes=row_axes)
@@ -448,7 +448,7 @@ def _executed(kind: str, stages: int, microbatches: int, virtual: int,
 
 @functools.lru_cache(maxsize=None)
 def _lowered(schedule):
-    from jaxpar.parallel import pipeline as pipeline_lib
+    from jaxpar.parallel import schedule as pipeline_lib
 
     return pipeline_lib.lower_schedule(schedule)
 
@@ -684,7 +684,7 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     busy = compute + comm["tensor"] + comm["context"] + comm["expert"] + comm["pipe"]
     busy = busy / (1 - bubble)
     exposed_dp = max(0.0, comm["data_fsdp"] - busy)
-    from jaxpar.parallel import pipeline as pipeline_lib
+    from jaxpar.parallel import schedule as pipeline_lib
 
     if pipe > 1 and pipeline_lib.row_axes_for(m, p.zero_stage):
         # The pipeline sums its gradients over the row axes (data, fsdp below ZeRO-2) once per
@@ -702,7 +702,7 @@ def schedule_bubble(schedule) -> float:
     pipeline module's own `bubble_fraction`: forward 1 and backward 2, zero-bubble's B and W 1
     each), read from the pipeline module rather than a textbook formula so that the planner
     follows any change to a schedule; pure Python, computed once per schedule."""
-    from jaxpar.parallel import pipeline as pipeline_lib
+    from jaxpar.parallel import schedule as pipeline_lib
 
     return pipeline_lib.bubble_fraction(schedule)
 

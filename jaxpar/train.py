@@ -47,8 +47,10 @@ from jaxpar.mesh import emulate_cpu_devices, start_distributed
 from jaxpar.models import Transformer
 from jaxpar.models import fp8 as fp8_lib
 from jaxpar.models.attention import documents_per_row, kernel_for
+from jaxpar.models import objective as objective_lib
 from jaxpar.models.loss import pick_chunks
 from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel import schedule as schedule_lib
 from jaxpar.parallel.ring_attention import permute_to_layout
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -263,16 +265,16 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
         return total
 
     if sizes["pipe"] > 1:
-        pipeline_schedule = pipeline_lib.build_schedule(
+        pipeline_schedule = schedule_lib.build_schedule(
             p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
         rows = cfg.train.batch_size // (p.grad_accum * p.microbatches)  # one pipeline microbatch
         pipelined_grads = functools.partial(
-            pipeline_lib.model_value_and_grad, abstract_model, schedule=pipeline_schedule,
+            objective_lib.pipelined_grads, abstract_model, schedule=pipeline_schedule,
             mesh=mesh, axis_name=layout.rules["activations"]["layers"][0],
             loss_chunks=loss_chunks(cfg, sizes, rows=rows),
             # Axes over which parameters and gradients are whole: the pipeline splits rows over
             # them itself and sums once per pass.
-            row_axes=pipeline_lib.row_axes_for(cfg.model, p.zero_stage))
+            row_axes=schedule_lib.row_axes_for(cfg.model, p.zero_stage))
 
         def summed_grads(params, batch):
             """The pipeline's summed gradients and statistics, over parallel.grad_accum

@@ -247,7 +247,7 @@ def test_validate_checks_the_literals_of_a_config_built_in_python(section, key, 
 
 
 def test_the_pipeline_schedules_agree_with_the_config_choices():
-    from jaxpar.parallel.pipeline import SCHEDULES
+    from jaxpar.parallel.schedule import SCHEDULES
 
     assert set(SCHEDULES) == set(LITERALS["parallel.pipeline_schedule"])
 

@@ -15,20 +15,22 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.parallel.pipeline import (
+    merge_microbatches,
+    pipeline_value_and_grad,
+    split_microbatches,
+    stack_stages,
+    unstack_stages,
+)
+from jaxpar.parallel.schedule import (
     build_schedule,
     bubble_fraction,
     describe_schedule,
     format_schedule,
     lower_schedule,
-    merge_microbatches,
-    pipeline_value_and_grad,
-    split_microbatches,
     schedule_for_mesh,
     schedule_time,
-    stack_stages,
     stash_limit,
     textbook_bubble,
-    unstack_stages,
     validate_pipeline,
 )
 

@@ -45,8 +45,8 @@ def run_grid() -> list[dict]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxpar.parallel.pipeline import (build_schedule, pipeline_value_and_grad,
-                                          schedule_for_mesh, split_microbatches, stack_stages)
+    from jaxpar.parallel.pipeline import pipeline_value_and_grad, split_microbatches, stack_stages
+    from jaxpar.parallel.schedule import build_schedule, schedule_for_mesh
     from tests.test_pipeline import MICROBATCH, head_loss, make_mesh, single_device, stage_fn, toy_problem
 
     layer_params, head_params, x, y = toy_problem(4 * MICROBATCH, layers=8)

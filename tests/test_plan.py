@@ -217,7 +217,7 @@ def test_step_time_uses_the_runtime_schedules_bubble():
     """The bubble in the step time is the one of the program the runtime executes, for every
     schedule, not a formula: zero-bubble on pipe x data runs the stage-dependent ZB-H1 table,
     (p-1)/(3m+p-1), and with fsdp the uniform one, 2(p-1)/(3m+2(p-1)); the others as built."""
-    from jaxpar.parallel import pipeline as pipeline_lib
+    from jaxpar.parallel import schedule as schedule_lib
 
     def bubble(kind, v, mesh):
         cfg = config_lib.load_config(None, MODEL + [f"mesh.{a}=1" for a in MESH_AXES]
@@ -229,7 +229,7 @@ def test_step_time_uses_the_runtime_schedules_bubble():
 
     data, fsdp = {"pipe": 2, "data": 4}, {"pipe": 2, "fsdp": 4}
     for kind, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
-        want = pipeline_lib.bubble_fraction(pipeline_lib.build_schedule(kind, 2, 4, v))
+        want = schedule_lib.bubble_fraction(schedule_lib.build_schedule(kind, 2, 4, v))
         assert bubble(kind, v, data) == want == bubble(kind, v, fsdp)
     assert bubble("1f1b", 1, data) == pytest.approx(1 / 5)
     assert bubble("zb", 1, data) == pytest.approx(1 / 13)  # ZB-H1, stage-dependent

@@ -1,0 +1,135 @@
+"""The training objective, written once for the plain step and the pipelined one.
+
+Per microstep i (a gradient-accumulation microstep, or a pipeline microbatch) the step minimises
+
+    NLL_i + count_i * (aux_loss_weight * aux_i + z_loss_weight * z_i)
+
+NLL_i the summed next-token negative log-likelihood over its target tokens, count_i their number,
+aux_i and z_i the means over the model's MoE layers of that microstep's router load-balancing
+loss (Switch Transformer, Fedus et al. 2021) and router z-loss (ST-MoE, Zoph et al. 2022); dense
+models have no second term. Scaled by the token count, microsteps add up: the step sums them and
+divides by the whole batch's count (jaxpar.train).
+
+`objective` is the whole model on a batch; `pipelined_grads` runs the same objective with the
+blocks pipelined (`jaxpar.parallel.pipeline`): the model's own pieces do the work (`embed`
+before the pipeline, `run_blocks` for a stage's chunk of layers, `head_loss` on the last stage),
+and each stage adds its own layers' share of the router term (`router_penalty`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.models.moe import moe_layers
+from jaxpar.parallel.pipeline import (merge_microbatches, pipeline_value_and_grad,
+                                      pipeline_value_grad_and_stats, split_microbatches,
+                                      stack_stages, unstack_stages)
+from jaxpar.parallel.schedule import Schedule, schedule_for_mesh
+
+MOE_MEANS = ("aux_loss", "z_loss", "dropped_fraction")  # router statistics reported as means
+
+
+def router_penalty(moe, stats: dict, count, layers: int):
+    """count * (aux_loss_weight * aux + z_loss_weight * z), where aux and z are the router
+    losses in `stats` (stacked over layers) summed and divided by the model's MoE `layers`: the
+    model's means when `stats` holds every MoE layer, a pipeline chunk's share of them when it
+    holds the chunk's. `count` carries no gradient (the caller stops it)."""
+    aux = jnp.sum(stats["aux_loss"]) / layers
+    z = jnp.sum(stats["z_loss"]) / layers
+    return count * (moe.aux_loss_weight * aux + moe.z_loss_weight * z)
+
+
+def objective(graphdef, params, batch: dict, *, chunks: int):
+    """The objective of one microstep (module docstring) and its statistics: (value, {"nll":
+    summed NLL, "count": tokens}, and for MoE models the router statistics: aux_loss, z_loss,
+    dropped_fraction as means over the MoE layers, expert_load [MoE layers, experts]).
+
+    graphdef, params: the model (a jaxpar Transformer) split; params a pure dict. batch: {inputs,
+    targets, positions, segment_ids, loss_mask}, each [batch, seq]. chunks: the loss's sequence
+    chunks (jaxpar.models.loss)."""
+    model = nnx.merge(graphdef, params)
+    nll, count, moe_stats = model.loss(batch, chunks=chunks)
+    aux = {"nll": nll, "count": count}
+    if not moe_stats:
+        return nll, aux
+    aux.update({k: jnp.mean(moe_stats[k]) for k in MOE_MEANS}, expert_load=moe_stats["expert_load"])
+    penalty = router_penalty(model.cfg.moe, moe_stats, jax.lax.stop_gradient(count),
+                             moe_layers(model.cfg))
+    return nll + penalty, aux
+
+
+def pipelined_grads(model, params, batch, *, schedule: Schedule, mesh: jax.sharding.Mesh,
+                    loss_chunks: int, axis_name: str = "pipe",
+                    row_axes: tuple[str, ...] = ("data",)):
+    """The gradients of `objective`, summed over the batch, with `model`'s blocks pipelined
+    over `axis_name`.
+
+    model: a jaxpar Transformer (abstract is enough: only its structure and config are read).
+    params: the model's parameters as a pure dict; batch: {inputs, targets, positions,
+        segment_ids, loss_mask}, each [batch, seq] (already in ring attention's layout when the
+        model has one: positions and segment ids travel with their tokens).
+    row_axes: the mesh axes that split only the batch rows, parameters replicated over them
+        (`row_axes_for`; `pipeline_value_and_grad`); none for MoE and float8 models whatever given.
+
+    Returns (gradients of the summed objective, shaped like params; {"nll": summed NLL, "count":
+    tokens}, and for MoE models the router statistics). Activations and their gradients travel
+    between stages in model.dtype.
+
+    MoE: per microbatch, a stage adds its own layers' share of the router term
+    (`router_penalty`) as its chunk's loss. The statistics are those the step reports for
+    accumulated microsteps: aux_loss, z_loss, dropped_fraction summed over microbatches and
+    divided by their number (so the step's division by parallel.grad_accum gives the mean),
+    expert_load [MoE layers, experts] summed over microbatches.
+    """
+    moe, layers = model.cfg.moe, moe_layers(model.cfg)
+    if layers or model.cfg.fp8:
+        row_axes = ()  # the chunk couples its rows (`row_axes_for`)
+    # Zero-bubble reaches ZB-H1's bubble where the chunk is collective-free (schedule_for_mesh);
+    # `inspect --schedule` and the planner make the same choice.
+    schedule = schedule_for_mesh(schedule, dict(mesh.shape), axis_name, row_axes=row_axes)
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    graphdef = nnx.graphdef(model)
+
+    def blocks(chunk_params, h, side):
+        positions, segment_ids, _ = side
+        return model.run_blocks(chunk_params, h, positions, segment_ids)[0]
+
+    def moe_blocks(chunk_params, h, side):  # (h, the chunk's router term, its statistics)
+        positions, segment_ids, loss_mask = side
+        h, stats = model.run_blocks(chunk_params, h, positions, segment_ids)
+        count = jax.lax.stop_gradient(jnp.sum(loss_mask))
+        penalty = router_penalty(moe, stats, count, layers)
+        stats = {k: jax.lax.stop_gradient(x) for k, x in stats.items()}
+        return h, penalty.astype(jnp.float32), {**stats, "penalty": jax.lax.stop_gradient(penalty)}
+
+    def head(head_params, h, targets):
+        return model.head_loss(head_params, h, targets["targets"], targets["loss_mask"],
+                               chunks=loss_chunks)[0]
+
+    def embed(table):
+        return nnx.merge(graphdef, {**params, "embedding": table}).embed(batch["inputs"])
+
+    x, embed_vjp = jax.vjp(embed, params["embedding"])
+    micro = split_microbatches(batch, m)
+    args = (head, stack_stages(params["blocks"], p, v), model.head_params(params),
+            split_microbatches(x, m), {k: micro[k] for k in ("targets", "loss_mask")})
+    side = (micro["positions"], micro["segment_ids"], micro["loss_mask"])
+    if layers:
+        value, (stage_grads, head_grads, input_grads), stats = pipeline_value_grad_and_stats(
+            moe_blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name)
+    else:
+        value, (stage_grads, head_grads, input_grads) = pipeline_value_and_grad(
+            blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name,
+            row_axes=row_axes)
+    (embedding_grad,) = embed_vjp(merge_microbatches(input_grads))
+    grads = {**head_grads, "blocks": unstack_stages(stage_grads, p, v)}
+    grads["embedding"] = embedding_grad + head_grads.get("embedding", 0.0)  # tied: both uses
+    aux = {"nll": value, "count": jnp.sum(batch["loss_mask"])}
+    if layers:
+        per_layer = unstack_stages(stats, p, v)  # [MoE layers, ...], summed over microbatches
+        aux["nll"] = value - jnp.sum(per_layer["penalty"])
+        aux.update({k: jnp.mean(per_layer[k]) / m for k in MOE_MEANS})
+        aux["expert_load"] = per_layer["expert_load"]
+    return grads, aux
