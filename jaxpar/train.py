@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import checkpoint as checkpoint_lib
 from jaxpar import config as config_lib
+from jaxpar import fp8 as fp8_lib
 from jaxpar import convert as convert_lib
 from jaxpar import host as host_lib
 from jaxpar import metrics as metrics_lib
@@ -45,7 +46,6 @@ from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import emulate_cpu_devices, start_distributed
 from jaxpar.models import Transformer
-from jaxpar.models import fp8 as fp8_lib
 from jaxpar.models.attention import documents_per_row, kernel_for
 from jaxpar.models import objective as objective_lib
 from jaxpar.models.loss import pick_chunks

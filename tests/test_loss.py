@@ -126,6 +126,37 @@ def test_sharded_matches_single_device(chunks):
     _check_sharded(project_mesh(), chunks)
 
 
+def _under_the_trainers_rules(mesh):
+    """chunked_cross_entropy traced under the mesh and the activation rules, as the trainer's
+    step runs it: the weight gradient's partial sums are kept per part of the batch rows and of
+    the sequence (data 2 x context 2 here), and the vocabulary is constrained over tensor."""
+    from flax import nnx
+
+    from jaxpar.sharding import make_rules, rule_pairs
+
+    rules = rule_pairs(make_rules(shard_embed=False, sequence_parallel=False))
+
+    def loss_fn(*args, **kw):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nnx.logical_axis_rules(rules):
+            return chunked_cross_entropy(*args, **kw)
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("chunks", [4, 16])
+def test_sharded_with_the_trainers_rules_matches_single_device(chunks):
+    # 16 chunks: one token per row and chunk, fewer than the 2 context shards, so the sequence
+    # is not cut into parts (the batch still is).
+    mesh = project_mesh()
+    args, sharded = _sharded_inputs(mesh)
+    (want, _), (want_dh, want_dw) = loss_and_grads(reference_loss, *args, dtype=jnp.float32)
+    (got, _), (dh, dw) = loss_and_grads(_under_the_trainers_rules(mesh), *sharded,
+                                        dtype=jnp.float32, chunks=chunks)
+    assert rel_err(got, want) <= 1e-5
+    assert rel_err(dh, want_dh) <= 1e-5
+    assert rel_err(dw, want_dw) <= 1e-5
+
+
 @pytest.mark.parametrize("chunks", [4, 16])
 def test_sharded_explicit_axes(chunks):
     """On a mesh with explicit axes too; 16 chunks take the branch that regathers the inputs."""
@@ -188,32 +219,30 @@ def test_pick_chunks():
 # Per-leaf gradient parity (float32, 1e-5) of the tiny model with the loss in 4 chunks against
 # one device with the loss unchunked. Under ZeRO-3 the output weight is sharded over fsdp: the
 # loss gathers it once and reduces its gradient once, from partial sums kept per device and part
-# of the token rows; a partial sum counted twice, or a part left out, shows in `lm_head` or the
-# tied `embedding`.
+# of the token rows; a partial sum counted twice, or a part left out, shows in the (tied)
+# `embedding` (checked: keeping only the first part's sum fails this test and the one under
+# the trainer's rules above).
 
-HEAD_LAYOUTS = {
-    "fsdp8_zero3_tied": ({"fsdp": 8}, ["parallel.zero_stage=3", "model.tie_embeddings=true"]),
-    "data2_fsdp2_context2_zero3": ({"data": 2, "fsdp": 2, "context": 2},
-                                   ["parallel.zero_stage=3"]),
-}
+TIED = ["model.tie_embeddings=true"]  # the head's gradient meets the embedding lookup's
 
 
-@functools.cache
-def _unchunked_reference(tied: bool):
+@pytest.fixture(scope="module")
+def unchunked_reference():
     from jaxpar.inspect import compile_step
     from tests.parity import parity_trainer, random_batches, run_parity
 
-    trainer = parity_trainer([f"model.tie_embeddings={str(tied).lower()}", "train.loss_chunks=1"], {})
+    trainer = parity_trainer(TIED + ["train.loss_chunks=1"], {})
     return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
 
 
-@pytest.mark.parametrize("name", list(HEAD_LAYOUTS))
-def test_chunked_loss_on_a_sharded_head_matches_one_device_unchunked(name):
+def test_chunked_loss_on_a_sharded_head_matches_one_device_unchunked(unchunked_reference):
+    """fsdp 8, ZeRO-3: the partial sums of the weight gradient kept per part of the batch rows
+    (8 parts); the batch x sequence parts on data x context with a vocabulary split over tensor
+    are test_sharded_with_the_trainers_rules_matches_single_device's."""
     from jaxpar.inspect import compile_step
     from tests.parity import assert_parity, parity_trainer, random_batches, run_parity
 
-    mesh, extra = HEAD_LAYOUTS[name]
-    want = _unchunked_reference("model.tie_embeddings=true" in extra)
-    trainer = parity_trainer(extra + ["train.loss_chunks=4"], mesh)
+    want = unchunked_reference
+    trainer = parity_trainer(TIED + ["parallel.zero_stage=3", "train.loss_chunks=4"], {"fsdp": 8})
     got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), init=want.init)
     assert_parity(got, want)

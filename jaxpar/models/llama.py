@@ -53,7 +53,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.models.attention import attend, kernel_for
-from jaxpar.models.fp8 import einsum as block_einsum
+from jaxpar.fp8 import einsum as block_einsum
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_layers, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.models.fp8 import einsum as block_einsum
+from jaxpar.fp8 import einsum as block_einsum
 from jaxpar.models.params import param
 from jaxpar.parallel.experts import moe_mlp
 from jaxpar.sharding import constrain

@@ -90,6 +90,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.fp8 import fp8_einsum
 from jaxpar.sharding import BASE_RULES
 
 
@@ -169,12 +170,10 @@ def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
 
     h: [experts, slots, embed]; gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
     Returns [experts, slots, embed] float32 (a partial sum if `mlp` is a slice of the hidden dim).
-    fp8: the three matmuls in float8 (jaxpar.models.fp8), each operand scaled by its amax over
+    fp8: the three matmuls in float8 (jaxpar.fp8), each operand scaled by its amax over
     the whole tensor: `amax_axes` are the manual mesh axes its pieces are spread over.
     """
     if fp8:
-        from jaxpar.models.fp8 import fp8_einsum  # (here: jaxpar.models imports this module)
-
         h = h.astype(compute_dtype)
         hidden = (jax.nn.silu(fp8_einsum("esd,edm->esm", h, gate, amax_axes))
                   * fp8_einsum("esd,edm->esm", h, up, amax_axes))
