@@ -44,7 +44,7 @@ from jaxpar import targets as targets_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar.config import ConfigError
 from jaxpar.parallel import schedule as pipeline_lib
-from jaxpar.sharding import shard_bytes
+from jaxpar.sharding import shard_bytes, zero_state_bytes
 from jaxpar.train import Trainer, build_trainer, load_and_validate
 
 
@@ -71,17 +71,14 @@ def _cost(compiled) -> float | None:
 
 def zero_formula(params: int, stage: int, fsdp: int, tensor: int,
                  optimizer_bytes: int = 8) -> dict[str, float]:
-    """Bytes per device that the ZeRO paper's accounting predicts for jaxpar's dtypes: float32
-    parameters and gradients, `optimizer_bytes` of state per parameter (8: Adam's two float32
-    moments; 0: plain SGD)."""
-    n = fsdp
-    p = 4 * params / (n if stage >= 3 else 1)
-    g = 4 * params / (n if stage >= 2 else 1)
-    o = optimizer_bytes * params / (n if stage >= 1 else 1)
-    mixed = {0: 16 * params, 1: 4 * params + 12 * params / n, 2: 2 * params + 14 * params / n,
-             3: 16 * params / n}[stage]
-    return {"params": p / tensor, "gradients": g / tensor, "optimizer": o / tensor,
-            "total": (p + g + o) / tensor, "paper_mixed_precision_total": mixed / tensor}
+    """Bytes per device that the ZeRO paper's accounting (`sharding.zero_state_bytes`) predicts
+    for jaxpar's dtypes: float32 parameters and gradients, `optimizer_bytes` of state per
+    parameter (8: Adam's two float32 moments; 0: plain SGD), over `fsdp` and divided by
+    `tensor`; and the paper's own mixed-precision total (2 + 2 + K, K = 12) for reference."""
+    own = zero_state_bytes(params, fsdp, stage, optimizer_bytes=optimizer_bytes)
+    mixed = zero_state_bytes(params, fsdp, stage, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    return {**{kind: own[kind] / tensor for kind in ("params", "gradients", "optimizer", "total")},
+            "paper_mixed_precision_total": mixed["total"] / tensor}
 
 
 def batch_bytes_per_device(trainer: Trainer) -> int:

@@ -69,54 +69,14 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from jaxpar import config as config_lib
+from jaxpar import targets as targets_lib
 from jaxpar.config import MESH_AXES, Config, ConfigError, ModelConfig
+from jaxpar.models.llama import scan_length
+from jaxpar.models.moe import moe_layers
+from jaxpar.sharding import Rules, make_rules, state_rules
+from jaxpar.targets import DEVICES, DeviceSpec
 
 GIB = 2**30
-# The share of device memory a plan may use, as `jaxpar.targets.USABLE_FRACTION` (the CUDA
-# context, library workspaces and fragmentation take the rest).
-USABLE_FRACTION = 0.9
-
-# --- Devices and links ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    key: str  # the --gpus name
-    name: str
-    bf16_flops: float  # dense bf16 tensor-core peak, FLOP/s
-    memory_bytes: int  # HBM per GPU
-    hbm_bandwidth: float  # bytes/s
-    nvlink_bandwidth: float  # bytes/s per GPU, one direction
-    network_bandwidth: float  # bytes/s per GPU to other nodes, one direction
-    compute_capability: str
-    target: str  # the `jaxpar.targets` name --verify compiles for
-
-    @property
-    def usable_bytes(self) -> int:
-        return int(self.memory_bytes * USABLE_FRACTION)
-
-
-DEVICES = {
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989.4
-    # dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions together); NVIDIA DGX
-    # H100 datasheet: 8 x ConnectX-7 400 Gb/s InfiniBand, one per GPU (50 GB/s). Memory: the
-    # device_memory_size of the CUDA plugin's "NVIDIA H100 80GB HBM3" target description.
-    "h100": DeviceSpec("h100", "NVIDIA H100 80GB HBM3 (SXM)", 989.4e12, 85_520_809_984,
-                       3.35e12, 450e9, 50e9, "9.0", "h100"),
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity, 141 GB
-    # HBM3e at 4.8 TB/s, NVLink 900 GB/s; NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s.
-    "h200": DeviceSpec("h200", "NVIDIA H200 141GB HBM3e (SXM)", 989.4e12, 141 * 10**9,
-                       4.8e12, 450e9, 50e9, "9.0", "h200"),
-    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, 80 GB HBM2e at
-    # 2,039 GB/s, NVLink 600 GB/s; NVIDIA DGX A100 datasheet: 8 x ConnectX-6 200 Gb/s HDR.
-    "a100": DeviceSpec("a100", "NVIDIA A100-SXM4-80GB", 312e12, 80 * 10**9,
-                       2.039e12, 300e9, 25e9, "8.0", "a100"),
-    # NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity for 8 GPUs (2.25 PFLOPS
-    # dense each), 1.4 TB HBM3e for 8 (180 GB each) at 8 TB/s each, NVLink 1.8 TB/s per GPU;
-    # NVIDIA DGX B200 datasheet: 8 x ConnectX-7 400 Gb/s.
-    "b200": DeviceSpec("b200", "NVIDIA B200", 2.25e15, 180 * 10**9,
-                       8e12, 900e9, 50e9, "10.0", "b200"),
-}
 
 # --- Calibration of the step-time model ------------------------------------------------------
 #
@@ -201,8 +161,8 @@ def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | 
     e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     f, v = m.d_ff, m.vocab_size
     moe = m.moe
-    units = m.n_layers if moe.num_experts == 0 else m.n_layers // moe.every
-    per_unit = 1 if moe.num_experts == 0 else moe.every
+    units = scan_length(m)  # the stacked blocks' leading axis: blocks, or groups of moe.every
+    per_unit = m.n_layers // units
     L = ("layers",)
     out = [("embedding", (v, e), ("vocab", "embed")), ("final_norm", (e,), ("embed",))]
     if not m.tie_embeddings:
@@ -228,17 +188,12 @@ def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | 
     return out
 
 
-# Logical name -> mesh axes, as jaxpar.sharding.BASE_RULES (with `embed` over fsdp when the
-# ZeRO stage shards that kind of state).
-_RULES = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",),
-          "experts": ("expert",), "layers": ("pipe",)}
-
-
-def _local_elements(shape, names, sizes: dict[str, int], shard_embed: bool) -> int:
-    """Elements one device holds of a parameter under the rules (each mesh axis used once)."""
+def _local_elements(shape, names, sizes: dict[str, int], rules: Rules) -> int:
+    """Elements one device holds of a parameter under `rules` (jaxpar.sharding's, as the trainer
+    places that kind of state: each mesh axis used once, axes of size 1 skipped)."""
     used, total = set(), 1
     for dim, name in zip(shape, names):
-        axes = ("fsdp",) if name == "embed" and shard_embed else _RULES.get(name, ())
+        axes = rules.get(name, ()) if name is not None else ()
         split = 1
         for axis in axes:
             if axis not in used and sizes.get(axis, 1) > 1:
@@ -252,30 +207,18 @@ def state_elements(m: ModelConfig, sizes: dict[str, int], zero_stage: int) -> di
     """Elements per device of the parameters, gradients and one optimizer moment, and the
     model's parameter count (`total`) and the blocks' share of it."""
     table = param_table(m)
+    rules = state_rules(zero_stage, sequence_parallel=False)
+    gathered = make_rules(shard_embed=False, sequence_parallel=False)
     out = {"params": 0, "gradients": 0, "optimizer": 0, "total": 0, "blocks_local": 0,
            "blocks_gathered": 0}
     for name, shape, names in table:
-        out["params"] += _local_elements(shape, names, sizes, zero_stage >= 3)
-        out["gradients"] += _local_elements(shape, names, sizes, zero_stage >= 2)
-        out["optimizer"] += _local_elements(shape, names, sizes, zero_stage >= 1)
+        out["params"] += _local_elements(shape, names, sizes, rules["params"])
+        out["gradients"] += _local_elements(shape, names, sizes, rules["grads"])
+        out["optimizer"] += _local_elements(shape, names, sizes, rules["opt_state"])
         out["total"] += math.prod(shape)
         if name.startswith("block"):
-            out["blocks_local"] += _local_elements(shape, names, sizes, zero_stage >= 3)
-            out["blocks_gathered"] += _local_elements(shape, names, sizes, False)
-    return out
-
-
-def zero_state_bytes(psi: float, n: int, stage: int, param_bytes: float = 4,
-                     grad_bytes: float = 4, optimizer_bytes: float = 8) -> dict[str, float]:
-    """Model-state bytes per device of psi parameters data-parallel over n devices at a ZeRO
-    stage: the rule `state_elements` applies to every sharded tensor (stage >= 1 divides the
-    optimizer state by n, >= 2 the gradients, 3 the parameters). jaxpar's own dtypes are the
-    defaults (float32 params and grads, Adam's two float32 moments); the ZeRO paper's
-    mixed-precision Adam is param_bytes=2, grad_bytes=2, optimizer_bytes=K=12."""
-    out = {"params": param_bytes * psi / (n if stage >= 3 else 1),
-           "gradients": grad_bytes * psi / (n if stage >= 2 else 1),
-           "optimizer": optimizer_bytes * psi / (n if stage >= 1 else 1)}
-    out["total"] = sum(out.values())
+            out["blocks_local"] += _local_elements(shape, names, sizes, rules["params"])
+            out["blocks_gathered"] += _local_elements(shape, names, sizes, gathered)
     return out
 
 
@@ -395,7 +338,7 @@ def _moe_or_dense(m: ModelConfig, s: Shape, ff: float, proj: float,
     # outputs and their masks): multiples of one routed hidden array (`Backend.moe_saved`).
     saved = dict(backend.moe_saved)
     experts = {k: saved[k] * routed_ff + buffers for k in dense}
-    share = 1 / moe.every
+    share = moe_layers(m) / m.n_layers
     return {k: (1 - share) * dense[k] + share * experts[k] for k in dense}
 
 
@@ -539,7 +482,6 @@ def compiled_memory(overrides: list[str], mesh: dict[str, int], target=None,
     prod(mesh) local devices, or for a `jaxpar.targets.Target` of that many GPUs."""
     import jax
 
-    from jaxpar import targets as targets_lib
     from jaxpar.inspect import compile_step
     from jaxpar.train import build_trainer
 
@@ -609,12 +551,77 @@ def crosses_nodes(sizes: dict[str, int], axes: tuple[str, ...], gpus_per_node: i
     return _span(sizes, axes) > gpus_per_node
 
 
+def _collective_bytes(bytes_: float, group: int, kind: str) -> float:
+    """Bytes one device sends in a ring collective of `bytes_` per device over `group` devices:
+    all-reduce 2(n-1)/n of them, all-gather, reduce-scatter or all-to-all ("gather") (n-1)/n."""
+    if group <= 1 or bytes_ == 0:
+        return 0.0
+    factor = {"all-reduce": 2 * (group - 1) / group, "gather": (group - 1) / group}[kind]
+    return factor * bytes_
+
+
+def _data_parallel_time(cfg: Config, sizes: dict[str, int], bandwidth) -> float:
+    """Seconds of data / fsdp traffic per step: gradients reduced over every data-parallel
+    replica (float32), and ZeRO's traffic over fsdp. `bandwidth(axes)`: bytes/s per GPU."""
+    m, p = cfg.model, cfg.parallel
+    ring = _collective_bytes
+    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    # What one device computes with: params split by tensor / pipe / expert.
+    gathered = state_elements(m, sizes, 0)["params"]
+    passes = p.grad_accum * (p.microbatches if sizes["pipe"] > 1 else 1)  # forward+backward passes
+    grad_bytes = 4 * gathered
+    f = sizes["fsdp"]
+    if p.zero_stage == 0 or f == 1:
+        return ring(grad_bytes, dp, "all-reduce") / bandwidth(("data", "fsdp", "expert"))
+    bw_f, bw_d = bandwidth(("fsdp",)), bandwidth(("data", "expert"))
+    dp_time = ring(grad_bytes, f, "gather") / bw_f  # reduce-scatter of the gradients
+    dp_time += ring(grad_bytes / f, dp // f, "all-reduce") / bw_d  # over the other replicas
+    if p.zero_stage >= 3:  # weights gathered in model dtype for the forward and the backward
+        gathers = 2 if p.remat == "none" else 3
+        dp_time += passes * gathers * ring(_BYTES[m.dtype] * gathered, f, "gather") / bw_f
+    else:  # the updated float32 parameters gathered once
+        dp_time += ring(4 * gathered, f, "gather") / bw_f
+    return dp_time
+
+
+def _model_parallel_times(cfg: Config, sizes: dict[str, int], bandwidth,
+                          attention_s: float) -> dict[str, float]:
+    """Seconds of tensor, context, expert and pipe traffic per step (what shows: ring
+    attention's passes overlap the attention core's `attention_s`)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    ring = _collective_bytes
+    pipe, tensor, context, expert = sizes["pipe"], sizes["tensor"], sizes["context"], sizes["expert"]
+    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    a = _BYTES[m.dtype]
+    comm = {}
+    # tensor: two all-reduces (or all-gather + reduce-scatter) of the [rows, seq, d] activations
+    # per layer in the forward, two in the backward, two more when `full` recomputes the forward.
+    layers = m.n_layers // pipe
+    act = (t.batch_size // dp) * (t.seq_len // context) * m.d_model * a
+    per_layer = 4 + (2 if p.remat == "full" else 0)
+    comm["tensor"] = layers * per_layer * ring(act, tensor, "all-reduce") / bandwidth(("tensor",))
+    # context: K and V blocks go c - 1 hops forward; K, V, dK, dV backward.
+    kv = (t.batch_size // dp) * (t.seq_len // context) * 2 * (m.n_kv_heads // tensor) * m.head_dim * a
+    ring_time = layers * (context - 1) * 3 * kv / bandwidth(("context",)) if context > 1 else 0.0
+    comm["context"] = max(0.0, ring_time - attention_s)
+    # expert: two all-to-alls of the routed tokens per MoE layer forward, two backward.
+    comm["expert"] = 0.0
+    if m.moe.num_experts and expert > 1:
+        routed = act * m.moe.top_k * (m.moe.capacity_factor or 1.0)
+        comm["expert"] = (moe_layers(m) // pipe * 4 * ring(routed, expert, "gather")
+                          / bandwidth(("expert",)))
+    # pipe: each microbatch's activation forward and its gradient backward, per boundary.
+    comm["pipe"] = (2 * p.microbatches * (act / max(p.microbatches, 1)) / bandwidth(("pipe",))
+                    if pipe > 1 else 0.0)
+    return comm
+
+
 def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
                  gpus_per_node: int) -> dict[str, float]:
     """Predicted seconds of one optimizer step, by part (module doc), and the MFU."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = math.prod(sizes.values())
-    a = _BYTES[m.dtype]
+    pipe = sizes["pipe"]
     tokens = t.batch_size * t.seq_len
     model_flops = tokens * _model_flops_per_token(m, t.seq_len)
     kernel = attention_kernel(cfg, sizes, device)
@@ -623,61 +630,12 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     # Scaled from the H100's measured rates by the device's peak.
     attention_s = attention / n / (device.bf16_flops * ATTENTION_EFFICIENCY[kernel])
     compute = matmul / n / (device.bf16_flops * matmul_efficiency(m.d_model)) + attention_s
-    pipe, tensor, context, expert = sizes["pipe"], sizes["tensor"], sizes["context"], sizes["expert"]
-    dp_axes = ("data", "fsdp", "expert")
-    dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    el = state_elements(m, sizes, 0)  # what one device computes with: params split by tensor/pipe/expert
-    gathered = el["params"]
-    passes = p.grad_accum * (p.microbatches if pipe > 1 else 1)  # forward+backward passes per step
 
-    def ring(bytes_, group, kind):  # seconds for a collective of `bytes_` per device
-        if group <= 1 or bytes_ == 0:
-            return 0.0
-        factor = {"all-reduce": 2 * (group - 1) / group, "gather": (group - 1) / group}[kind]
-        return factor * bytes_
+    def bandwidth(axes):
+        return link_bandwidth(sizes, axes, device, gpus_per_node)[0]
 
-    comm = {}
-    # data / fsdp: gradients reduced over every data-parallel replica (float32), and ZeRO's
-    # traffic over fsdp.
-    bw_dp, _ = link_bandwidth(sizes, dp_axes, device, gpus_per_node)
-    grad_bytes = 4 * gathered
-    f = sizes["fsdp"]
-    if p.zero_stage == 0 or f == 1:
-        dp_time = ring(grad_bytes, dp, "all-reduce") / bw_dp
-    else:
-        bw_f, _ = link_bandwidth(sizes, ("fsdp",), device, gpus_per_node)
-        bw_d, _ = link_bandwidth(sizes, ("data", "expert"), device, gpus_per_node)
-        dp_time = ring(grad_bytes, f, "gather") / bw_f  # reduce-scatter of the gradients
-        dp_time += ring(grad_bytes / f, dp // f, "all-reduce") / bw_d  # over the other replicas
-        if p.zero_stage >= 3:  # weights gathered in model dtype for the forward and the backward
-            gathers = 2 if p.remat == "none" else 3
-            dp_time += passes * gathers * ring(a * gathered, f, "gather") / bw_f
-        else:  # the updated float32 parameters gathered once
-            dp_time += ring(4 * gathered, f, "gather") / bw_f
-    comm["data_fsdp"] = dp_time
-    # tensor: two all-reduces (or all-gather + reduce-scatter) of the [rows, seq, d] activations
-    # per layer in the forward, two in the backward, two more when `full` recomputes the forward.
-    layers = m.n_layers // pipe
-    act = (t.batch_size // dp) * (t.seq_len // context) * m.d_model * a
-    per_layer = 4 + (2 if p.remat == "full" else 0)
-    bw_t, _ = link_bandwidth(sizes, ("tensor",), device, gpus_per_node)
-    comm["tensor"] = layers * per_layer * ring(act, tensor, "all-reduce") / bw_t
-    # context: K and V blocks go c - 1 hops forward; K, V, dK, dV backward.
-    kv = (t.batch_size // dp) * (t.seq_len // context) * 2 * (m.n_kv_heads // tensor) * m.head_dim * a
-    bw_c, _ = link_bandwidth(sizes, ("context",), device, gpus_per_node)
-    ring_time = layers * (context - 1) * 3 * kv / bw_c if context > 1 else 0.0
-    comm["context"] = max(0.0, ring_time - attention_s)
-    # expert: two all-to-alls of the routed tokens per MoE layer forward, two backward.
-    if m.moe.num_experts and expert > 1:
-        moe_layers = layers // m.moe.every
-        routed = act * m.moe.top_k * (m.moe.capacity_factor or 1.0)
-        bw_e, _ = link_bandwidth(sizes, ("expert",), device, gpus_per_node)
-        comm["expert"] = moe_layers * 4 * ring(routed, expert, "gather") / bw_e
-    else:
-        comm["expert"] = 0.0
-    # pipe: each microbatch's activation forward and its gradient backward, per boundary.
-    bw_p, _ = link_bandwidth(sizes, ("pipe",), device, gpus_per_node)
-    comm["pipe"] = 2 * p.microbatches * (act / max(p.microbatches, 1)) / bw_p if pipe > 1 else 0.0
+    comm = {"data_fsdp": _data_parallel_time(cfg, sizes, bandwidth),
+            **_model_parallel_times(cfg, sizes, bandwidth, attention_s)}
     bubble = 0.0
     if pipe > 1:
         bubble = schedule_bubble(executed_schedule(cfg, sizes))
@@ -1106,9 +1064,7 @@ def plan_main(args: Args) -> tuple[dict, int]:
 def verify(result: dict, chosen: list[Plan], args: Args, device: DeviceSpec) -> None:
     """Compiles the top `args.verify` plans for the target; adds the compiled total to each and
     drops (with a warning) those whose compiled program does not fit."""
-    from jaxpar import targets as targets_lib
-
-    target = targets_lib.resolve(f"{device.target}:{args.count}")
+    target = targets_lib.resolve(f"{device.key}:{args.count}")
     targets_lib.use_cpu_backend()
     from jaxpar.inspect import compile_step
     from jaxpar.train import build_trainer

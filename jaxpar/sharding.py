@@ -1,9 +1,10 @@
 """Logical axis names -> mesh axes, and the `Layout` that carries them through a run.
 
 Parameters and activations carry logical names (`embed`, `heads`, `mlp`, ...). A rules table maps
-each name to zero or more mesh axes; the explicit techniques (ring attention over `context`, the
-expert all-to-all, the pipeline over `layers`) take their mesh axes from the same table. The ZeRO
-stage picks between two tables for the three kinds of training state:
+each name to zero or more mesh axes; the explicit techniques (ring attention over `seq`'s axis,
+the expert all-to-all over `experts`, `batch`, `seq` and `mlp`) take their mesh axes from the
+rules in force (`rules_in_force`: the layout's inside `Layout.scope`). The ZeRO stage picks
+between two tables for the three kinds of training state:
 
 | stage | params      | grads       | optimizer state |
 | ----- | ----------- | ----------- | --------------- |
@@ -28,11 +29,12 @@ import numpy as np
 from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.config import MESH_AXES
+from jaxpar.mesh import make_mesh
 
 Rules = dict[str, tuple[str, ...]]
 
-# Logical name -> mesh axes. `embed` is the one name whose placement depends on the ZeRO stage.
+# Logical name -> mesh axes: the default table. `embed` is the one name whose placement depends
+# on the ZeRO stage (`make_rules`).
 BASE_RULES: Rules = {
     "batch": ("data", "fsdp", "expert"),
     "seq": ("context",),
@@ -100,6 +102,25 @@ def state_rules(zero_stage: int, sequence_parallel: bool) -> dict[str, Rules]:
     }
 
 
+def zero_state_bytes(psi: float, n: int, stage: int, param_bytes: float = 4,
+                     grad_bytes: float = 4, optimizer_bytes: float = 8) -> dict[str, float]:
+    """Model-state bytes per device of psi parameters data-parallel over n = mesh.fsdp devices
+    at a ZeRO stage, as `state_rules` places each kind (split over fsdp or whole): the ZeRO
+    paper's formula (Rajbhandari et al. 2020). jaxpar's own dtypes are the defaults (float32
+    params and grads, Adam's two float32 moments); the paper's mixed-precision Adam is
+    param_bytes=2, grad_bytes=2, optimizer_bytes=K=12."""
+    rules = state_rules(stage, sequence_parallel=False)
+
+    def per_device(kind: str, nbytes: float) -> float:
+        return nbytes * psi / (n if "fsdp" in rules[kind]["embed"] else 1)
+
+    out = {"params": per_device("params", param_bytes),
+           "gradients": per_device("grads", grad_bytes),
+           "optimizer": per_device("opt_state", optimizer_bytes)}
+    out["total"] = sum(out.values())
+    return out
+
+
 def opt_state_shardings(opt_state_shape: Any, params_logical: Any, mesh: Mesh, rules: Rules) -> Any:
     """Optimizer state leaves shaped like a parameter take its sharding; scalars are replicated.
 
@@ -142,6 +163,13 @@ def active_rules() -> Rules:
     for name, axes in flax_spmd.get_logical_axis_rules():
         rules[name] = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     return rules
+
+
+def rules_in_force() -> Rules:
+    """The activation rules a step runs under: the active ones inside a scope that set them
+    (`Layout.scope`), else BASE_RULES, the documented default (for the `parallel/` functions
+    called directly on a mesh). What the explicit techniques read their mesh axes from."""
+    return active_rules() or BASE_RULES
 
 
 def current_scope() -> tuple[Any, Rules] | None:
@@ -187,8 +215,6 @@ class Layout:
     @classmethod
     def build(cls, sizes: dict[str, int], *, zero_stage: int, sequence_parallel: bool,
               devices: Sequence[jax.Device] | None = None) -> "Layout":
-        from jaxpar.mesh import make_mesh
-
         return cls(make_mesh(sizes, devices), state_rules(zero_stage, sequence_parallel))
 
     def shardings(self, logical_tree: Any, kind: str) -> Any:

@@ -23,21 +23,70 @@ from dataclasses import dataclass
 from jaxpar.config import ConfigError
 from jaxpar.mesh import cuda_plugin_folders
 
-# Short name -> the `device_description_str` of the plugin's embedded description.
-TARGETS = {
-    "h100": "NVIDIA H100 80GB HBM3",
-    "h100-pcie": "NVIDIA H100 PCIe",
-    "h200": "NVIDIA H200 141GB HBM3e",
-    "a100": "NVIDIA A100-SXM4-80GB",
-    "a100-40gb": "NVIDIA A100-SXM4-40GB",
-    "b200": "NVIDIA B200",
-    "gb200": "NVIDIA GB200",
-}
-
-# The share of device memory a program may use and still be said to fit. The rest is kept for
-# the CUDA context, cuDNN/cuBLAS workspaces and allocator fragmentation. JAX preallocates 75% of
-# the device by default; a run that needs more sets XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.9).
+# The share of device memory a program may use and still be said to fit (here, in `jaxpar.plan`
+# and `jaxpar.inspect`). The rest is kept for the CUDA context, cuDNN/cuBLAS workspaces and
+# allocator fragmentation. JAX preallocates 75% of the device by default; a run that needs more
+# sets XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.9).
 USABLE_FRACTION = 0.9
+
+
+def usable_bytes(memory_bytes: int) -> int:
+    """The bytes of a device of `memory_bytes` that a program may use (USABLE_FRACTION)."""
+    return int(memory_bytes * USABLE_FRACTION)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One GPU type: the CUDA plugin's description of it (what `--target` compiles for) and,
+    where jaxpar has them, the datasheet numbers `jaxpar.plan` predicts with (None: a type
+    that can be compiled for but is not planned for)."""
+
+    key: str  # the short name (inspect's --target, plan's --gpus)
+    description: str  # the `device_description_str` of the plugin's embedded description
+    name: str | None = None  # as the planner shows it
+    bf16_flops: float | None = None  # dense bf16 tensor-core peak, FLOP/s
+    memory_bytes: int | None = None  # HBM per GPU
+    hbm_bandwidth: float | None = None  # bytes/s
+    nvlink_bandwidth: float | None = None  # bytes/s per GPU, one direction
+    network_bandwidth: float | None = None  # bytes/s per GPU to other nodes, one direction
+    compute_capability: str | None = None
+
+    @property
+    def usable_bytes(self) -> int:
+        return usable_bytes(self.memory_bytes)
+
+
+# Every GPU type jaxpar names, by short name: what `--target` compiles for, and with datasheet
+# numbers what `python -m jaxpar.plan --gpus` plans for (DEVICES).
+GPUS = {gpu.key: gpu for gpu in (
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989.4
+    # dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions together); NVIDIA DGX
+    # H100 datasheet: 8 x ConnectX-7 400 Gb/s InfiniBand, one per GPU (50 GB/s). Memory: the
+    # device_memory_size of the CUDA plugin's "NVIDIA H100 80GB HBM3" target description.
+    DeviceSpec("h100", "NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3 (SXM)", 989.4e12,
+               85_520_809_984, 3.35e12, 450e9, 50e9, "9.0"),
+    DeviceSpec("h100-pcie", "NVIDIA H100 PCIe"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity, 141 GB
+    # HBM3e at 4.8 TB/s, NVLink 900 GB/s; NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s.
+    DeviceSpec("h200", "NVIDIA H200 141GB HBM3e", "NVIDIA H200 141GB HBM3e (SXM)", 989.4e12,
+               141 * 10**9, 4.8e12, 450e9, 50e9, "9.0"),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, 80 GB HBM2e at
+    # 2,039 GB/s, NVLink 600 GB/s; NVIDIA DGX A100 datasheet: 8 x ConnectX-6 200 Gb/s HDR.
+    DeviceSpec("a100", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB", 312e12, 80 * 10**9,
+               2.039e12, 300e9, 25e9, "8.0"),
+    DeviceSpec("a100-40gb", "NVIDIA A100-SXM4-40GB"),
+    # NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity for 8 GPUs (2.25 PFLOPS
+    # dense each), 1.4 TB HBM3e for 8 (180 GB each) at 8 TB/s each, NVLink 1.8 TB/s per GPU;
+    # NVIDIA DGX B200 datasheet: 8 x ConnectX-7 400 Gb/s.
+    DeviceSpec("b200", "NVIDIA B200", "NVIDIA B200", 2.25e15, 180 * 10**9, 8e12, 900e9, 50e9,
+               "10.0"),
+    DeviceSpec("gb200", "NVIDIA GB200"),
+)}
+
+# Views of GPUS: short name -> the plugin's description; short name -> the GPUs with datasheet
+# numbers (what the planner plans for).
+TARGETS = {key: gpu.description for key, gpu in GPUS.items()}
+DEVICES = {key: gpu for key, gpu in GPUS.items() if gpu.bf16_flops is not None}
 
 INSTALL_HINT = 'pip install -e ".[gpu-compile]"'
 
@@ -56,7 +105,7 @@ class Target:
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.memory_bytes * USABLE_FRACTION)
+        return usable_bytes(self.memory_bytes)
 
 
 def parse_target(text: str) -> tuple[str, int]:

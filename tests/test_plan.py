@@ -16,7 +16,7 @@ from benchmarks.plan_memory import LAYOUTS, RESULTS
 from jaxpar import config as config_lib
 from jaxpar import plan
 from jaxpar.config import MESH_AXES
-from jaxpar.sharding import shard_bytes
+from jaxpar.sharding import shard_bytes, zero_state_bytes
 from tests.parity import trainer_on
 
 GB = 10**9
@@ -120,14 +120,14 @@ def test_zero_paper_table_for_its_own_assumptions():
     psi, n = 7.5e9, 64
     paper = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}  # GB per device, mixed-precision Adam, K = 12
     for stage, gb in paper.items():
-        got = plan.zero_state_bytes(psi, n, stage, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+        got = zero_state_bytes(psi, n, stage, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
         assert round(got["total"] / GB, 1) == gb
     # The formulas themselves: (2 + 2 + K)Psi, 2Psi + 2Psi + KPsi/N, 2Psi + (2 + K)Psi/N, (2 + 2 + K)Psi/N.
     k = 12
     exact = {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
              3: (4 + k) * psi / n}
     for stage, value in exact.items():
-        assert plan.zero_state_bytes(psi, n, stage, 2, 2, k)["total"] == pytest.approx(value)
+        assert zero_state_bytes(psi, n, stage, 2, 2, k)["total"] == pytest.approx(value)
 
 
 def test_planner_state_follows_the_zero_rule_with_jaxpar_dtypes():
@@ -140,7 +140,7 @@ def test_planner_state_follows_the_zero_rule_with_jaxpar_dtypes():
     for stage in range(4):
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=stage))
         got = plan.predict_memory(c, sizes, kernel="xla")
-        want = plan.zero_state_bytes(psi, 8, stage)
+        want = zero_state_bytes(psi, 8, stage)
         for key in ("params", "gradients", "optimizer"):
             assert got[key] == pytest.approx(want[key]), (stage, key)
 

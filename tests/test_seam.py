@@ -1,6 +1,8 @@
 """The seam between the model and the layout: where a traced step learns the mesh and the rules,
 what the pipeline shares with the model, and the learning-rate schedule's first step."""
 
+import dataclasses
+import functools
 import os
 import re
 
@@ -8,12 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, PartitionSpec as P
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import config as config_lib
-from jaxpar.sharding import Layout, constrain, make_rules
+from jaxpar.config import MoEConfig
+from jaxpar.models import Transformer
+from jaxpar.models.moe import MoEMLP
+from jaxpar.sharding import BASE_RULES, Layout, constrain, make_rules
 from jaxpar.train import lr_schedule
-from tests.parity import trainer_on
+from tests.parity import tiny_config, trainer_on
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,3 +131,94 @@ def test_every_axis_of_the_rules_is_a_mesh_axis():
             rules = make_rules(shard_embed=stage == 3, sequence_parallel=sp)
             assert {a for axes in rules.values() for a in axes} <= set(MESH_AXES)
     assert {a for axes in BASE_RULES.values() for a in axes} == set(MESH_AXES)
+
+
+
+# --- The explicit techniques follow the layout's rules, not a static table ---------------------
+
+
+def _layout_with_activation_rules(**changes) -> Layout:
+    """A layout on mesh data=4 x context=2 (8 devices) whose activation rules differ from
+    BASE_RULES by `changes` (logical name -> mesh axes); the state keeps the default rules."""
+    sizes = {a: 1 for a in config_lib.MESH_AXES} | {"data": 4, "context": 2}
+    layout = Layout.build(sizes, zero_stage=0, sequence_parallel=False)
+    activations = {**layout.rules["activations"], **changes}
+    return dataclasses.replace(layout, rules={**layout.rules, "activations": activations})
+
+
+def _on_mesh(layout: Layout, *trees):
+    """The arrays replicated over the layout's devices (a jitted step's inputs live there)."""
+    return jax.device_put(trees, NamedSharding(layout.mesh, P()))
+
+
+def test_ring_attention_goes_round_the_axis_of_the_layouts_seq_rule(monkeypatch):
+    """Rules that split the sequence over `data` (4 devices) and the batch over `context` (2):
+    inside `Layout.scope()` ring attention goes round `data`, on inputs laid out for a ring of
+    4, and the logits equal the single-device model's. Read from the static table, the ring
+    goes round `context` (2 devices) and the logits come out wrong."""
+    import jaxpar.models.llama as llama_lib
+    from jaxpar.parallel.ring_attention import permute_from_layout, permute_to_layout
+
+    layout = _layout_with_activation_rules(seq=("data",), act_seq=("data",), batch=("context",))
+    cfg = tiny_config().model
+    tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(32), tokens.shape)
+    segments = jnp.broadcast_to((jnp.arange(32) >= 20).astype(jnp.int32), tokens.shape)
+    want = Transformer(cfg, rngs=nnx.Rngs(0))(tokens, positions, segments)[0]
+    # The same weights (same seed), attention as a ring on inputs in its zigzag order.
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0), context_layout="zigzag"))
+    ring_order = functools.partial(permute_to_layout, context=4, layout="zigzag")
+
+    def ring_logits():
+        @jax.jit
+        def forward(params, *batch):
+            with layout.scope():
+                return nnx.merge(graphdef, params)(*batch)[0]
+
+        out = forward(*_on_mesh(layout, params, *map(ring_order, (tokens, positions, segments))))
+        return permute_from_layout(out, context=4, layout="zigzag")
+
+    np.testing.assert_allclose(ring_logits(), want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(llama_lib, "rules_in_force", lambda: BASE_RULES)  # the static table
+    assert float(jnp.max(jnp.abs(ring_logits() - want))) > 1e-2
+
+
+def _all_to_all_axes(jaxpr) -> set[tuple[str, ...]]:
+    """The mesh axes of every all_to_all in a jaxpr, nested jaxprs included."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "all_to_all":
+            axes = eqn.params["axis_name"]
+            found.add(tuple(axes) if isinstance(axes, (tuple, list)) else (axes,))
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+            if hasattr(inner, "eqns"):
+                found |= _all_to_all_axes(inner)
+    return found
+
+
+def test_moe_exchange_goes_over_the_axis_of_the_layouts_experts_rule(monkeypatch):
+    """Rules that put the experts over `data` (4 devices): inside `Layout.scope()` the MoE
+    layer's all-to-alls swap tokens over `data` and its output equals the single-device one
+    (dropless). Read from the static table, the experts stay on the `expert` axis (size 1
+    here) and there is no exchange at all."""
+    import jaxpar.parallel.experts as experts_lib
+
+    layout = _layout_with_activation_rules(experts=("data",))
+    moe = MoEConfig(num_experts=4, top_k=2, capacity_factor=None, dispatch="padded")
+    cfg = dataclasses.replace(tiny_config().model, moe=moe)
+    graphdef, params = nnx.split(MoEMLP(cfg, nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (8, 16, cfg.d_model), jnp.float32)
+    want = nnx.merge(graphdef, params)(x)[0]
+
+    def scoped():  # a new function each time: jax caches a function's trace
+        def layer(params, x):
+            with layout.scope():
+                return nnx.merge(graphdef, params)(x)[0]
+        return layer
+
+    assert _all_to_all_axes(jax.make_jaxpr(scoped())(params, x).jaxpr) == {("data",)}
+    np.testing.assert_allclose(jax.jit(scoped())(*_on_mesh(layout, params, x)), want, rtol=1e-5,
+                               atol=1e-5)
+    monkeypatch.setattr(experts_lib, "rules_in_force", lambda: BASE_RULES)  # the static table
+    assert _all_to_all_axes(jax.make_jaxpr(scoped())(params, x).jaxpr) == set()

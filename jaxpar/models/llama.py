@@ -6,8 +6,9 @@
 Every parameter carries logical axis names, and the activations that matter are pinned with
 `constrain(x, names)`; `jaxpar.sharding` turns names into mesh axes under the mesh and rules of
 the step (`Layout.scope`). The model names no mesh axis and builds no sharding. Two techniques
-need the mesh itself and read it from JAX's mesh context: ring attention (when the model was
-built with a `context_layout`, i.e. mesh.context > 1) and the MoE all-to-all. Blocks are stacked
+need the mesh itself and read it from JAX's mesh context, their axes from the rules in force:
+ring attention (when the model was built with a `context_layout`, i.e. mesh.context > 1) over
+the `seq` rule's axis, and the MoE all-to-all. Blocks are stacked
 along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth.
 
 Pieces, for callers that run the model in parts (the pipeline, jaxpar.parallel.pipeline):
@@ -58,7 +59,7 @@ from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_layers, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
 from jaxpar.models.loss import chunked_cross_entropy
-from jaxpar.sharding import BASE_RULES, constrain
+from jaxpar.sharding import constrain, rules_in_force
 
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -208,8 +209,8 @@ class Attention(nnx.Module):
             # "auto" rather than model.attention: cuDNN may not take this mask, XLA always does.
             mask = cache.causal_mask(q.shape[1])
             out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask)
-        elif self.context_layout is not None:  # context parallel: the sequence is split over `context`
-            out = ring_attention_permuted(q, k, v, axis_name=BASE_RULES["seq"][0],
+        elif self.context_layout is not None:  # context parallel: the ring over `seq`'s axis
+            out = ring_attention_permuted(q, k, v, axis_name=rules_in_force()["seq"][0],
                                           layout=self.context_layout, segment_ids=segment_ids)
         else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
             out = attend(q, k, v, segment_ids, implementation=attention_kernel(self.cfg),

@@ -1,10 +1,11 @@
 """Mixture-of-experts MLP with expert parallelism: route, all-to-all dispatch, experts, combine.
 
 One `jax.shard_map`, manual over the mesh axes the layer uses. Which axes those are comes from
-`jaxpar.sharding.BASE_RULES`, the one table of logical name -> mesh axes: tokens are split along
-the batch over `batch` (data, fsdp, expert) and along the sequence over `seq` (context), the
-experts over `experts` (expert), the hidden units over `mlp` (tensor); an axis the mesh lacks is
-skipped, an axis it has besides these is left alone. Each device routes its own tokens, packs
+the rules in force (`jaxpar.sharding.rules_in_force`: the layout's inside `Layout.scope()`, the
+default `BASE_RULES` outside): tokens are split along the batch over `batch` (by default data,
+fsdp, expert) and along the sequence over `seq` (context), the experts over `experts` (expert),
+the hidden units over `mlp` (tensor); an axis the mesh lacks is skipped, an axis it has besides
+these is left alone. Each device routes its own tokens, packs
 one copy per (token, choice) into a fixed-size buffer per destination expert, and swaps buffers
 with the other devices of its `expert` group:
 
@@ -91,7 +92,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.fp8 import fp8_einsum
-from jaxpar.sharding import BASE_RULES
+from jaxpar.sharding import rules_in_force
 
 
 class Routing(NamedTuple):
@@ -245,12 +246,13 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
       Explicit ones the inputs are gathered). Axes already manual (inside an enclosing
       shard_map, such as the pipeline's `pipe`) are the caller's: y and stats are per block of
       them.
-    axis_name: the expert axis, None for BASE_RULES["experts"] ('expert'); a name that is not a
-      mesh axis is a ValueError, a default that is not one means no expert parallelism.
+    axis_name: the expert axis, None for the `experts` rule in force (by default 'expert'); a
+      name that is not a mesh axis is a ValueError, a default that is not one means no expert
+      parallelism.
     token_axes, seq_axes, tensor_axes: mesh axes of tokens along the batch, of tokens along the
-      sequence, of the hidden units; None for BASE_RULES "batch" (data, fsdp, expert), "seq"
-      (context), "mlp" (tensor). Names the mesh lacks, and axes of size 1, are skipped; the
-      three must not share an axis (ValueError).
+      sequence, of the hidden units; None for the rules in force for "batch" (by default data,
+      fsdp, expert), "seq" (context), "mlp" (tensor). Names the mesh lacks, and axes of size 1,
+      are skipped; the three must not share an axis (ValueError).
     capacity_factor: None for dropless, else slots per expert per source device =
       ceil(capacity_factor * local_tokens * top_k / E) (see the module docstring for who drops).
     compute_dtype: dtype of the expert matmuls; routing, combine and statistics are float32.
@@ -275,11 +277,12 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if axis_name is not None and axis_name not in mesh.axis_names:
         raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}")
-    expert_axes = _mesh_axes(mesh, BASE_RULES["experts"] if axis_name is None else axis_name)
-    token_axes = _mesh_axes(mesh, BASE_RULES["batch"] if token_axes is None else token_axes)
+    rules = rules_in_force()
+    expert_axes = _mesh_axes(mesh, rules.get("experts", ()) if axis_name is None else axis_name)
+    token_axes = _mesh_axes(mesh, rules.get("batch", ()) if token_axes is None else token_axes)
     token_axes += tuple(a for a in expert_axes if a not in token_axes)
-    seq_axes = _mesh_axes(mesh, BASE_RULES["seq"] if seq_axes is None else seq_axes)
-    tensor_axes = _mesh_axes(mesh, BASE_RULES["mlp"] if tensor_axes is None else tensor_axes)
+    seq_axes = _mesh_axes(mesh, rules.get("seq", ()) if seq_axes is None else seq_axes)
+    tensor_axes = _mesh_axes(mesh, rules.get("mlp", ()) if tensor_axes is None else tensor_axes)
     sizes = dict(mesh.shape)
     _check_shapes(x, params, sizes, expert_axes, token_axes, seq_axes, tensor_axes)
     expert_devices = math.prod(sizes[a] for a in expert_axes)
