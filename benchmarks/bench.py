@@ -41,6 +41,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxpar import cli
 from jaxpar import metrics as metrics_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.inspect import compile_step, report
@@ -371,15 +372,11 @@ def target_memory(config_and_overrides: list[str], target) -> dict:
 def target_table(args) -> int:
     from jaxpar import targets as targets_lib
 
-    try:
-        base = targets_lib.resolve(args.target)
-        targets_lib.use_cpu_backend()
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    cli = args.config_and_overrides
-    rows = ([(" ".join(cli), cli[:1] if cli and "=" not in cli[0] else [],
-              [a for a in cli if "=" in a], base.count)] if cli else
+    base = targets_lib.resolve(args.target)
+    targets_lib.use_cpu_backend()
+    words = args.config_and_overrides
+    rows = ([(" ".join(words), words[:1] if words and "=" not in words[0] else [],
+              [a for a in words if "=" in a], base.count)] if words else
             [(label, [path], extra, n) for label, path, extra, n in TARGET_PRESETS])
     print(f"compiled for {base.description} (nothing ran); usable memory "
           f"{base.usable_bytes / 2**30:.1f} GiB per device\n")
@@ -389,9 +386,8 @@ def target_table(args) -> int:
         target = base if ":" in args.target else dataclasses.replace(base, count=count)
         try:
             m = target_memory([*path, *extra], target)  # the presets fill the mesh with -1
-        except ConfigError as e:
-            print(f"config error: {label}: {e}", file=sys.stderr)
-            return 2
+        except ConfigError as e:  # which row: the command's one line names it
+            raise ConfigError(f"{label}: {e}") from None
         print(f"{label:<34} {m['total_bytes'] / 2**30:>10.2f} {m['temp_bytes'] / 2**30:>9.2f}  "
               f"{'yes' if m['fits'] else 'NO':<4}  {', '.join(m['attention'])}")
     return 0
@@ -401,17 +397,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.target:
-        return target_table(args)
-    flags_env, flags_added = apply_xla_flags(args.xla_flag)  # before the backend starts
-    cli = args.config_and_overrides
-    try:
-        cfg, sizes = load_and_validate(cli)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    config_path = cli[0] if cli and "=" not in cli[0] else None
+        return cli.run(lambda: target_table(args))
+    flags = apply_xla_flags(args.xla_flag)  # before the backend starts
+    return cli.run(lambda: bench(args, *flags))
+
+
+def bench(args, flags_env: list[str], flags_added: list[str]) -> int:
+    """The command's work: the benchmark run, its table printed and its JSON written."""
+    words = args.config_and_overrides
+    cfg, sizes = load_and_validate(words)
+    config_path = words[0] if words and "=" not in words[0] else None
     result = {
-        "config": config_path, "overrides": [a for a in cli if "=" in a], "tag": args.tag,
+        "config": config_path, "overrides": [a for a in words if "=" in a], "tag": args.tag,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **run_benchmark(cfg, sizes, args.steps, args.warmup),
         "xla_flags": flags_env + flags_added, "xla_flags_set_by_bench": flags_added,

@@ -46,6 +46,7 @@ import tempfile
 
 import numpy as np
 
+from jaxpar import cli
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, ModelConfig
 
@@ -500,7 +501,7 @@ def from_hf(hf_dir: str, out: str, overrides: list[str] = ()) -> dict:
     import jax
 
     from jaxpar.checkpoint import Checkpointer
-    from jaxpar.data import HFTokenizer
+    from jaxpar.documents import HFTokenizer
 
     hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
     _check_out(out)
@@ -645,14 +646,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings for config.yaml")
     sub.add_parser("to-hf", help="a run directory -> Hugging Face safetensors (python -m jaxpar.export)")
     args = parser.parse_args(argv)
-    try:
-        for item in args.overrides:
-            if "=" not in item:
-                raise ConfigError(f"argument '{item}' is not a dotted.key=value override")
-        summary = from_hf(args.hf_dir, args.out, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    return cli.run(lambda: _from_hf_command(args))
+
+
+def _from_hf_command(args) -> int:
+    for item in args.overrides:
+        if "=" not in item:
+            raise ConfigError(f"argument '{item}' is not a dotted.key=value override")
+    summary = from_hf(args.hf_dir, args.out, args.overrides)
     print(f"converted {summary['tensors']} tensors ({summary['parameters']:,} parameters, "
           f"{summary['dtype']}) -> {summary['out']}")
     return 0

@@ -30,7 +30,8 @@ import sys
 
 import numpy as np
 
-from jaxpar.config import ConfigError, ModelConfig
+from jaxpar import cli
+from jaxpar.config import ConfigError, ModelConfig, check_writable_dir
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default "5GB"
 
@@ -180,7 +181,7 @@ def _byte_symbols() -> list[str]:
 
 
 def byte_tokenizer():
-    """jaxpar's byte tokenizer (`jaxpar.data.ByteTokenizer`) as a `tokenizers.Tokenizer`: token
+    """jaxpar's byte tokenizer (`jaxpar.documents.ByteTokenizer`) as a `tokenizers.Tokenizer`: token
     id b is the byte b of the text's UTF-8, and 256 is the end-of-document token (special, so
     skipped when decoding with skip_special_tokens). A BPE model without merges over the 256
     byte symbols: it never joins two bytes, so encoding gives one id per byte; the ByteLevel
@@ -188,7 +189,7 @@ def byte_tokenizer():
     U+FFFD as in ByteTokenizer.decode."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from jaxpar.data import EOD_TOKEN, ByteTokenizer
+    from jaxpar.documents import EOD_TOKEN, ByteTokenizer
 
     vocab = {symbol: byte for byte, symbol in enumerate(_byte_symbols())}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -205,7 +206,7 @@ def write_tokenizer(cfg, out: str) -> int | None:
     end-of-document id, or None when data.tokenizer names no file here (nothing written)."""
     import shutil
 
-    from jaxpar.data import EOD_TOKEN, ByteTokenizer, make_tokenizer
+    from jaxpar.documents import EOD_TOKEN, ByteTokenizer, make_tokenizer
 
     if cfg.data.tokenizer == "byte":
         byte_tokenizer().save(os.path.join(out, "tokenizer.json"))
@@ -277,19 +278,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
-    try:
-        from jaxpar.config import check_writable_dir
+    return cli.run(lambda: _export_command(args), failures={FileNotFoundError: 1})
 
-        check_writable_dir(args.out, "--out")  # before the checkpoint is read
-        if args.max_shard_bytes < 1:
-            raise ConfigError(f"--max-shard-bytes={args.max_shard_bytes}: must be at least 1")
-        summary = export(args.run_dir, args.out, args.max_shard_bytes, args.step)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+
+def _export_command(args) -> int:
+    check_writable_dir(args.out, "--out")  # before the checkpoint is read
+    if args.max_shard_bytes < 1:
+        raise ConfigError(f"--max-shard-bytes={args.max_shard_bytes}: must be at least 1")
+    summary = export(args.run_dir, args.out, args.max_shard_bytes, args.step)
     print(f"exported step {summary['step']}: {summary['tensors']} tensors, "
           f"{summary['bytes'] / 1e6:.1f} MB in {len(summary['files'])} file(s) -> {summary['out']}")
     return 0

@@ -92,11 +92,11 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from jaxpar import config as config_lib
+from jaxpar.cli import CONFIG_ERROR  # a restart would repeat it: not restarted
 
 POLL_S = 0.1  # how often the launcher looks at its queue of exits and signals
 KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for the process table to show the exit
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
-CONFIG_ERROR = 2  # jaxpar's exit code for a configuration error: a restart would repeat it
 MANIFEST = "jaxpar_manifest.json"  # jaxpar.checkpoint.MANIFEST: in a checkpoint once committed
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # What one process takes, for the count a machine can hold: a `python -m jaxpar.train` of

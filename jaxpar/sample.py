@@ -24,8 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar import cli
+from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
-from jaxpar.data import make_tokenizer
+from jaxpar.documents import make_tokenizer
+from jaxpar.export import load_params
 from jaxpar.models.llama import KVCache, Transformer
 
 
@@ -109,8 +112,6 @@ def generate(model: Transformer, prompt_ids, max_tokens: int, temperature: float
 
 def run_config(run_dir: str):
     """The run's config (RUN_DIR/config.yaml); ConfigError if there is none."""
-    from jaxpar import config as config_lib
-
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"{run_dir} has no config.yaml; is it a run directory (train.run_dir)?")
@@ -121,8 +122,6 @@ def load_model(run_dir: str, step: int | None = None):
     """(config, Transformer with the checkpoint's params on the default device, step) from the
     run's newest intact checkpoint (or `step`). Raises ConfigError without config.yaml and
     FileNotFoundError without a usable checkpoint."""
-    from jaxpar.export import load_params
-
     run_config(run_dir)  # a clear error before load_params reads it
     cfg, params, step = load_params(run_dir, step)
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
@@ -146,28 +145,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
-    try:
-        for flag, value, ok, want in [
-            ("--max-tokens", args.max_tokens, args.max_tokens >= 1, "at least 1"),
-            ("--temperature", args.temperature, args.temperature >= 0, "0 (greedy) or more"),
-            ("--top-k", args.top_k, args.top_k is None or args.top_k >= 1, "at least 1"),
-        ]:
-            if not ok:
-                raise ConfigError(f"{flag}={value}: must be {want}")
-        cfg = run_config(args.run_dir)
-        tokenizer = make_tokenizer(cfg.data)
-        prompt_ids = tokenizer.encode(args.prompt)
-        max_seq_len = cfg.model.max_seq_len
-        check_prompt(len(prompt_ids), max_seq_len)  # before the slower restore
-        _, model, _ = load_model(args.run_dir, args.step)
-        if len(prompt_ids) + args.max_tokens > max_seq_len:
-            print(f"note: generating {max_seq_len - len(prompt_ids)} tokens, not {args.max_tokens}:"
-                  f" model.max_seq_len={max_seq_len}", file=sys.stderr)
-        ids = generate(model, prompt_ids, args.max_tokens, args.temperature, args.top_k,
-                       args.seed, vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eod_id)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run(lambda: _sample_command(args), prefix="error",
+                   failures={ValueError: cli.CONFIG_ERROR, FileNotFoundError: cli.CONFIG_ERROR})
+
+
+def _sample_command(args) -> int:
+    """The command's work: the prompt checked against the model before the slower restore, then
+    its continuation printed."""
+    for flag, value, ok, want in [
+        ("--max-tokens", args.max_tokens, args.max_tokens >= 1, "at least 1"),
+        ("--temperature", args.temperature, args.temperature >= 0, "0 (greedy) or more"),
+        ("--top-k", args.top_k, args.top_k is None or args.top_k >= 1, "at least 1"),
+    ]:
+        if not ok:
+            raise ConfigError(f"{flag}={value}: must be {want}")
+    cfg = run_config(args.run_dir)
+    tokenizer = make_tokenizer(cfg.data)
+    prompt_ids = tokenizer.encode(args.prompt)
+    max_seq_len = cfg.model.max_seq_len
+    check_prompt(len(prompt_ids), max_seq_len)  # before the slower restore
+    _, model, _ = load_model(args.run_dir, args.step)
+    if len(prompt_ids) + args.max_tokens > max_seq_len:
+        print(f"note: generating {max_seq_len - len(prompt_ids)} tokens, not {args.max_tokens}:"
+              f" model.max_seq_len={max_seq_len}", file=sys.stderr)
+    ids = generate(model, prompt_ids, args.max_tokens, args.temperature, args.top_k,
+                   args.seed, vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eod_id)
     print(args.prompt + tokenizer.decode(ids))
     return 0
 

@@ -59,8 +59,8 @@ import time
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import (_Skipped, iter_documents, make_tokenizer, packed_rows, parquet_file,
-                         source_entries, split_rows, stdlib_files)
+from jaxpar.documents import (_Skipped, iter_documents, make_tokenizer, packed_rows, parquet_file,
+                            source_entries, split_rows, stdlib_files)
 
 FORMAT = "jaxpar-token-shards"
 VERSION = 1
@@ -770,7 +770,7 @@ class PreparedSequences:
         """Several sequences at once (grain's batched read; see `data.batch_dataset`): each
         window's tokens read straight into one array, its document starts from the index (the
         ends of the documents inside it, two binary searches per shard it spans), then packed
-        for all rows together (`data.packed_rows`)."""
+        for all rows together (`documents.packed_rows`)."""
         width = self.seq_len + 1
         tokens = np.empty((len(indices), width), dtype=self.dtype)
         starts = np.zeros((len(indices), width), dtype=bool)

@@ -186,7 +186,7 @@ def test_round_trip_is_bit_identical_and_transformers_loads_the_export(hf, impor
 
 
 def test_sample_cli_generates_from_an_imported_model(imported):
-    from jaxpar.data import HFTokenizer
+    from jaxpar.documents import HFTokenizer
 
     run = imported / "llama2-gqa-sharded" / "run"  # its tokenizer ends documents with </s>
     cfg = config_lib.load_config(str(run / "config.yaml"))

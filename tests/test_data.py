@@ -15,7 +15,8 @@ import pytest
 
 from jaxpar import data
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import ByteTokenizer, HFTokenizer, batch_dataset, make_iterator, pack
+from jaxpar.data import batch_dataset, make_iterator, pack
+from jaxpar.documents import ByteTokenizer, HFTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EOD = ByteTokenizer.eod_id  # 256

@@ -20,7 +20,7 @@ import pytest
 
 from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import ByteTokenizer
+from jaxpar.documents import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = str(ROOT / "configs" / "tiny.yaml")

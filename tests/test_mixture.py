@@ -15,7 +15,8 @@ import pytest
 from jaxpar import config as config_lib
 from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig, SourceConfig
-from jaxpar.data import ByteTokenizer, batch_dataset, make_iterator
+from jaxpar.data import batch_dataset, make_iterator
+from jaxpar.documents import ByteTokenizer
 
 KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 LETTERS = {"a": "abcdefgh", "b": "qrstuvwx"}  # source -> its alphabet (bytes 97-104, 113-120)

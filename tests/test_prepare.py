@@ -21,7 +21,8 @@ import pytest
 from jaxpar import config as config_lib
 from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import ByteTokenizer, HFTokenizer, batch_dataset, make_iterator, pack
+from jaxpar.data import batch_dataset, make_iterator, pack
+from jaxpar.documents import ByteTokenizer, HFTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")

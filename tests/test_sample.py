@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxpar import config as config_lib
 from jaxpar.config import ModelConfig, MoEConfig
-from jaxpar.data import ByteTokenizer
+from jaxpar.documents import ByteTokenizer
 from jaxpar.models.llama import KVCache, Transformer
 from jaxpar.sample import generate, load_model, main, sample_token
 
