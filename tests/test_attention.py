@@ -12,9 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import targets as targets_lib
 from jaxpar.config import MESH_AXES
-from jaxpar.models.attention import (assume_compute_capability, attend, documents_per_row,
-                                     poison_overflow, segment_offsets)
-from jaxpar.models.llama import attention_mask
+from jaxpar.models.attention import (assume_compute_capability, attend, attention_mask,
+                                     documents_per_row, poison_overflow, segment_offsets)
 from jaxpar.sharding import Layout, make_rules
 
 # --- References ---------------------------------------------------------------------------
@@ -104,7 +103,7 @@ def test_segment_offsets_match_numpy(max_segments):
 
 
 def test_offsets_rebuild_the_dense_mask_exactly():
-    """Offsets and lengths describe the same attention as llama.attention_mask: an off-by-one
+    """Offsets and lengths describe the same attention as attention_mask: an off-by-one
     in either would move a token into a neighbouring document."""
     rng = np.random.default_rng(1)
     seq = 64

@@ -4,7 +4,7 @@ A training row holds several documents end to end (`jaxpar.data`): `segment_ids`
 gives every token its document, and a token may attend only to earlier tokens of its own
 document. Two implementations compute exactly that:
 
-- "xla": the dense causal & same-document mask of `llama.attention_mask` handed to
+- "xla": the dense causal & same-document mask of `attention_mask` handed to
   `jax.nn.dot_product_attention` -- O(T^2) memory, runs anywhere;
 - "cudnn": cuDNN flash attention in its packed ("ragged") form. Each row is described by the
   start offset and length of each of its first `max_segments` documents (`segment_offsets`), and
@@ -131,6 +131,14 @@ def kernel_for(cfg, device, *, pipelined: bool = False, ring: bool = False) -> s
     return "cudnn" if fits else "xla"
 
 
+def attention_mask(segment_ids):
+    """Causal and same-document mask [batch, 1, q, k] from segment ids [batch, seq]."""
+    seq = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same_doc)[:, None]
+
+
 def attend(q, k, v, segment_ids, *, implementation: str, max_segments: int | None = None):
     """Causal attention of each token to the earlier tokens of its own document.
 
@@ -144,8 +152,6 @@ def attend(q, k, v, segment_ids, *, implementation: str, max_segments: int | Non
     if implementation == "xla":
         if segment_ids is None:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-        from jaxpar.models.llama import attention_mask  # here: llama is to import this module
-
         return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids),
                                             implementation="xla")
     _check_cudnn(q, k)

@@ -128,14 +128,6 @@ def attention_kernel(cfg: ModelConfig) -> str:
     return kernel_for(cfg, jax.devices()[0])
 
 
-def attention_mask(segment_ids):
-    """Causal and same-document mask [batch, 1, q, k] from segment ids [batch, seq]."""
-    seq = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same_doc)[:, None]
-
-
 class KVCache(NamedTuple):
     """Keys and values of the tokens seen so far, for generation (a pytree).
 
