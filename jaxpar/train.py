@@ -136,9 +136,11 @@ class Trainer:
     batch_sharding: NamedSharding
     init: Callable[[], Any]  # () -> state, born sharded
     step: Callable[[Any, dict], tuple[Any, dict]]  # jitted (state, batch) -> (state, metrics)
-    # (with_grads=True: (state, metrics, the step's averaged gradients, laid out as grad_shardings))
+    # The same step, also returning the gradients it applied (averaged over tokens, laid out as
+    # grad_shardings): what the parity tests compare leaf by leaf. Compiled only when called.
+    step_with_grads: Callable[[Any, dict], tuple[Any, dict, Any]]
     # jitted (params, batch) -> (summed NLL, token count): the step's loss, no update, nothing donated
-    evaluate: Callable[[Any, dict], tuple[Any, Any]] | None = None
+    evaluate: Callable[[Any, dict], tuple[Any, Any]]
 
     @property
     def mesh(self) -> Mesh:
@@ -190,12 +192,162 @@ def resolve_attention(cfg: Config, sizes: dict[str, int], device) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
 
 
-def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
-                  with_grads: bool = False) -> Trainer:
-    """Layout, shardings, born-sharded init and the jitted train step for `cfg` (not compiled).
+# --- The train step, in pieces -------------------------------------------------------------
 
-    with_grads: the step also returns the gradients it applied (averaged over tokens, laid out
-    as the ZeRO stage keeps them) -- what the parity tests compare leaf by leaf."""
+
+def accumulate(fn: Callable, params, batch: dict, microsteps: int):
+    """fn(params, batch) summed over `microsteps` microsteps of the batch, in one `lax.scan`
+    (gradient accumulation): microstep k takes rows k, k + microsteps, ... (split_microbatches),
+    so every device keeps its own rows. fn's outputs (any pytree) are added leaf by leaf."""
+    if microsteps == 1:
+        return fn(params, batch)
+    micro = pipeline_lib.split_microbatches(batch, microsteps)
+
+    def microstep(total, rows):
+        return jax.tree.map(jnp.add, total, fn(params, rows)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, params, first))
+    total, _ = jax.lax.scan(microstep, zeros, micro)
+    return total
+
+
+def summed_grads_fn(cfg: Config, sizes: dict[str, int], layout: sharding_lib.Layout,
+                    abstract_model) -> Callable:
+    """(params, batch) -> (gradients of the objective summed over the batch's tokens, the
+    statistics summed likewise), over parallel.grad_accum microsteps (`accumulate`). A microstep
+    is the gradient of `objective_lib.objective`, or with mesh.pipe > 1 a pipelined pass of
+    parallel.microbatches microbatches (`objective_lib.pipelined_grads`), the same objective."""
+    p = cfg.parallel
+    if sizes["pipe"] > 1:
+        schedule = schedule_lib.build_schedule(p.pipeline_schedule, sizes["pipe"], p.microbatches,
+                                               p.virtual_stages)
+        rows = cfg.train.batch_size // (p.grad_accum * p.microbatches)  # one pipeline microbatch
+        microstep = functools.partial(
+            objective_lib.pipelined_grads, abstract_model, schedule=schedule, mesh=layout.mesh,
+            axis_name=layout.rules["activations"]["layers"][0],
+            loss_chunks=loss_chunks(cfg, sizes, rows=rows),
+            # Axes over which parameters and gradients are whole: the pipeline splits rows over
+            # them itself and sums once per pass.
+            row_axes=schedule_lib.row_axes_for(cfg.model, p.zero_stage))
+    else:
+        microstep = jax.grad(functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
+                                               chunks=loss_chunks(cfg, sizes)), has_aux=True)
+    return functools.partial(accumulate, microstep, microsteps=p.grad_accum)
+
+
+def summed_nll_fn(cfg: Config, sizes: dict[str, int], abstract_model,
+                  summed_grads: Callable) -> Callable:
+    """(params, batch) -> {"nll": summed NLL, "count": tokens} of the batch, computed as the
+    step computes them (the same microsteps of the same rows), without a gradient."""
+    if sizes["pipe"] > 1:
+        # The pipeline's loss comes from the call the step makes (its schedules hold backward
+        # actions too; jaxpar.parallel.pipeline has no forward-only one). Nothing reads the
+        # gradients and XLA removes their work: in the compiled XLA:CPU program of
+        # configs/tiny.yaml at mesh.pipe=2 (jax 0.12.0.1) the schedule's backward branch is
+        # empty and the program holds 19 dot ops, the train step 40.
+        return lambda params, batch: summed_grads(params, batch)[1]
+    objective = functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
+                                  chunks=loss_chunks(cfg, sizes))
+
+    def nll_and_count(params, batch):
+        aux = objective(params, batch)[1]
+        return {"nll": aux["nll"], "count": aux["count"]}
+
+    return functools.partial(accumulate, nll_and_count, microsteps=cfg.parallel.grad_accum)
+
+
+def to_ring_layout(batch: dict, context: int, context_layout: str | None) -> dict:
+    """Ring attention's sequence order over `context` devices (zigzag or contiguous), applied
+    once per step to every token array, so positions and segment ids travel with their tokens;
+    the batch as it is without ring attention (context_layout None)."""
+    if context_layout is None:
+        return batch
+    return {k: permute_to_layout(x, context=context, layout=context_layout)
+            for k, x in batch.items()}
+
+
+def guard_non_finite(state: dict, updated: dict, metrics: dict, on_nan: str) -> tuple[dict, dict]:
+    """The step's guard, on the device: (the new state, metrics with skipped, skipped_steps and
+    first_bad_step). `updated`: {params, opt_state} after this step's update.
+
+    A step with a non-finite loss or gradient never reaches the weights: `skip` counts it and
+    goes on, `stop` marks it (first_bad_step). Finite gradients can still blow the weights up (a
+    huge lr): their float32 norm stops being finite (a weight inf or NaN, or beyond ~1e19 so that
+    its square overflows). That is checked after the update -- gating the update on it would
+    keep two copies of the weights alive -- and marks the step under both settings, since no
+    later step can undo it. Once a step is marked the state stays frozen; the host, which reads
+    the counters only when it logs, saves or stops (no sync per step), stops before saving
+    anything after it."""
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    step = state["step"] + 1
+    apply = finite & (state["first_bad_step"] == 0)
+    kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old), updated,
+                        {"params": state["params"], "opt_state": state["opt_state"]})
+    weights_finite = jnp.isfinite(optax.tree.norm(kept["params"]))
+    bad = ~weights_finite | (~finite if on_nan == "stop" else False)
+    first_bad = jnp.where((state["first_bad_step"] == 0) & bad, step, state["first_bad_step"])
+    skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
+    metrics = {**metrics, "skipped": 1.0 - finite.astype(jnp.float32), "skipped_steps": skipped,
+               "first_bad_step": first_bad}
+    return {**kept, "step": step, "skipped_steps": skipped, "first_bad_step": first_bad}, metrics
+
+
+@dataclass(frozen=True, eq=False)
+class StepParts:
+    """What the train step and the evaluation read besides their arguments."""
+
+    cfg: Config
+    sizes: dict[str, int]
+    layout: sharding_lib.Layout
+    optimizer: optax.GradientTransformation
+    grad_shardings: Any
+    summed_grads: Callable  # `summed_grads_fn`
+    summed_nll: Callable  # `summed_nll_fn`
+
+    def prepare(self, batch: dict) -> dict:
+        """The batch in ring attention's layout when the mesh has one (`to_ring_layout`)."""
+        p = self.cfg.parallel
+        context = self.sizes["context"]
+        return to_ring_layout(batch, context, p.context_layout if context > 1 else None)
+
+
+def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, Any]:
+    """One update: (new state, metrics, the gradients applied, averaged over tokens)."""
+    cfg, batch = parts.cfg, parts.prepare(batch)
+    with parts.layout.scope():  # the mesh and activation rules the model's names resolve against
+        grads, aux = parts.summed_grads(state["params"], batch)
+    count = jnp.maximum(aux["count"], 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    # ZeRO-2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
+    grads = jax.lax.with_sharding_constraint(grads, parts.grad_shardings)
+    updates, opt_state = parts.optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": aux["nll"] / count, "grad_norm": optax.tree.norm(grads),
+               # optax's count of updates
+               "lr": lr_schedule(cfg)(state["step"] - state["skipped_steps"]),
+               "tokens": count}
+    if "expert_load" in aux:
+        accum = cfg.parallel.grad_accum
+        metrics.update({k: aux[k] / accum for k in objective_lib.MOE_MEANS})
+        metrics["expert_load_min"] = jnp.min(aux["expert_load"])
+        metrics["expert_load_max"] = jnp.max(aux["expert_load"])
+    new_state, metrics = guard_non_finite(state, {"params": params, "opt_state": opt_state},
+                                          metrics, cfg.train.on_nan)
+    return new_state, metrics, grads
+
+
+def eval_step(parts: StepParts, params, batch: dict):
+    """The training loss of `batch` under these params (train.eval_every), nothing updated:
+    (summed NLL, token count)."""
+    batch = parts.prepare(batch)
+    with parts.layout.scope():
+        aux = parts.summed_nll(params, batch)
+    return aux["nll"], aux["count"]
+
+
+def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
+    """Layout, shardings, born-sharded init and the jitted train step for `cfg` (not compiled)."""
     p = cfg.parallel
     layout = sharding_lib.Layout.build(sizes, zero_stage=p.zero_stage,
                                        sequence_parallel=p.sequence_parallel, devices=devices)
@@ -203,10 +355,10 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
     cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0])
     if cfg.model.fp8:  # before anything compiles: float8 GEMMs on this backend, or exit 2
         fp8_lib.check_device(mesh.devices.flat[0])
-    # Ring attention's sequence order; the batch is permuted into it once per step (below).
+    # Ring attention's sequence order; the batch is permuted into it once per step
+    # (StepParts.prepare).
     context_layout = p.context_layout if sizes["context"] > 1 else None
     optimizer = make_optimizer(cfg)
-    schedule = lr_schedule(cfg)
 
     abstract_model = nnx.eval_shape(lambda: _new_model(cfg, context_layout))
     graphdef, abstract_state = nnx.split(abstract_model)
@@ -228,156 +380,26 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None, *,
         return {"params": params, "opt_state": optimizer.init(params),
                 **{k: jnp.zeros((), jnp.int32) for k in counters}}
 
-    moe = cfg.model.moe
-    chunks = loss_chunks(cfg, sizes)
+    summed_grads = summed_grads_fn(cfg, sizes, layout, abstract_model)
+    parts = StepParts(cfg, sizes, layout, optimizer, shardings["grads"], summed_grads,
+                      summed_nll_fn(cfg, sizes, abstract_model, summed_grads))
 
-    def loss_sum(params, batch):
-        """The objective, scaled by the token count so that accumulated microsteps add up:
-        summed NLL + count * (aux_loss_weight * aux + z_loss_weight * z) for MoE models."""
-        nll, count, moe_stats = nnx.merge(graphdef, params).loss(batch, chunks=chunks)
-        aux = {"nll": nll, "count": count}
-        objective = nll
-        if moe_stats:
-            aux.update(aux_loss=jnp.mean(moe_stats["aux_loss"]), z_loss=jnp.mean(moe_stats["z_loss"]),
-                       dropped_fraction=jnp.mean(moe_stats["dropped_fraction"]),
-                       expert_load=moe_stats["expert_load"])
-            penalty = moe.aux_loss_weight * aux["aux_loss"] + moe.z_loss_weight * aux["z_loss"]
-            objective = objective + jax.lax.stop_gradient(count) * penalty
-        return objective, aux
-
-    grads_of_sum = jax.grad(loss_sum, has_aux=True)  # -> (grads, statistics)
-
-    def accumulated_grads(params, batch):
-        """Gradient of the summed objective, accumulated over parallel.grad_accum microsteps,
-        with the statistics summed likewise."""
-        accum = p.grad_accum
-        if accum == 1:
-            return grads_of_sum(params, batch)
-        # Microstep k takes rows k, k + accum, ...: every device keeps its own rows.
-        micro = pipeline_lib.split_microbatches(batch, accum)
-
-        def microstep(carry, mb):
-            return jax.tree.map(jnp.add, carry, grads_of_sum(params, mb)), None
-
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                             jax.eval_shape(grads_of_sum, params, batch))
-        total, _ = jax.lax.scan(microstep, zeros, micro)
-        return total
-
-    if sizes["pipe"] > 1:
-        pipeline_schedule = schedule_lib.build_schedule(
-            p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages)
-        rows = cfg.train.batch_size // (p.grad_accum * p.microbatches)  # one pipeline microbatch
-        pipelined_grads = functools.partial(
-            objective_lib.pipelined_grads, abstract_model, schedule=pipeline_schedule,
-            mesh=mesh, axis_name=layout.rules["activations"]["layers"][0],
-            loss_chunks=loss_chunks(cfg, sizes, rows=rows),
-            # Axes over which parameters and gradients are whole: the pipeline splits rows over
-            # them itself and sums once per pass.
-            row_axes=schedule_lib.row_axes_for(cfg.model, p.zero_stage))
-
-        def summed_grads(params, batch):
-            """The pipeline's summed gradients and statistics, over parallel.grad_accum
-            pipelined passes (each of batch / grad_accum rows, in parallel.microbatches)."""
-            if p.grad_accum == 1:
-                return pipelined_grads(params, batch)
-
-            def microstep(carry, mb):
-                return jax.tree.map(jnp.add, carry, pipelined_grads(params, mb)), None
-
-            micro = pipeline_lib.split_microbatches(batch, p.grad_accum)
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                 jax.eval_shape(pipelined_grads, params, jax.tree.map(lambda x: x[0], micro)))
-            total, _ = jax.lax.scan(microstep, zeros, micro)
-            return total
-    else:
-        summed_grads = accumulated_grads
-
-    def summed_nll(params, batch):
-        """(summed NLL, token count) of the batch, computed as the step computes them: in
-        parallel.grad_accum microsteps of the same rows, without a gradient."""
-        accum = p.grad_accum
-        if accum == 1:
-            return loss_sum(params, batch)[1]
-
-        def microstep(carry, mb):
-            aux = loss_sum(params, mb)[1]
-            return {k: carry[k] + aux[k] for k in carry}, None
-
-        zeros = {k: jnp.zeros((), jnp.float32) for k in ("nll", "count")}
-        total, _ = jax.lax.scan(microstep, zeros, pipeline_lib.split_microbatches(batch, accum))
-        return total
-
-    def eval_step(params, batch):
-        """The training loss of `batch` under these params (train.eval_every), nothing updated."""
-        if context_layout is not None:
-            batch = {k: permute_to_layout(x, context=sizes["context"], layout=context_layout)
-                     for k, x in batch.items()}
-        with layout.scope():
-            if sizes["pipe"] > 1:
-                # The pipeline's loss comes from the call the step makes (its schedules hold
-                # backward actions too; jaxpar.parallel.pipeline has no forward-only one). Nothing
-                # reads the gradients and XLA removes their work: in the compiled XLA:CPU program
-                # of configs/tiny.yaml at mesh.pipe=2 (jax 0.12.0.1) the schedule's backward branch
-                # is empty and the program holds 19 dot ops, the train step 40.
-                _, aux = summed_grads(params, batch)
-            else:
-                aux = summed_nll(params, batch)
-        return aux["nll"], aux["count"]
-
-    def train_step(state, batch):
-        if context_layout is not None:  # ring attention's layout, applied once to every token array
-            batch = {k: permute_to_layout(x, context=sizes["context"], layout=context_layout)
-                     for k, x in batch.items()}
-        with layout.scope():  # the mesh and activation rules the model's names resolve against
-            grads, aux = summed_grads(state["params"], batch)
-        count = jnp.maximum(aux["count"], 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
-        # ZeRO-2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
-        grads = jax.lax.with_sharding_constraint(grads, shardings["grads"])
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": aux["nll"] / count, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state["step"] - state["skipped_steps"]),  # optax's count of updates
-                   "tokens": count}
-        if "expert_load" in aux:
-            accum = p.grad_accum
-            metrics.update({k: aux[k] / accum for k in ("aux_loss", "z_loss", "dropped_fraction")})
-            metrics["expert_load_min"] = jnp.min(aux["expert_load"])
-            metrics["expert_load_max"] = jnp.max(aux["expert_load"])
-        # The guard, on the device. A step with a non-finite loss or gradient never reaches the
-        # weights: `skip` counts it and goes on, `stop` marks it (first_bad_step). Finite
-        # gradients can still blow the weights up (a huge lr): their float32 norm stops being
-        # finite (a weight inf or NaN, or beyond ~1e19 so that its square overflows). That is
-        # checked after the update -- gating the update on it would keep two copies of the weights
-        # alive -- and marks the step under both settings, since no later step can undo it.
-        # Once a step is marked the state stays frozen; the host, which reads the counters only
-        # when it logs, saves or stops (no sync per step), stops before saving anything after it.
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-        step = state["step"] + 1
-        apply = finite & (state["first_bad_step"] == 0)
-        kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old),
-                            {"params": params, "opt_state": opt_state},
-                            {"params": state["params"], "opt_state": state["opt_state"]})
-        weights_finite = jnp.isfinite(optax.tree.norm(kept["params"]))
-        bad = ~weights_finite | (~finite if cfg.train.on_nan == "stop" else False)
-        first_bad = jnp.where((state["first_bad_step"] == 0) & bad, step, state["first_bad_step"])
-        skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
-        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        metrics["skipped_steps"], metrics["first_bad_step"] = skipped, first_bad
-        new_state = {**kept, "step": step, "skipped_steps": skipped, "first_bad_step": first_bad}
-        return (new_state, metrics, grads) if with_grads else (new_state, metrics)
+    def step(state, batch):
+        return train_step(parts, state, batch)[:2]
 
     batch_sharding = layout.batch_sharding()
-    out_shardings = (state_shardings, replicated) + ((shardings["grads"],) if with_grads else ())
     return Trainer(
         cfg=cfg, layout=layout, graphdef=graphdef,
         state_shape=state_shape, state_shardings=state_shardings,
         grad_shardings=shardings["grads"], batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
-        step=jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=out_shardings, donate_argnums=0),
-        evaluate=jax.jit(eval_step, in_shardings=(shardings["params"], batch_sharding),
+        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, replicated), donate_argnums=0),
+        step_with_grads=jax.jit(
+            functools.partial(train_step, parts), in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated, shardings["grads"]), donate_argnums=0),
+        evaluate=jax.jit(functools.partial(eval_step, parts),
+                         in_shardings=(shardings["params"], batch_sharding),
                          out_shardings=(replicated, replicated)),
     )
 

@@ -8,11 +8,13 @@ clipping and no warm-up, and compares
   here, where the loss after a clipped Adam step would not;
 - the loss of every step: SGD's update is the gradient times the learning rate, so a wrong
   gradient anywhere also moves the later losses.
-One compiled step (`with_grads=True`) serves both, and the structural checks of the same layout.
+One compiled step (`Trainer.step_with_grads`) serves both, and the structural checks of the same
+layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -38,19 +40,20 @@ def tiny_config(overrides: list[str] = ()) -> config_lib.Config:
     return config_lib.load_config(TINY_YAML, list(overrides))
 
 
-def trainer_on(overrides: list[str], mesh: dict[str, int], *, with_grads: bool = False):
+def trainer_on(overrides: list[str], mesh: dict[str, int]):
     """A Trainer for configs/tiny.yaml + `overrides` on the first prod(mesh) devices, unlisted
     axes of size 1."""
     axes = [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
     cfg = tiny_config(list(overrides) + axes)
     n = int(np.prod(list(mesh.values()) or [1]))
-    return build_trainer(cfg, config_lib.validate(cfg, n), devices=jax.devices()[:n],
-                         with_grads=with_grads)
+    return build_trainer(cfg, config_lib.validate(cfg, n), devices=jax.devices()[:n])
 
 
 def parity_trainer(overrides: list[str], mesh: dict[str, int]):
-    """`trainer_on` with plain SGD (SGD) whose step also returns the gradients it applied."""
-    return trainer_on(list(overrides) + SGD, mesh, with_grads=True)
+    """`trainer_on` with plain SGD (SGD) whose step also returns the gradients it applied (its
+    `step` is `Trainer.step_with_grads`, so that compiling it compiles that one)."""
+    trainer = trainer_on(list(overrides) + SGD, mesh)
+    return dataclasses.replace(trainer, step=trainer.step_with_grads)
 
 
 def random_batches(cfg, steps: int = STEPS, seed: int = 0):

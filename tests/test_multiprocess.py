@@ -31,7 +31,7 @@ RUN = TINY + ["train.steps=4", "checkpoint.every=2"]
 TRAIN = [sys.executable, "-m", "jaxpar.train"]
 
 # `python -m jaxpar.train NPZ ARGS...` that also writes the gradients of its first step (gathered
-# from every process; build_trainer(with_grads=True)) to NPZ, {leaf path: array}, from process 0.
+# from every process; Trainer.step_with_grads) to NPZ, {leaf path: array}, from process 0.
 KEEP_FIRST_GRADS = textwrap.dedent("""
     import sys
     import jax
@@ -42,8 +42,8 @@ KEEP_FIRST_GRADS = textwrap.dedent("""
     npz, build = sys.argv[1], train_lib.build_trainer
 
     def build_keeping_first_grads(cfg, sizes, devices=None):
-        trainer = build(cfg, sizes, devices, with_grads=True)
-        step, kept = trainer.step, []
+        trainer = build(cfg, sizes, devices)
+        step, kept = trainer.step_with_grads, []
 
         def step_keeping_first_grads(state, batch):
             state, metrics, grads = step(state, batch)
