@@ -17,7 +17,8 @@ What converts: `LlamaForCausalLM` (Llama 2, 3, 3.1, 3.2, TinyLlama), `MistralFor
 embeddings, rotary scaling none or `llama3`. Everything else is refused by name with exit 2 and
 nothing written: another architecture, a sliding window that would cut attention short, another
 rope scaling, biases jaxpar lacks, a head_dim other than hidden_size / num_attention_heads, an
-activation other than silu. The checkpoint is checked before anything is written: every tensor
+activation other than silu. The family is `jaxpar.models.llama_hf`: config.json both ways and
+one table of tensors, which `to-hf` writes with as well. The checkpoint is checked before anything is written: every tensor
 the config implies present with its shape, nothing unknown, every byte inside its file; and as
 it is read, every value finite (a NaN or infinity names the tensor, and the output is removed).
 
@@ -49,8 +50,8 @@ import numpy as np
 from jaxpar import cli
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, ModelConfig
+from jaxpar.models import llama_hf
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors some checkpoints carry that hold no weights: old Llama-2 conversions store RoPE's
 # inverse frequencies, which jaxpar (and transformers) recompute from the config.
@@ -70,70 +71,6 @@ def _np_dtype(name: str):
 # --- config.json -> ModelConfig ----------------------------------------------------------------
 
 
-def _refuse(where: str, what: str) -> ConfigError:
-    return ConfigError(f"{where}: {what}; jaxpar converts {', '.join(ARCHITECTURES)} exactly or "
-                       "not at all")
-
-
-def model_settings_from_hf(hf: dict, where: str) -> dict:
-    """config.json (a dict) -> the model.* settings it implies, or ConfigError naming what jaxpar
-    cannot represent exactly. `where` names the file in messages."""
-    arch = hf.get("architectures") or []
-    if len(arch) != 1 or arch[0] not in ARCHITECTURES:
-        raise _refuse(where, f"architectures={arch} is not supported")
-    arch = arch[0]
-    get = hf.get
-    for key, want in (("hidden_act", "silu"), ("mlp_bias", False), ("attention_bias", False),
-                      ("partial_rotary_factor", 1.0)):
-        if key in hf and get(key) != want:
-            if key == "attention_bias" and arch == "Qwen2ForCausalLM":
-                continue  # Qwen2 has q/k/v biases whatever this says (transformers ignores it)
-            why = {"attention_bias": " (it adds biases to q, k, v and o; jaxpar has q/k/v biases "
-                                     "for Qwen2 only)"}.get(key, "")
-            raise _refuse(where, f"{key}={get(key)!r}, jaxpar has {want!r}{why}")
-    max_len = int(get("max_position_embeddings", 2048))
-    window = get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and get("use_sliding_window", False):
-        raise _refuse(where, f"use_sliding_window=true (sliding_window={window}): jaxpar attends "
-                             "to the whole context")
-    if arch == "MistralForCausalLM" and window is not None and window < max_len:
-        raise _refuse(where, f"sliding_window={window} < max_position_embeddings={max_len}: "
-                             "jaxpar attends to the whole context")
-    layer_types = get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise _refuse(where, f"layer_types={sorted(set(layer_types))}: jaxpar has full attention "
-                             "in every layer")
-    d_model, n_heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    if get("head_dim") is not None and int(get("head_dim")) * n_heads != d_model:
-        raise _refuse(where, f"head_dim={get('head_dim')} but hidden_size / num_attention_heads = "
-                             f"{d_model / n_heads:g}; jaxpar's heads are hidden_size / heads wide")
-    rope = dict(get("rope_scaling") or {})
-    rope.update(get("rope_parameters") or {})  # transformers >= 5 keeps everything here
-    theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        scaling = {"type": "none"}
-    elif rope_type == "llama3":
-        scaling = {"type": "llama3", "factor": float(rope["factor"]),
-                   "low_freq_factor": float(rope["low_freq_factor"]),
-                   "high_freq_factor": float(rope["high_freq_factor"]),
-                   "original_max_len": int(rope["original_max_position_embeddings"])}
-    else:
-        raise _refuse(where, f"rope scaling {rope_type!r}: jaxpar has none or llama3")
-    dtype = get("dtype") or get("torch_dtype") or "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise _refuse(where, f"dtype={dtype!r}: jaxpar reads float32, bfloat16 or float16")
-    return {
-        "vocab_size": int(get("vocab_size")), "d_model": d_model,
-        "n_layers": int(get("num_hidden_layers")), "n_heads": n_heads,
-        "n_kv_heads": int(get("num_key_value_heads") or n_heads),
-        "d_ff": int(get("intermediate_size")), "max_seq_len": max_len, "rope_theta": theta,
-        "rope_scaling": scaling, "norm_eps": float(get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(get("tie_word_embeddings", False)),
-        "qkv_bias": arch == "Qwen2ForCausalLM", "param_dtype": dtype,
-    }
-
-
 def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
@@ -150,87 +87,19 @@ def read_hf_config(hf_dir: str) -> dict:
 
 def hf_model_config(hf_dir: str) -> ModelConfig:
     """The ModelConfig of a Hugging Face model directory (its config.json)."""
-    settings = model_settings_from_hf(read_hf_config(hf_dir), os.path.join(hf_dir, "config.json"))
+    settings = llama_hf.settings_from_hf(read_hf_config(hf_dir), os.path.join(hf_dir, "config.json"))
     return config_lib.build_config({"model": settings}).model
 
 
 # --- The tensors a model has, in Hugging Face's names and layouts -------------------------------
 
 
-def _span(index: slice, size: int) -> tuple[int, int]:
-    start, stop, step = index.indices(size)
-    assert step == 1, index
-    return start, stop
-
-
-# Each converts one layer's shard: read(r0, r1, cols) gives rows r0..r1 of the Hugging Face tensor
-# (its first axis), only the columns `cols` (a slice of its second axis) of a matrix; `idx` is the
-# shard's index into jaxpar's array of `shape` (the layer axis removed).
-def _same(read, idx, shape):  # jaxpar [A, ...] = Hugging Face [A, ...]
-    r0, r1 = _span(idx[0], shape[0])
-    return read(r0, r1, *idx[1:2])
-
-
-def _transposed(read, idx, shape):  # jaxpar [A, B] = Hugging Face [B, A] (torch Linear)
-    r0, r1 = _span(idx[1], shape[1])
-    return read(r0, r1, idx[0]).T
-
-
-def _heads_in(read, idx, shape):  # jaxpar [E, N, H] = Hugging Face [N*H, E]
-    e, n, h = shape
-    r0, r1 = _span(idx[1], n)
-    block = read(r0 * h, r1 * h, idx[0])
-    return block.reshape(r1 - r0, h, block.shape[1])[:, idx[2]].transpose(2, 0, 1)
-
-
-def _heads_out(read, idx, shape):  # jaxpar [N, H, E] = Hugging Face [E, N*H]
-    n, h, e = shape
-    r0, r1 = _span(idx[2], e)
-    c0, c1 = _span(idx[0], n)
-    block = read(r0, r1, slice(c0 * h, c1 * h))
-    return block.reshape(r1 - r0, c1 - c0, h)[:, :, idx[1]].transpose(1, 2, 0)
-
-
-def _head_bias(read, idx, shape):  # jaxpar [N, H] = Hugging Face [N*H]
-    n, h = shape
-    r0, r1 = _span(idx[0], n)
-    return read(r0 * h, r1 * h).reshape(r1 - r0, h)[:, idx[1]]
-
-
-def param_table(m: ModelConfig) -> dict[str, tuple[str, bool, object, tuple]]:
-    """jaxpar parameter path -> (Hugging Face name, with {l} for the layer when stacked; stacked;
-    the shard converter; the Hugging Face tensor's shape)."""
-    e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-    f, v = m.d_ff, m.vocab_size
-    attn, mlp = "model.layers.{l}.self_attn.", "model.layers.{l}.mlp."
-    table = {
-        "embedding": ("model.embed_tokens.weight", False, _same, (v, e)),
-        "blocks.attn_norm.scale": ("model.layers.{l}.input_layernorm.weight", True, _same, (e,)),
-        "blocks.attn.wq": (attn + "q_proj.weight", True, _heads_in, (n * h, e)),
-        "blocks.attn.wk": (attn + "k_proj.weight", True, _heads_in, (k * h, e)),
-        "blocks.attn.wv": (attn + "v_proj.weight", True, _heads_in, (k * h, e)),
-        "blocks.attn.wo": (attn + "o_proj.weight", True, _heads_out, (e, n * h)),
-        "blocks.mlp_norm.scale": ("model.layers.{l}.post_attention_layernorm.weight", True, _same, (e,)),
-        "blocks.mlp.w_gate": (mlp + "gate_proj.weight", True, _transposed, (f, e)),
-        "blocks.mlp.w_up": (mlp + "up_proj.weight", True, _transposed, (f, e)),
-        "blocks.mlp.w_down": (mlp + "down_proj.weight", True, _transposed, (e, f)),
-        "final_norm.scale": ("model.norm.weight", False, _same, (e,)),
-    }
-    if m.qkv_bias:
-        table["blocks.attn.bq"] = (attn + "q_proj.bias", True, _head_bias, (n * h,))
-        table["blocks.attn.bk"] = (attn + "k_proj.bias", True, _head_bias, (k * h,))
-        table["blocks.attn.bv"] = (attn + "v_proj.bias", True, _head_bias, (k * h,))
-    if not m.tie_embeddings:
-        table["lm_head"] = ("lm_head.weight", False, _transposed, (v, e))
-    return table
-
-
 def expected_tensors(m: ModelConfig) -> dict[str, tuple]:
     """Every Hugging Face tensor name the model has -> its shape."""
     out = {}
-    for name, stacked, _, shape in param_table(m).values():
-        for layer in range(m.n_layers) if stacked else [None]:
-            out[name.format(l=layer)] = shape
+    for t in llama_hf.tensor_table(m).values():
+        for layer in range(m.n_layers) if t.stacked else [None]:
+            out[t.hf_name.format(l=layer)] = t.hf_shape
     return out
 
 
@@ -330,7 +199,7 @@ def check_tensors(tensors: dict[str, TensorInfo], m: ModelConfig, hf_dir: str) -
         known = name in want or name.endswith(IGNORED_SUFFIXES) or (
             m.tie_embeddings and name == "lm_head.weight")
         if not known:
-            raise ConfigError(f"{info.file}: tensor {name} is not part of a {'/'.join(ARCHITECTURES)}"
+            raise ConfigError(f"{info.file}: tensor {name} is not part of a {'/'.join(llama_hf.ARCHITECTURES)}"
                               " jaxpar can represent; refusing an approximate conversion")
 
 
@@ -408,28 +277,28 @@ def load_hf_params(hf_dir: str, m: ModelConfig, shapes: dict, shardings: dict,
 
     tensors = tensors if tensors is not None else checkpoint_tensors(hf_dir)
     check_tensors(tensors, m, hf_dir)
-    table = param_table(m)
+    table = llama_hf.tensor_table(m)
     flat_shapes, flat_shardings = _flat(shapes), _flat(shardings)
     if set(flat_shapes) != set(table):
         raise ConfigError(f"the model's parameters {sorted(flat_shapes)} do not match the "
                           f"conversion table {sorted(table)}")
     out = {}
-    for path, (name, stacked, convert, _) in table.items():
+    for path, (name, stacked, layout, _) in table.items():
         like = flat_shapes[path]
         dtype = _np_dtype(np.dtype(like.dtype).name)
         if stacked:
             readers = [_rows_reader(tensors[name.format(l=layer)], dtype, name.format(l=layer))
                        for layer in range(m.n_layers)]
 
-            def shard(idx, readers=readers, convert=convert, shape=like.shape[1:]):
-                first, last = _span(idx[0], len(readers))
-                return np.stack([convert(readers[layer], idx[1:], shape)
+            def shard(idx, readers=readers, read=layout.read, shape=like.shape[1:]):
+                first, last = llama_hf.span(idx[0], len(readers))
+                return np.stack([read(readers[layer], idx[1:], shape)
                                  for layer in range(first, last)])
         else:
             reader = _rows_reader(tensors[name], dtype, name)
 
-            def shard(idx, reader=reader, convert=convert, shape=like.shape):
-                return np.ascontiguousarray(convert(reader, idx, shape))
+            def shard(idx, reader=reader, read=layout.read, shape=like.shape):
+                return np.ascontiguousarray(read(reader, idx, shape))
 
         out[path] = jax.make_array_from_callback(like.shape, flat_shardings[path], shard)
     return _unflat(out)

@@ -3,9 +3,9 @@ intact checkpoint as a Hugging Face Llama checkpoint (safetensors + config.json)
 is `python -m jaxpar.convert to-hf` (jaxpar.convert also imports: from-hf).
 
 The params are restored alone (not the optimizer state) onto one CPU device, renamed and laid out
-as `LlamaForCausalLM` expects (the table in `jaxpar/models/llama.py`): our einsum weights
-[in, ..., out] become torch `Linear` weights [out, in] (reshape, then transpose), and the stacked
-[layers, ...] arrays are split into one tensor per layer. Tensors keep the parameter dtype
+as `LlamaForCausalLM` expects (`jaxpar.models.llama_hf`, the table import reads with too): our
+einsum weights [in, ..., out] become torch `Linear` weights [out, in] (reshape, then transpose),
+and the stacked [layers, ...] arrays are split into one tensor per layer. Tensors keep the parameter dtype
 (model.param_dtype, float32 by default). The files follow `save_pretrained`: one
 `model.safetensors` when everything fits in `--max-shard-bytes`, otherwise
 `model-00001-of-0000N.safetensors` ... plus `model.safetensors.index.json` (the weight map).
@@ -32,19 +32,15 @@ import numpy as np
 
 from jaxpar import cli
 from jaxpar.config import ConfigError, ModelConfig, check_writable_dir
+from jaxpar.models import llama_hf
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default "5GB"
 
 
-def _linear(w: np.ndarray, in_dims: int) -> np.ndarray:
-    """An einsum weight [in..., out...] (first `in_dims` axes are inputs) -> torch [out, in]."""
-    in_size = int(np.prod(w.shape[:in_dims]))
-    return np.ascontiguousarray(w.reshape(in_size, -1).T)
-
-
 def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]:
     """jaxpar params (nested dict of arrays, as in the train state) -> {Hugging Face Llama name:
-    numpy array}, in the order `LlamaForCausalLM.state_dict()` lists them.
+    numpy array}, in the order `LlamaForCausalLM.state_dict()` lists them, through the tensor
+    table import reads with (`jaxpar.models.llama_hf.tensor_table`).
 
     q/k/v_proj.weight: wq [E, N, H] -> [N*H, E]; o_proj.weight: wo [N, H, E] -> [E, N*H];
     gate/up_proj.weight: [E, F] -> [F, E]; down_proj.weight: [F, E] -> [E, F];
@@ -55,26 +51,8 @@ def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]
     if model_cfg.moe.num_experts:
         raise ConfigError("model.moe.num_experts > 0: a mixture-of-experts model has no Hugging "
                           "Face Llama counterpart; only dense models can be exported")
-    p = {key: _to_numpy(value) for key, value in _flatten(params).items()}
-    out = {"model.embed_tokens.weight": p["embedding"]}
-    for layer in range(model_cfg.n_layers):
-        prefix = f"model.layers.{layer}."
-        out[prefix + "self_attn.q_proj.weight"] = _linear(p["blocks.attn.wq"][layer], 1)
-        out[prefix + "self_attn.k_proj.weight"] = _linear(p["blocks.attn.wk"][layer], 1)
-        out[prefix + "self_attn.v_proj.weight"] = _linear(p["blocks.attn.wv"][layer], 1)
-        if model_cfg.qkv_bias:
-            for x in "qkv":
-                out[prefix + f"self_attn.{x}_proj.bias"] = p[f"blocks.attn.b{x}"][layer].reshape(-1)
-        out[prefix + "self_attn.o_proj.weight"] = _linear(p["blocks.attn.wo"][layer], 2)
-        out[prefix + "mlp.gate_proj.weight"] = _linear(p["blocks.mlp.w_gate"][layer], 1)
-        out[prefix + "mlp.up_proj.weight"] = _linear(p["blocks.mlp.w_up"][layer], 1)
-        out[prefix + "mlp.down_proj.weight"] = _linear(p["blocks.mlp.w_down"][layer], 1)
-        out[prefix + "input_layernorm.weight"] = p["blocks.attn_norm.scale"][layer]
-        out[prefix + "post_attention_layernorm.weight"] = p["blocks.mlp_norm.scale"][layer]
-    out["model.norm.weight"] = p["final_norm.scale"]
-    if not model_cfg.tie_embeddings:
-        out["lm_head.weight"] = _linear(p["lm_head"], 1)
-    return {name: np.ascontiguousarray(value) for name, value in out.items()}
+    flat = {key: _to_numpy(value) for key, value in _flatten(params).items()}
+    return llama_hf.hf_tensors(flat, model_cfg)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -89,42 +67,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 def _to_numpy(x) -> np.ndarray:
     return np.asarray(x.value if hasattr(x, "value") else x)
-
-
-def hf_config(model_cfg: ModelConfig) -> dict:
-    """A minimal `LlamaConfig` (config.json) for the model (`Qwen2Config` with model.qkv_bias)."""
-    m = model_cfg
-    qwen2 = m.qkv_bias
-    rs = m.rope_scaling
-    rope_scaling = None if rs.type == "none" else {
-        "rope_type": rs.type, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-        "high_freq_factor": rs.high_freq_factor,
-        "original_max_position_embeddings": rs.original_max_len}
-    hf = {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
-        "hidden_size": m.d_model,
-        "intermediate_size": m.d_ff,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.head_dim,
-        "vocab_size": m.vocab_size,
-        "max_position_embeddings": m.max_seq_len,
-        "rope_theta": m.rope_theta,
-        "rope_scaling": rope_scaling,
-        "rms_norm_eps": m.norm_eps,
-        "tie_word_embeddings": m.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "initializer_range": m.init_std,
-        "torch_dtype": m.param_dtype,
-    }
-    if qwen2:  # Qwen2's q/k/v biases are part of its architecture, not a config.json switch
-        del hf["attention_bias"], hf["mlp_bias"]
-        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layers)
-    return hf
 
 
 def shard_names(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[list[str]]:
@@ -261,7 +203,8 @@ def export(run_dir: str, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTE
     files = write_safetensors(tensors, out, max_shard_bytes)
     eod_id = write_tokenizer(cfg, out)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({**hf_config(cfg.model), **({} if eod_id is None else {"eos_token_id": eod_id})},
+        json.dump({**llama_hf.hf_config(cfg.model),
+                   **({} if eod_id is None else {"eos_token_id": eod_id})},
                   f, indent=2)
     return {"step": step, "out": out, "files": files, "tensors": len(tensors),
             "bytes": sum(t.nbytes for t in tensors.values())}

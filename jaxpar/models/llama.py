@@ -15,23 +15,23 @@ Pieces, for callers that run the model in parts (the pipeline, jaxpar.parallel.p
 `embed(tokens)`, `run_blocks(layer_params, x, ...)` for any run of the stacked layers, and
 `head_loss(head_params(params), h, ...)` for the final norm, output projection and loss.
 
-Parameter names and their Hugging Face Llama (`LlamaForCausalLM`) counterparts, with shapes
-(E = d_model, N = n_heads, K = n_kv_heads, H = head_dim, F = d_ff, V = vocab_size, l = layer):
+Parameters, with shapes (E = d_model, N = n_heads, K = n_kv_heads, H = head_dim, F = d_ff,
+V = vocab_size, l = layer; their Hugging Face names and layouts are `jaxpar.models.llama_hf`'s):
 
-| jaxpar                        | shape       | Hugging Face                                   |
-| ----------------------------- | ----------- | ---------------------------------------------- |
-| embedding                     | [V, E]      | model.embed_tokens.weight                      |
-| blocks.attn_norm.scale[l]     | [E]         | model.layers.l.input_layernorm.weight          |
-| blocks.attn.wq[l]             | [E, N, H]   | model.layers.l.self_attn.q_proj.weight  (N*H, E) = reshape + transpose |
-| blocks.attn.wk[l]             | [E, K, H]   | model.layers.l.self_attn.k_proj.weight  (K*H, E) |
-| blocks.attn.wv[l]             | [E, K, H]   | model.layers.l.self_attn.v_proj.weight  (K*H, E) |
-| blocks.attn.wo[l]             | [N, H, E]   | model.layers.l.self_attn.o_proj.weight  (E, N*H) |
-| blocks.mlp_norm.scale[l]      | [E]         | model.layers.l.post_attention_layernorm.weight |
-| blocks.mlp.w_gate[l]          | [E, F]      | model.layers.l.mlp.gate_proj.weight (F, E), transposed |
-| blocks.mlp.w_up[l]            | [E, F]      | model.layers.l.mlp.up_proj.weight   (F, E), transposed |
-| blocks.mlp.w_down[l]          | [F, E]      | model.layers.l.mlp.down_proj.weight (E, F), transposed |
-| final_norm.scale              | [E]         | model.norm.weight                              |
-| lm_head                       | [E, V]      | lm_head.weight (V, E), transposed (absent when tied) |
+| jaxpar                        | shape       |
+| ----------------------------- | ----------- |
+| embedding                     | [V, E]      |
+| blocks.attn_norm.scale[l]     | [E]         |
+| blocks.attn.wq[l]             | [E, N, H]   |
+| blocks.attn.wk[l]             | [E, K, H]   |
+| blocks.attn.wv[l]             | [E, K, H]   |
+| blocks.attn.wo[l]             | [N, H, E]   |
+| blocks.mlp_norm.scale[l]      | [E]         |
+| blocks.mlp.w_gate[l]          | [E, F]      |
+| blocks.mlp.w_up[l]            | [E, F]      |
+| blocks.mlp.w_down[l]          | [F, E]      |
+| final_norm.scale              | [E]         |
+| lm_head                       | [E, V]      |
 
 Rotary embeddings use the "rotate half" pairing (dimension i with i + H/2), which is the layout of
 Hugging Face's Llama checkpoints, so q/k weights map over without a permutation.
