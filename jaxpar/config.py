@@ -208,6 +208,9 @@ class TrainConfig:
     # without gradients, on the training mesh; the same batches every time, logged as eval_loss.
     eval_every: int = 0  # evaluate every n steps and at the last step (0 = never)
     eval_batches: int = 8  # batches of train.batch_size sequences per evaluation
+    # A jax.profiler trace of steps first..last (both included) into run_dir/profile, for
+    # TensorBoard's profile plugin or Perfetto (ui.perfetto.dev); null = no trace.
+    profile_steps: list[int] | None = None  # [first, last] steps to trace (see above)
     # Start from existing weights: a run directory (its newest intact checkpoint's params) or a
     # Hugging Face model directory (python -m jaxpar.convert); the model's shape and tokenizer come
     # from there, the optimizer state is fresh and the run starts at step 0. Ignored on resume.
@@ -823,6 +826,10 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         raise ConfigError(f"train.seed={t.seed}: use a seed in [0, 2**32) = [0, {2**32 - 1}]")
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: use 0 (never) or a step count")
+    window = t.profile_steps
+    if window is not None and not (len(window) == 2 and 1 <= window[0] <= window[1] <= t.steps):
+        raise ConfigError(f"train.profile_steps={window}: give [first, last] with "
+                          f"1 <= first <= last <= train.steps={t.steps}, e.g. [5, 7]")
     o = cfg.optimizer
     for key, value, ok, want in [
         ("optimizer.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "a positive, finite learning rate"),

@@ -47,10 +47,9 @@ def step(g1, g2, s1, s2, r1, r2, e, p, w):
     only summed over iterations out of the loop, and then it runs once)."""
     work = jnp.tanh(jnp.tanh(jnp.tanh(w @ w) @ w) @ w)
 
-    def gather(x):  # XLA rewrites an elementwise function of the gathered rows, then summed
-        whole = jax.lax.all_gather(x, "x", tiled=True)  # over shards, into an all-reduce
-        mixed = jnp.tanh(whole @ whole.T) @ whole
-        return mixed.reshape(DEVICES, *x.shape).sum(0).astype(x.dtype)
+    def gather(x):
+        whole = jax.lax.all_gather(x, "x", tiled=True)
+        return jnp.sin(whole.reshape(DEVICES, *x.shape).sum(0)).astype(x.dtype)
 
     def scatter(x):
         return jnp.cos(jnp.tile(jax.lax.psum_scatter(x, "x", tiled=True), (DEVICES, 1)))
@@ -230,3 +229,26 @@ def test_tuple_elements_split_at_the_top_level_only():
                                          "(bf16[64,96]{1,0}, bf16[64,32]{1,0})"]
     assert hlo.tuple_elements("f32[4,8]{1,0}") == ["f32[4,8]{1,0}"]
     assert hlo.tuple_elements("(f32[], u32[])") == ["f32[]", "u32[]"]
+
+
+@pytest.mark.parametrize("sync", [None, "ALLCOLLECTIVES"], ids=["async", "sync"])
+def test_a_small_all_reduce_in_a_triton_fusion_counts_once_per_trip(sync):
+    """XLA:GPU runs a small all-reduce as a Triton kernel: the all-reduce sits inside a fusion's
+    computation (`fusion-start` / `fusion-done` when async), and counts where the fusion runs."""
+    mesh = Mesh(_devices("h100"), ("x",))
+    shape, trips = (16, 16), 3
+
+    def body(i, carry):
+        x, w = carry  # w @ w: work to overlap the all-reduce with
+        return jnp.tanh(jax.lax.psum(x, "x")), jnp.tanh(w @ w)
+
+    program = jax.shard_map(lambda x, w: jax.lax.fori_loop(0, trips, body, (x, w)), mesh=mesh,
+                            in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P()))
+            for s in (shape, WORK)]
+    options = {"xla_gpu_disable_async_collectives": sync} if sync else None
+    text = jax.jit(program).lower(*args).compile(compiler_options=options).as_text()
+    assert "__triton_collective" in text
+    stats = hlo.collectives(text)
+    assert stats == {"all-reduce": {"count": trips, "bytes": trips * math.prod(shape) * F32,
+                                    "dtypes": ["f32"]}}
