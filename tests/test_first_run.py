@@ -243,3 +243,20 @@ def test_inspect_says_its_xla_flops_count_a_loop_body_once(tmp_path):
     assert "counts a while loop's body once" in two["flops_note"]
     human = format_human(two)
     assert "FLOPs per step, all 2 device(s) together" in human and "per device;" in human
+
+
+def test_profile_steps_write_a_trace_and_the_run_goes_on(tmp_path):
+    import glob
+    import gzip
+
+    cfg = config_lib.load_config(TINY_YAML, ["runtime.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1",
+                                             "mesh.tensor=1", "train.steps=5",
+                                             "train.profile_steps=[2, 3]", f"train.run_dir={tmp_path}"])
+    summary = train_lib.train(cfg, config_lib.validate(cfg, 8))
+    assert summary["steps"] == 5
+    traces = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.trace.json.gz"))
+    assert len(traces) == 1 and glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    events = json.load(gzip.open(traces[0]))["traceEvents"]
+    assert any(e.get("name", "").startswith("PjitFunction(") for e in events)  # jitted calls traced
+    with pytest.raises(ConfigError, match=r"train.profile_steps=\[4, 9\]: give \[first, last\]"):
+        config_lib.validate(config_lib.load_config(TINY_YAML, ["train.steps=5", "train.profile_steps=[4, 9]"]), 8)

@@ -458,3 +458,35 @@ def test_the_command_line_takes_max_restarts():
     assert parse_args(["--nproc", "2", "train.steps=4"]).max_restarts == 0
     with pytest.raises(SystemExit):
         parse_args(["--nproc", "2", "--max-restarts", "-1"])
+
+
+# `python -m jaxpar.train OUT ARGS...` that writes, per process, how many loop steps polled for a
+# stop and how many of those polls were an all-gather across the processes, to OUT.<process>.
+COUNT_STOP_POLLS = textwrap.dedent("""
+    import json, sys
+    import jax
+    from jaxpar import train as train_lib
+
+    out, leave = sys.argv[1], train_lib.Preemption.__exit__
+
+    def leave_recording(self, *exc):
+        with open(f"{out}.{jax.process_index()}", "w") as f:
+            json.dump({"polls": self.polls, "agreements": self.agreements}, f)
+        return leave(self, *exc)
+
+    train_lib.Preemption.__exit__ = leave_recording
+    sys.exit(train_lib.main(sys.argv[2:]))
+""")
+
+
+def test_steps_that_read_nothing_from_the_device_do_not_wait_on_the_host(env, tmp_path):
+    """Agreeing on a stop is a blocking all-gather across processes, which would stall the
+    queue of dispatched steps on GPUs: 12 steps, logged and saved only at the last, agree at
+    step 10 (Preemption.POLL_EVERY) and 12 only, on both processes."""
+    out = tmp_path / "polls"
+    command = two_processes(tmp_path / "run", *TINY, "train.steps=12", "train.log_every=100",
+                            "checkpoint.every=0", train=[sys.executable, "-c", COUNT_STOP_POLLS, str(out)])
+    run_side_by_side(env, command)
+    for process in (0, 1):
+        assert json.loads((tmp_path / f"polls.{process}").read_text()) == {"polls": 12, "agreements": 2}
+    assert sorted(losses(tmp_path / "run")) == [12]
