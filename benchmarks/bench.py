@@ -4,7 +4,7 @@ train step, or (with --target) print the memory of its compiled program for GPUs
 
 The config is loaded and validated exactly as `python -m jaxpar.train` does
 (`jaxpar.train.load_and_validate`), the trainer is built (`build_trainer`) and its step is
-compiled once on abstract shapes (`jaxpar.inspect.compile_step`). Batches are random tokens made
+compiled once on abstract shapes (`jaxpar.trainer.compile_step`). Batches are random tokens made
 here with numpy, a fresh one per step, put on the devices before timing (no data pipeline, no
 grain). After W warm-up steps, N steps (default 20) are timed one by one, each ended by `block_until_ready` on the new
 state and the metrics, so every step time is one step's device time plus one host round trip.
@@ -44,8 +44,9 @@ import numpy as np
 from jaxpar import cli
 from jaxpar import metrics as metrics_lib
 from jaxpar.config import Config, ConfigError
-from jaxpar.inspect import compile_step, report
-from jaxpar.train import BATCH_KEYS, Trainer, build_trainer, load_and_validate
+from jaxpar.inspect import report
+from jaxpar.train import load_and_validate
+from jaxpar.trainer import BATCH_KEYS, Trainer, build_trainer, compile_step
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_STEPS = 20

@@ -38,6 +38,8 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxpar.parallel.schedule import validate_pipeline
+
 MESH_AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 
 # The settings with a fixed set of values: each a Literal, checked by `_coerce` when loaded and
@@ -732,9 +734,8 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     p, par, t = sizes["pipe"], cfg.parallel, cfg.train
     if p == 1:
         return
-    # The schedule's own rules live beside the schedules (plain Python; the module imports jax).
-    from jaxpar.parallel.schedule import validate_pipeline
-
+    # The schedule's own rules live beside the schedules (jaxpar.parallel.schedule: plain Python,
+    # importing nothing of jaxpar's).
     try:
         validate_pipeline(par.pipeline_schedule, p, par.microbatches, par.virtual_stages,
                           layers=cfg.model.n_layers)
@@ -806,12 +807,34 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
-    """Checks the whole config against itself and the device count; returns the mesh sizes."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+    """Checks the whole config against itself and the device count; returns the mesh sizes.
+    The checks run in a fixed order (the first failure is the one reported): types, the mesh,
+    the run's own settings, the optimizer, counts, the model's shape, how the layout splits it,
+    MoE routing, the pipeline, ring attention and the loss chunks, then the data."""
     check_types(cfg)  # the Literal choices included: the annotations are their only list
     validate_runtime(cfg)
     sizes = resolve_mesh(cfg.mesh, num_devices)
+    _validate_run(cfg)
+    _validate_optimizer(cfg.optimizer)
+    _validate_counts(cfg)
+    _validate_model(cfg)
+    _validate_splits(cfg, sizes)
+    _validate_moe(cfg, sizes)
+    _validate_pipeline(cfg, sizes)
+    _validate_sequence_splits(cfg, sizes)
+    _validate_data(cfg)
+    if cfg.data.tokenizer != "byte" and not os.path.isfile(cfg.data.tokenizer):
+        raise ConfigError(
+            f"data.tokenizer='{cfg.data.tokenizer}' does not exist; use 'byte' or the path of a "
+            "tokenizer.json (python -m jaxpar.data train-tokenizer makes one)"
+        )
+    return sizes
 
+
+def _validate_run(cfg: Config) -> None:
+    """Settings of the run that stand alone: kernel and dtype, fp8's master weights, resume,
+    step counter, seed, checkpoint interval, the profiler's window."""
+    m, t = cfg.model, cfg.train
     if m.attention == "cudnn" and m.dtype == "float32":
         raise ConfigError("model.attention=cudnn takes bfloat16 or float16 activations, but "
                           "model.dtype=float32; use model.dtype=bfloat16, or attention auto or xla")
@@ -830,7 +853,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     if window is not None and not (len(window) == 2 and 1 <= window[0] <= window[1] <= t.steps):
         raise ConfigError(f"train.profile_steps={window}: give [first, last] with "
                           f"1 <= first <= last <= train.steps={t.steps}, e.g. [5, 7]")
-    o = cfg.optimizer
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
     for key, value, ok, want in [
         ("optimizer.lr", o.lr, o.lr > 0 and math.isfinite(o.lr), "a positive, finite learning rate"),
         ("optimizer.eps", o.eps, o.eps > 0 and math.isfinite(o.eps), "a small positive number"),
@@ -844,6 +869,10 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         if not ok:
             raise ConfigError(f"{key}={value}: use {want}")
 
+
+def _validate_counts(cfg: Config) -> None:
+    """Every size and count that must be at least 1 (train.eval_every: at least 0)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every={t.eval_every}: use 0 (no evaluation) or a step count")
     positive = {
@@ -860,6 +889,10 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         if value < 1:
             raise ConfigError(f"{key}={value}: must be at least 1")
 
+
+def _validate_model(cfg: Config) -> None:
+    """The model's shape on its own: heads, head width, rotary scaling, sequence length."""
+    m, t = cfg.model, cfg.train
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
@@ -885,6 +918,11 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
             f"lower train.seq_len or raise model.max_seq_len"
         )
 
+
+def _validate_splits(cfg: Config, sizes: dict[str, int]) -> None:
+    """The batch over the data-parallel axes and accumulation; heads, MLP and vocabulary over
+    tensor; d_model over fsdp (ZeRO); the sequence over tensor with sequence parallelism."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     data_parallel = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if t.batch_size % (data_parallel * p.grad_accum):
         raise ConfigError(
@@ -892,7 +930,6 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
             f"data*fsdp*expert={data_parallel} times parallel.grad_accum={p.grad_accum}; "
             f"try a multiple of {data_parallel * p.grad_accum}"
         )
-
     tensor = sizes["tensor"]
     for dim_key, dim in [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                          ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)]:
@@ -901,8 +938,12 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         _require_divides("mesh.fsdp", sizes["fsdp"], "model.d_model", m.d_model)
     if p.sequence_parallel:
         _require_divides("mesh.tensor", tensor * sizes["context"], "train.seq_len", t.seq_len)
-    _validate_moe(cfg, sizes)
-    _validate_pipeline(cfg, sizes)
+
+
+def _validate_sequence_splits(cfg: Config, sizes: dict[str, int]) -> None:
+    """Ring attention's cut of the sequence (zigzag: two chunks per device), and the loss's
+    chunks, which each split evenly over the devices holding the sequence."""
+    t, p = cfg.train, cfg.parallel
     if sizes["context"] > 1:
         pieces = sizes["context"] * (2 if p.context_layout == "zigzag" else 1)
         if t.seq_len % pieces:
@@ -910,8 +951,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
                 f"train.seq_len={t.seq_len} is not divisible by {pieces}: ring attention with "
                 f"mesh.context={sizes['context']} and parallel.context_layout={p.context_layout} cuts "
                 f"the sequence into {pieces} chunks; try a multiple of {pieces}")
-
-    seq_shards = sizes["context"] * (tensor if p.sequence_parallel else 1)
+    seq_shards = sizes["context"] * (sizes["tensor"] if p.sequence_parallel else 1)
     if t.loss_chunks < 0 or (t.loss_chunks and (t.seq_len % t.loss_chunks
                                                 or (t.seq_len // t.loss_chunks) % seq_shards)):
         fits = [c for c in _divisors(t.seq_len) if (t.seq_len // c) % seq_shards == 0]
@@ -919,10 +959,3 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
             f"train.loss_chunks={t.loss_chunks} must divide train.seq_len={t.seq_len} into pieces "
             f"that split evenly over the {seq_shards} devices holding the sequence; use 0 (auto) "
             f"or one of {fits}")
-    _validate_data(cfg)
-    if cfg.data.tokenizer != "byte" and not os.path.isfile(cfg.data.tokenizer):
-        raise ConfigError(
-            f"data.tokenizer='{cfg.data.tokenizer}' does not exist; use 'byte' or the path of a "
-            "tokenizer.json (python -m jaxpar.data train-tokenizer makes one)"
-        )
-    return sizes

@@ -311,13 +311,12 @@ def param_targets(cfg, sizes: dict[str, int], devices) -> tuple[dict, dict]:
 
     from jaxpar import sharding as sharding_lib
     from jaxpar.models import Transformer
-    from jaxpar.train import _logical_names
 
     layout = sharding_lib.Layout.build(sizes, zero_stage=cfg.parallel.zero_stage,
                                        sequence_parallel=False, devices=devices)
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     state = nnx.split(abstract)[1]
-    return nnx.to_pure_dict(state), layout.shardings(_logical_names(state), "params")
+    return nnx.to_pure_dict(state), layout.shardings(sharding_lib.logical_names(state), "params")
 
 
 # --- from-hf -------------------------------------------------------------------------------------
@@ -464,7 +463,7 @@ def init_state(trainer, path: str):
     import jax.numpy as jnp
 
     from jaxpar.checkpoint import Checkpointer, checkpoint_dir
-    from jaxpar.train import make_optimizer
+    from jaxpar.optim import make_optimizer
 
     shapes, shardings = trainer.state_shape["params"], trainer.state_shardings["params"]
     if is_hf_dir(path):

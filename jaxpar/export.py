@@ -180,7 +180,7 @@ def load_params(run_dir: str, step: int | None = None):
 
     from jaxpar import config as config_lib
     from jaxpar.checkpoint import Checkpointer, checkpoint_dir
-    from jaxpar.train import build_trainer
+    from jaxpar.trainer import build_trainer
 
     cfg = config_lib.load_config(os.path.join(run_dir, "config.yaml"))
     sizes = {axis: 1 for axis in config_lib.MESH_AXES}

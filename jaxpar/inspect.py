@@ -39,20 +39,14 @@ import sys
 import jax
 import numpy as np
 
-from jaxpar import hlo
+from jaxpar import cli, hlo
 from jaxpar import targets as targets_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar.config import ConfigError
 from jaxpar.parallel import schedule as pipeline_lib
 from jaxpar.sharding import shard_bytes, zero_state_bytes
-from jaxpar.train import Trainer, build_trainer, load_and_validate
-
-
-def compile_step(trainer: Trainer):
-    """The train step lowered on abstract state and batch, and compiled (nothing runs)."""
-    with targets_lib.lowering_context(trainer.mesh):
-        lowered = trainer.step.lower(trainer.state_shape, trainer.batch_shape())
-    return lowered.compile()
+from jaxpar.train import load_and_validate
+from jaxpar.trainer import Trainer, build_trainer, compile_step
 
 
 FLOPS_NOTE = ("model_flops_per_step: (6N + 12LdT) per token x the step's tokens, all devices "
@@ -217,16 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(argv):
         print(USAGE)
         return 0
-    try:
-        flags, target_text, rest = _split_flags(argv)
-        target = None
-        if target_text is not None:  # before JAX starts: the plugin must not look for a driver
-            target = targets_lib.resolve(target_text)
-            targets_lib.use_cpu_backend()
-        cfg, sizes = load_and_validate(rest, num_devices=target and target.count)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    return cli.run(lambda: _inspect(argv))
+
+
+def _inspect(argv: list[str]) -> int:
+    """The command's work: settings (for a --target's devices, before JAX starts), then the
+    schedule (--schedule) or the compiled step's report."""
+    flags, target_text, rest = _split_flags(argv)
+    target = None
+    if target_text is not None:  # before JAX starts: the plugin must not look for a driver
+        target = targets_lib.resolve(target_text)
+        targets_lib.use_cpu_backend()
+    cfg, sizes = load_and_validate(rest, num_devices=target and target.count)
     if "--schedule" in flags:  # the pipeline's static timeline; nothing compiles
         p = cfg.parallel
         schedule = pipeline_lib.schedule_for_mesh(  # the control flow the step runs (zb)
@@ -236,11 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(pipeline_lib.format_schedule(schedule) if "--human" in flags
               else json.dumps(pipeline_lib.describe_schedule(schedule), indent=2))
         return 0
-    try:
-        trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
-    except ConfigError as e:  # what the devices cannot run (model.fp8 on an older GPU)
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    # A ConfigError here is what the devices cannot run (model.fp8 on an older GPU).
+    trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
     result = report(trainer, compile_step(trainer), compare="--compare" in flags, target=target)
     print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))
     if target is not None and not result["fits"]:

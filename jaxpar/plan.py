@@ -68,6 +68,7 @@ import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from jaxpar import cli
 from jaxpar import config as config_lib
 from jaxpar import targets as targets_lib
 from jaxpar.config import MESH_AXES, Config, ConfigError, ModelConfig
@@ -435,8 +436,8 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str,
         # However much is fused, the softmax's backward reads XLA attention's float32
         # probabilities whole: one [rows, heads, seq, seq] array is the floor.
         work = max(work, 4 * rows * s.heads * s.tokens * s.seq)
-    # The loss: one chunk of float32 logits and their gradient (jaxpar.train.loss_chunks).
-    from jaxpar.train import loss_chunks
+    # The loss: one chunk of float32 logits and their gradient (jaxpar.models.loss.loss_chunks).
+    from jaxpar.models.loss import loss_chunks
 
     chunks = loss_chunks(cfg, sizes, rows=rows * dp)
     loss = 2 * 4 * rows * (s.tokens // chunks) * s.vocab
@@ -482,8 +483,7 @@ def compiled_memory(overrides: list[str], mesh: dict[str, int], target=None,
     prod(mesh) local devices, or for a `jaxpar.targets.Target` of that many GPUs."""
     import jax
 
-    from jaxpar.inspect import compile_step
-    from jaxpar.train import build_trainer
+    from jaxpar.trainer import build_trainer, compile_step
 
     cfg = config_lib.load_config(path, list(overrides) + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES])
     n = math.prod(mesh.values())
@@ -1066,8 +1066,7 @@ def verify(result: dict, chosen: list[Plan], args: Args, device: DeviceSpec) -> 
     drops (with a warning) those whose compiled program does not fit."""
     target = targets_lib.resolve(f"{device.key}:{args.count}")
     targets_lib.use_cpu_backend()
-    from jaxpar.inspect import compile_step
-    from jaxpar.train import build_trainer
+    from jaxpar.trainer import build_trainer, compile_step
 
     kept = []
     for entry, plan in zip(result["plans"], chosen):
@@ -1095,12 +1094,13 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(argv):
         print(USAGE)
         return 0
-    try:
-        args = parse_args(argv)
-        result, code = plan_main(args)
-    except ConfigError as e:
-        print(f"plan error: {e}", file=sys.stderr)
-        return 2
+    return cli.run(lambda: _plan(argv), prefix="plan error")
+
+
+def _plan(argv: list[str]) -> int:
+    """The command's work: the ranked plans printed; exit 3 when none fits."""
+    args = parse_args(argv)
+    result, code = plan_main(args)
     print(format_human(result) if args.human else json.dumps(result, indent=2))
     if code == 3:
         print(f"plan error: {result['error']}", file=sys.stderr)

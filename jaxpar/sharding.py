@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from flax.core import spmd as flax_spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -79,6 +80,14 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh | None
 
 
 # --- Shardings of the training state --------------------------------------------------------
+
+
+def logical_names(abstract_state: Any) -> Any:
+    """The logical-name tuple of every parameter of an (abstract) nnx state, as a plain nested
+    dict shaped like `nnx.to_pure_dict(state)`: what `tree_shardings` turns into shardings."""
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+    return jax.tree.map(lambda spec: tuple(spec), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:

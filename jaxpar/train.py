@@ -1,8 +1,9 @@
-"""`python -m jaxpar.train [CONFIG.yaml] [dotted.key=value ...]`: the training loop and its step.
+"""`python -m jaxpar.train [CONFIG.yaml] [dotted.key=value ...]`: the training loop.
 
 The data path is one way: config -> mesh -> sharded state (born sharded, inside a jitted init)
--> jitted train step (state, batch) -> (state, metrics) -> writers. `build_trainer` does
-everything up to the compiled step and is shared with `python -m jaxpar.inspect`.
+-> jitted train step (state, batch) -> (state, metrics) -> writers. Everything up to the compiled
+step is jaxpar.trainer's `build_trainer`; this module runs it: data, resume, checkpoints,
+evaluation, metrics, stopping on a signal, and the command line.
 """
 
 from __future__ import annotations
@@ -25,59 +26,25 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import checkpoint as checkpoint_lib
+from jaxpar import cli
 from jaxpar import config as config_lib
-from jaxpar import fp8 as fp8_lib
 from jaxpar import convert as convert_lib
 from jaxpar import host as host_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar import rundir as rundir_lib
-from jaxpar import sharding as sharding_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import emulate_cpu_devices, start_distributed
-from jaxpar.models import Transformer
-from jaxpar.models.attention import documents_per_row, kernel_for
-from jaxpar.models import objective as objective_lib
-from jaxpar.models.loss import pick_chunks
-from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel import schedule as schedule_lib
-from jaxpar.parallel.ring_attention import permute_to_layout
+from jaxpar.models.attention import documents_per_row
+from jaxpar.trainer import Trainer, build_trainer
+from jaxpar.optim import lr_schedule
 
-BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-
-
-# --- Optimizer ------------------------------------------------------------------------------
-
-
-def lr_schedule(cfg: Config) -> optax.Schedule:
-    """The learning rate of each update, from optax's count of updates already applied (0 for
-    the first): update n = count + 1 warms up linearly to optimizer.lr at n = warmup_steps (the
-    first update already moves, at lr / warmup_steps), then decays along a cosine to
-    lr * min_lr_ratio at n = train.steps. With warmup_steps >= train.steps the run ends inside
-    the warm-up."""
-    o = cfg.optimizer
-    warmup = max(o.warmup_steps, 0)
-    decay = max(cfg.train.steps - warmup, 1)
-    end = o.lr * o.min_lr_ratio
-
-    def schedule(count):
-        n = jnp.asarray(count, jnp.float32) + 1.0
-        rising = o.lr * n / max(warmup, 1)
-        progress = jnp.clip((n - warmup) / decay, 0.0, 1.0)
-        falling = end + (o.lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
-        return jnp.where(n <= warmup, rising, falling)
-
-    return schedule
+# --- The learning-rate schedule on resume ------------------------------------------------
 
 
 SCHEDULE_KEYS = ("train.steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio")
@@ -100,308 +67,6 @@ def _schedule_change(cfg: Config, run_dir: str, start: int) -> str | None:
     return (f"note: {', '.join(changed)} since the run was saved: the learning-rate schedule is "
             f"recomputed for the new settings, so update {start + 1} runs at {after:.2e} where the "
             f"saved schedule had {before:.2e}")
-
-
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """optimizer.name: AdamW (no weight decay on norm scales), or plain SGD (what parity tests
-    use: its update is the gradient times the learning rate, so a wrong gradient scale shows in
-    the loss); either after global-norm clipping when clip_norm > 0."""
-    o = cfg.optimizer
-
-    def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: not any("norm" in str(k) for k in path), params)
-
-    if o.name == "sgd":
-        update = optax.sgd(lr_schedule(cfg))
-    else:
-        update = optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(o.clip_norm), update) if o.clip_norm > 0 else update
-
-
-# --- Building the sharded state and the step ----------------------------------------------
-
-
-@dataclass
-class Trainer:
-    """Everything needed to run (or only compile) training on one mesh."""
-
-    cfg: Config  # resolved: model.attention is concrete for the layout's devices
-    layout: sharding_lib.Layout  # the mesh and the rules of params, grads, optimizer state, activations
-    graphdef: Any  # the model's structure; params are plain nested dicts of arrays
-    state_shape: Any  # tree of ShapeDtypeStructs of the train state
-    state_shardings: Any
-    grad_shardings: Any  # where the reduced gradients live (sharded over fsdp from ZeRO-2)
-    batch_sharding: NamedSharding
-    init: Callable[[], Any]  # () -> state, born sharded
-    step: Callable[[Any, dict], tuple[Any, dict]]  # jitted (state, batch) -> (state, metrics)
-    # The same step, also returning the gradients it applied (averaged over tokens, laid out as
-    # grad_shardings): what the parity tests compare leaf by leaf. Compiled only when called.
-    step_with_grads: Callable[[Any, dict], tuple[Any, dict, Any]]
-    # jitted (params, batch) -> (summed NLL, token count): the step's loss, no update, nothing donated
-    evaluate: Callable[[Any, dict], tuple[Any, Any]]
-
-    @property
-    def mesh(self) -> Mesh:
-        return self.layout.mesh
-
-    def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This process's rows -> global arrays split over (data, fsdp, expert)."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, local_batch[k])
-                for k in BATCH_KEYS}
-
-    def batch_shape(self) -> dict[str, jax.ShapeDtypeStruct]:
-        t = self.cfg.train
-        dtypes = {"loss_mask": jnp.float32}
-        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtypes.get(k, jnp.int32),
-                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
-
-
-def _new_model(cfg: Config, context_layout: str | None) -> Transformer:
-    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat,
-                       context_layout=context_layout)
-
-
-def _logical_names(abstract_state) -> Any:
-    specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
-    return jax.tree.map(lambda spec: tuple(spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def loss_chunks(cfg: Config, sizes: dict[str, int], rows: int | None = None) -> int:
-    """train.loss_chunks, or (0 = auto) the fewest sequence chunks whose float32 logits stay
-    within 256 MiB per device (jaxpar.models.loss.pick_chunks). `rows`: the batch rows the loss
-    sees at once (a pipeline microbatch), default the whole batch."""
-    t = cfg.train
-    if t.loss_chunks:
-        return t.loss_chunks
-    # The hidden states' sequence is split over context (and tensor with sequence parallelism),
-    # the output weight's vocabulary over tensor; one axis cannot split both dims of the logits,
-    # so a device holds at least tokens / context by vocab / tensor of them.
-    seq_shards = sizes["context"] * (sizes["tensor"] if cfg.parallel.sequence_parallel else 1)
-    rows = (rows or t.batch_size // cfg.parallel.grad_accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
-    return pick_chunks(t.seq_len, max(rows, 1) * t.seq_len // sizes["context"],
-                       cfg.model.vocab_size // sizes["tensor"], seq_shards=seq_shards)
-
-
-def resolve_attention(cfg: Config, sizes: dict[str, int], device) -> Config:
-    """The config with `model.attention: auto` made concrete for the mesh's devices
-    (`jaxpar.models.attention.kernel_for`); the model reads the choice from its config."""
-    kernel = kernel_for(cfg.model, device, pipelined=sizes["pipe"] > 1, ring=sizes["context"] > 1)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
-
-
-# --- The train step, in pieces -------------------------------------------------------------
-
-
-def accumulate(fn: Callable, params, batch: dict, microsteps: int):
-    """fn(params, batch) summed over `microsteps` microsteps of the batch, in one `lax.scan`
-    (gradient accumulation): microstep k takes rows k, k + microsteps, ... (split_microbatches),
-    so every device keeps its own rows. fn's outputs (any pytree) are added leaf by leaf."""
-    if microsteps == 1:
-        return fn(params, batch)
-    micro = pipeline_lib.split_microbatches(batch, microsteps)
-
-    def microstep(total, rows):
-        return jax.tree.map(jnp.add, total, fn(params, rows)), None
-
-    first = jax.tree.map(lambda x: x[0], micro)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, params, first))
-    total, _ = jax.lax.scan(microstep, zeros, micro)
-    return total
-
-
-def summed_grads_fn(cfg: Config, sizes: dict[str, int], layout: sharding_lib.Layout,
-                    abstract_model) -> Callable:
-    """(params, batch) -> (gradients of the objective summed over the batch's tokens, the
-    statistics summed likewise), over parallel.grad_accum microsteps (`accumulate`). A microstep
-    is the gradient of `objective_lib.objective`, or with mesh.pipe > 1 a pipelined pass of
-    parallel.microbatches microbatches (`objective_lib.pipelined_grads`), the same objective."""
-    p = cfg.parallel
-    if sizes["pipe"] > 1:
-        schedule = schedule_lib.build_schedule(p.pipeline_schedule, sizes["pipe"], p.microbatches,
-                                               p.virtual_stages)
-        rows = cfg.train.batch_size // (p.grad_accum * p.microbatches)  # one pipeline microbatch
-        microstep = functools.partial(
-            objective_lib.pipelined_grads, abstract_model, schedule=schedule, mesh=layout.mesh,
-            axis_name=layout.rules["activations"]["layers"][0],
-            loss_chunks=loss_chunks(cfg, sizes, rows=rows),
-            # Axes over which parameters and gradients are whole: the pipeline splits rows over
-            # them itself and sums once per pass.
-            row_axes=schedule_lib.row_axes_for(cfg.model, p.zero_stage))
-    else:
-        microstep = jax.grad(functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
-                                               chunks=loss_chunks(cfg, sizes)), has_aux=True)
-    return functools.partial(accumulate, microstep, microsteps=p.grad_accum)
-
-
-def summed_nll_fn(cfg: Config, sizes: dict[str, int], abstract_model,
-                  summed_grads: Callable) -> Callable:
-    """(params, batch) -> {"nll": summed NLL, "count": tokens} of the batch, computed as the
-    step computes them (the same microsteps of the same rows), without a gradient."""
-    if sizes["pipe"] > 1:
-        # The pipeline's loss comes from the call the step makes (its schedules hold backward
-        # actions too; jaxpar.parallel.pipeline has no forward-only one). Nothing reads the
-        # gradients and XLA removes their work: in the compiled XLA:CPU program of
-        # configs/tiny.yaml at mesh.pipe=2 (jax 0.12.0.1) the schedule's backward branch is
-        # empty and the program holds 19 dot ops, the train step 40.
-        return lambda params, batch: summed_grads(params, batch)[1]
-    objective = functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
-                                  chunks=loss_chunks(cfg, sizes))
-
-    def nll_and_count(params, batch):
-        aux = objective(params, batch)[1]
-        return {"nll": aux["nll"], "count": aux["count"]}
-
-    return functools.partial(accumulate, nll_and_count, microsteps=cfg.parallel.grad_accum)
-
-
-def to_ring_layout(batch: dict, context: int, context_layout: str | None) -> dict:
-    """Ring attention's sequence order over `context` devices (zigzag or contiguous), applied
-    once per step to every token array, so positions and segment ids travel with their tokens;
-    the batch as it is without ring attention (context_layout None)."""
-    if context_layout is None:
-        return batch
-    return {k: permute_to_layout(x, context=context, layout=context_layout)
-            for k, x in batch.items()}
-
-
-def guard_non_finite(state: dict, updated: dict, metrics: dict, on_nan: str) -> tuple[dict, dict]:
-    """The step's guard, on the device: (the new state, metrics with skipped, skipped_steps and
-    first_bad_step). `updated`: {params, opt_state} after this step's update.
-
-    A step with a non-finite loss or gradient never reaches the weights: `skip` counts it and
-    goes on, `stop` marks it (first_bad_step). Finite gradients can still blow the weights up (a
-    huge lr): their float32 norm stops being finite (a weight inf or NaN, or beyond ~1e19 so that
-    its square overflows). That is checked after the update -- gating the update on it would
-    keep two copies of the weights alive -- and marks the step under both settings, since no
-    later step can undo it. Once a step is marked the state stays frozen; the host, which reads
-    the counters only when it logs, saves or stops (no sync per step), stops before saving
-    anything after it."""
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-    step = state["step"] + 1
-    apply = finite & (state["first_bad_step"] == 0)
-    kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old), updated,
-                        {"params": state["params"], "opt_state": state["opt_state"]})
-    weights_finite = jnp.isfinite(optax.tree.norm(kept["params"]))
-    bad = ~weights_finite | (~finite if on_nan == "stop" else False)
-    first_bad = jnp.where((state["first_bad_step"] == 0) & bad, step, state["first_bad_step"])
-    skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
-    metrics = {**metrics, "skipped": 1.0 - finite.astype(jnp.float32), "skipped_steps": skipped,
-               "first_bad_step": first_bad}
-    return {**kept, "step": step, "skipped_steps": skipped, "first_bad_step": first_bad}, metrics
-
-
-@dataclass(frozen=True, eq=False)
-class StepParts:
-    """What the train step and the evaluation read besides their arguments."""
-
-    cfg: Config
-    sizes: dict[str, int]
-    layout: sharding_lib.Layout
-    optimizer: optax.GradientTransformation
-    grad_shardings: Any
-    summed_grads: Callable  # `summed_grads_fn`
-    summed_nll: Callable  # `summed_nll_fn`
-
-    def prepare(self, batch: dict) -> dict:
-        """The batch in ring attention's layout when the mesh has one (`to_ring_layout`)."""
-        p = self.cfg.parallel
-        context = self.sizes["context"]
-        return to_ring_layout(batch, context, p.context_layout if context > 1 else None)
-
-
-def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, Any]:
-    """One update: (new state, metrics, the gradients applied, averaged over tokens)."""
-    cfg, batch = parts.cfg, parts.prepare(batch)
-    with parts.layout.scope():  # the mesh and activation rules the model's names resolve against
-        grads, aux = parts.summed_grads(state["params"], batch)
-    count = jnp.maximum(aux["count"], 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
-    # ZeRO-2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
-    grads = jax.lax.with_sharding_constraint(grads, parts.grad_shardings)
-    updates, opt_state = parts.optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": aux["nll"] / count, "grad_norm": optax.tree.norm(grads),
-               # optax's count of updates
-               "lr": lr_schedule(cfg)(state["step"] - state["skipped_steps"]),
-               "tokens": count}
-    if "expert_load" in aux:
-        accum = cfg.parallel.grad_accum
-        metrics.update({k: aux[k] / accum for k in objective_lib.MOE_MEANS})
-        metrics["expert_load_min"] = jnp.min(aux["expert_load"])
-        metrics["expert_load_max"] = jnp.max(aux["expert_load"])
-    new_state, metrics = guard_non_finite(state, {"params": params, "opt_state": opt_state},
-                                          metrics, cfg.train.on_nan)
-    return new_state, metrics, grads
-
-
-def eval_step(parts: StepParts, params, batch: dict):
-    """The training loss of `batch` under these params (train.eval_every), nothing updated:
-    (summed NLL, token count)."""
-    batch = parts.prepare(batch)
-    with parts.layout.scope():
-        aux = parts.summed_nll(params, batch)
-    return aux["nll"], aux["count"]
-
-
-def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
-    """Layout, shardings, born-sharded init and the jitted train step for `cfg` (not compiled)."""
-    p = cfg.parallel
-    layout = sharding_lib.Layout.build(sizes, zero_stage=p.zero_stage,
-                                       sequence_parallel=p.sequence_parallel, devices=devices)
-    mesh = layout.mesh
-    cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0])
-    if cfg.model.fp8:  # before anything compiles: float8 GEMMs on this backend, or exit 2
-        fp8_lib.check_device(mesh.devices.flat[0])
-    # Ring attention's sequence order; the batch is permuted into it once per step
-    # (StepParts.prepare).
-    context_layout = p.context_layout if sizes["context"] > 1 else None
-    optimizer = make_optimizer(cfg)
-
-    abstract_model = nnx.eval_shape(lambda: _new_model(cfg, context_layout))
-    graphdef, abstract_state = nnx.split(abstract_model)
-    logical = _logical_names(abstract_state)
-    param_shape = nnx.to_pure_dict(abstract_state)
-    shardings = {kind: layout.shardings(logical, kind) for kind in ("params", "grads")}
-    opt_shape = jax.eval_shape(optimizer.init, param_shape)
-    opt_shardings = sharding_lib.opt_state_shardings(opt_shape, logical, mesh,
-                                                     layout.rules["opt_state"])
-    replicated = NamedSharding(mesh, PartitionSpec())
-    counters = ("step", "skipped_steps", "first_bad_step")
-    state_shardings = {"params": shardings["params"], "opt_state": opt_shardings,
-                       **{k: replicated for k in counters}}
-    state_shape = {"params": param_shape, "opt_state": opt_shape,
-                   **{k: jax.ShapeDtypeStruct((), jnp.int32) for k in counters}}
-
-    def init():
-        params = nnx.to_pure_dict(nnx.state(_new_model(cfg, context_layout)))
-        return {"params": params, "opt_state": optimizer.init(params),
-                **{k: jnp.zeros((), jnp.int32) for k in counters}}
-
-    summed_grads = summed_grads_fn(cfg, sizes, layout, abstract_model)
-    parts = StepParts(cfg, sizes, layout, optimizer, shardings["grads"], summed_grads,
-                      summed_nll_fn(cfg, sizes, abstract_model, summed_grads))
-
-    def step(state, batch):
-        return train_step(parts, state, batch)[:2]
-
-    batch_sharding = layout.batch_sharding()
-    return Trainer(
-        cfg=cfg, layout=layout, graphdef=graphdef,
-        state_shape=state_shape, state_shardings=state_shardings,
-        grad_shardings=shardings["grads"], batch_sharding=batch_sharding,
-        init=jax.jit(init, out_shardings=state_shardings),
-        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, replicated), donate_argnums=0),
-        step_with_grads=jax.jit(
-            functools.partial(train_step, parts), in_shardings=(state_shardings, batch_sharding),
-            out_shardings=(state_shardings, replicated, shardings["grads"]), donate_argnums=0),
-        evaluate=jax.jit(functools.partial(eval_step, parts),
-                         in_shardings=(shardings["params"], batch_sharding),
-                         out_shardings=(replicated, replicated)),
-    )
 
 
 # --- The loop -------------------------------------------------------------------------------
@@ -452,13 +117,11 @@ class Preemption:
     longer than `PROMPT_S`, and on a second SIGINT whatever the main thread is doing."""
 
     PROMPT_S = 5.0
-    POLL_EVERY = 10  # steps between stop agreements of a multi-process run (see `poll`)
 
     def __init__(self, exit_at_once: bool = False):
         self.requested: str | None = None
         self.exit_at_once = exit_at_once
         self.expected_wait_s = 0.0
-        self.polls = self.agreements = 0  # loop steps polled; all-gathers they made
         self._previous = {}
         self._wakeup = None  # (read end, write end, the wakeup fd it replaced)
 
@@ -515,18 +178,6 @@ class Preemption:
 
         anyone = multihost_utils.process_allgather(np.int32(self.requested is not None)).any()
         return (self.requested or "SIGTERM (on another process)") if anyone else None
-
-    def poll(self, step: int, host_waits: bool) -> str | None:
-        """The agreed stop request after `step`. One process: every step (nothing to agree on).
-        Several: agreeing is a blocking all-gather, a host sync that would drain the queue of
-        dispatched steps, so it is made only where the host waits on the device anyway
-        (`host_waits`: a logged or saved step) and every `POLL_EVERY` steps; every process
-        takes the same decision at the same steps. A signal waits at most that many steps."""
-        self.polls += 1
-        if jax.process_count() == 1 or host_waits or step % self.POLL_EVERY == 0:
-            self.agreements += jax.process_count() > 1
-            return self.agreed()
-        return None
 
     def check_startup(self, before_step: int) -> None:
         """Raises `Interrupted` if a stop was asked for during start-up (on any process: every
@@ -758,44 +409,11 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
     no_space_logs = _DropNoSpace().__enter__()
     try:
         _on_main(lock.acquire, f"train.run_dir={t.run_dir}")
-
-        def decide() -> int | None:
-            history = rundir_lib.survey(t.run_dir)
-            start = rundir_lib.plan(t.resume, history, lambda step: checkpoint_lib.manifest_problem(
-                os.path.join(checkpoint_lib.checkpoint_dir(t.run_dir), str(step))))
-            if start.step is not None:  # refused before anything is moved (process 0 alone
-                # here: no orbax manager, whose opening waits for every process)
-                _check_data_position(cfg, checkpoint_lib.Checkpointer.saved_data_state(
-                    checkpoint_lib.checkpoint_dir(t.run_dir), start.step), start.step)
-            if (aside := rundir_lib.set_aside(t.run_dir, start)) is not None:
-                what = ("the earlier run's files" if start.step is None else
-                        f"the checkpoints after step {start.step} (and a copy of metrics.jsonl)")
-                print(f"train.resume={t.resume}: moved {what} into {aside}", file=sys.stderr)
-            return start.step
-
-        resume = _on_main(decide, f"train.run_dir={t.run_dir}")
+        resume = _on_main(lambda: _resume_step(cfg), f"train.run_dir={t.run_dir}")
         ckpt = checkpoint_lib.Checkpointer(
             checkpoint_lib.checkpoint_dir(t.run_dir), keep=cfg.checkpoint.keep,
             every=cfg.checkpoint.every, verified={} if resume is None else {resume: None})
-        start, data_state = 0, None
-        if resume is not None and convert_lib.holds_imported_weights(t.run_dir, resume):
-            raise ConfigError(
-                f"train.run_dir={t.run_dir} holds imported weights (python -m jaxpar.convert "
-                f"from-hf), not a run to resume; train from them in a new run directory with "
-                f"train.init_from={t.run_dir}")
-        if resume is not None:  # any mesh: restored onto this run's shardings
-            state, data_state, start = ckpt.restore(trainer.state_shape, trainer.state_shardings, step=resume)
-            if is_main:
-                _keep_metrics_until(t.run_dir, start)
-                print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
-                if (note := _schedule_change(cfg, t.run_dir, start)) is not None:
-                    print(note, file=sys.stderr)
-        elif t.init_from is not None:  # its weights on this mesh; a fresh optimizer, step 0
-            state = convert_lib.init_state(trainer, t.init_from)
-            if is_main:
-                print(f"initialised from {t.init_from}", file=sys.stderr)
-        else:
-            state = trainer.init()
+        state, data_state, start = _initial_state(cfg, trainer, ckpt, resume, is_main)
         preemption.check_startup(start + 1)
         if is_main:
             config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
@@ -807,16 +425,70 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
         raise
     finally:
         if ckpt is not None:
-            try:
-                ckpt.close()
-            except Exception as e:  # a failed save surfaces here too: report it once, as above
-                if sys.exc_info()[1] is None:  # (not while another error is on its way out)
-                    if _no_space(e):
-                        raise _disk_full(ckpt, trainer, t.run_dir) from None
-                    raise
+            _close(ckpt, trainer, t.run_dir)
         if is_main:  # no collective here: this also runs when only this process failed
             lock.release()
         no_space_logs.__exit__()
+
+
+def _resume_step(cfg: Config) -> int | None:
+    """The checkpoint step this run resumes from, or None for a new run (train.resume and the run
+    directory's history, jaxpar.rundir); what is not resumed is moved aside first. Run on
+    process 0 alone: it is refused before anything is moved, and without an orbax manager, whose
+    opening waits for every process."""
+    t = cfg.train
+    history = rundir_lib.survey(t.run_dir)
+    start = rundir_lib.plan(t.resume, history, lambda step: checkpoint_lib.manifest_problem(
+        os.path.join(checkpoint_lib.checkpoint_dir(t.run_dir), str(step))))
+    if start.step is not None:
+        _check_data_position(cfg, checkpoint_lib.Checkpointer.saved_data_state(
+            checkpoint_lib.checkpoint_dir(t.run_dir), start.step), start.step)
+    if (aside := rundir_lib.set_aside(t.run_dir, start)) is not None:
+        what = ("the earlier run's files" if start.step is None else
+                f"the checkpoints after step {start.step} (and a copy of metrics.jsonl)")
+        print(f"train.resume={t.resume}: moved {what} into {aside}", file=sys.stderr)
+    return start.step
+
+
+def _initial_state(cfg: Config, trainer: Trainer, ckpt, resume: int | None,
+                   is_main: bool) -> tuple[Any, dict | None, int]:
+    """(train state, saved data position, first step): checkpoint `resume` restored onto this
+    run's shardings (from any mesh); else train.init_from's weights on this mesh with a fresh
+    optimizer at step 0; else a fresh init."""
+    t = cfg.train
+    if resume is not None and convert_lib.holds_imported_weights(t.run_dir, resume):
+        raise ConfigError(
+            f"train.run_dir={t.run_dir} holds imported weights (python -m jaxpar.convert "
+            f"from-hf), not a run to resume; train from them in a new run directory with "
+            f"train.init_from={t.run_dir}")
+    if resume is not None:
+        state, data_state, start = ckpt.restore(trainer.state_shape, trainer.state_shardings, step=resume)
+        if is_main:
+            _keep_metrics_until(t.run_dir, start)
+            print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
+            if (note := _schedule_change(cfg, t.run_dir, start)) is not None:
+                print(note, file=sys.stderr)
+        return state, data_state, start
+    if t.init_from is not None:
+        state = convert_lib.init_state(trainer, t.init_from)
+        if is_main:
+            print(f"initialised from {t.init_from}", file=sys.stderr)
+        return state, None, 0
+    return trainer.init(), None, 0
+
+
+def _close(ckpt, trainer: Trainer, run_dir: str) -> None:
+    """Closes the checkpointer, waiting for a save in flight. Meant to report a save that failed
+    only now (once; as a full disk where it is one) unless another error is on its way out. As
+    written it reports none: inside the handler `sys.exc_info()` is the close's own error, never
+    None, so an error from `close` is dropped (unchanged from before this was split out)."""
+    try:
+        ckpt.close()
+    except Exception as e:
+        if sys.exc_info()[1] is None:
+            if _no_space(e):
+                raise _disk_full(ckpt, trainer, run_dir) from None
+            raise
 
 
 def _evaluate(trainer: Trainer, params, eval_data) -> float:
@@ -864,33 +536,6 @@ class _StepClock:
         mean = (now - self.window_start) / self.window_steps if self.window_steps else None
         self.window_start, self.window_steps = now, 0
         return mean
-
-
-class _Profiler:
-    """`train.profile_steps` [first, last]: a jax.profiler trace from before step `first` to
-    after step `last` has run (waited for, so its device work is in the trace), written under
-    run_dir/profile/plugins/profile/<time>/ (TensorBoard's layout; Perfetto opens the
-    .trace.json.gz). A run stopped inside the window ends the trace there."""
-
-    def __init__(self, steps: list[int] | None, run_dir: str):
-        self.first, self.last = steps if steps else (None, None)
-        self.directory = os.path.join(run_dir, "profile")
-        self.tracing = False
-
-    def before(self, step: int) -> None:
-        if step == self.first:
-            jax.profiler.start_trace(self.directory)
-            self.tracing = True
-
-    def after(self, step: int, metrics) -> None:
-        if self.tracing and step == self.last:
-            jax.block_until_ready(metrics)
-            self.close()
-
-    def close(self) -> None:
-        if self.tracing:
-            self.tracing = False
-            jax.profiler.stop_trace()
 
 
 def _read_device(metrics, t, step: int, ckpt) -> tuple[float, int]:
@@ -956,7 +601,6 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
     # a fixed interleave), so the tokens seen per source need no bookkeeping, and survive a resume.
     source_counts = data_lib.source_counter(cfg.data)
     clock, save = _StepClock(), _saver(cfg, trainer, ckpt, iterator)
-    profiler = _Profiler(t.profile_steps, t.run_dir)
     first_loss = loss = eval_loss = tokens_seen = None
     step, stopped_by, skipped_steps = start, None, 0
     writer = metrics_lib.MetricsWriter(t.run_dir, purge_after=start) if is_main else None
@@ -964,15 +608,13 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
     try:
         for step in range(start + 1, t.steps + 1):
             local = next(iterator)
-            profiler.before(step)
             if trainer.cfg.model.attention == "cudnn" and sizes["context"] == 1:
                 _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
             state, metrics = trainer.step(state, trainer.shard_batch(local))
             clock.stepped(metrics)
-            profiler.after(step, metrics)
+            stop = preemption.agreed()  # read once: a signal arriving later waits a step
             evaluated = eval_data is not None and (step % t.eval_every == 0 or step == t.steps)
             logged = step % t.log_every == 0 or step == t.steps or evaluated
-            stop = preemption.poll(step, logged or ckpt.should_save(step))
             # The host reads the device only here (logging, saving, stopping), never per step.
             if logged or ckpt.should_save(step) or stop:
                 loss, skipped_steps = _read_device(metrics, t, step, ckpt)
@@ -1003,7 +645,6 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
                 break
     finally:
         clock.ended = time.perf_counter()  # the plot and the last flush are not training time
-        profiler.close()
         progress.close()
         if writer is not None:
             writer.close()
@@ -1101,25 +742,22 @@ def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = functools.partial(_quiet_closed_loop, sys.unraisablehook)
     with Preemption(exit_at_once=True) as preemption:
         try:
-            cfg, sizes = load_and_validate(argv)
-            _preflight(cfg, sizes, preemption)
-            preemption.check_startup(1)
-            summary = train(cfg, sizes, preemption)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            return 2
-        except host_lib.DoesNotFit as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 3
-        except (NonFiniteLoss, DiskFull) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+            return cli.run(lambda: _run(argv, preemption),
+                           failures={host_lib.DoesNotFit: 3, NonFiniteLoss: 1, DiskFull: 1})
         except Interrupted as e:
             print(e, file=sys.stderr)
             return 128 + signal.Signals[e.signame].value
         except KeyboardInterrupt:  # a second Ctrl-C where the handler could not run (exit_at_once)
             print("interrupted again: stopped at once, without a checkpoint", file=sys.stderr)
             return 130
+
+
+def _run(argv: list[str], preemption: Preemption) -> int:
+    """The command's work: settings, the host check, training, the summary line."""
+    cfg, sizes = load_and_validate(argv)
+    _preflight(cfg, sizes, preemption)
+    preemption.check_startup(1)
+    summary = train(cfg, sizes, preemption)
     if jax.process_index() == 0:
         print(format_summary(summary))
     # A Ctrl-C stop exits 130 (the shell's convention), after its checkpoint; SIGTERM, which

@@ -18,7 +18,7 @@ from jaxpar.config import MoEConfig
 from jaxpar.models import Transformer
 from jaxpar.models.moe import MoEMLP
 from jaxpar.sharding import BASE_RULES, Layout, constrain, make_rules
-from jaxpar.train import lr_schedule
+from jaxpar.optim import lr_schedule
 from tests.parity import tiny_config, trainer_on
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

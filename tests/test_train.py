@@ -127,7 +127,7 @@ def test_the_guard_keeps_a_non_finite_step_out_of_the_weights(on_nan):
 def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
     from types import SimpleNamespace
 
-    from jaxpar.train import resolve_attention
+    from jaxpar.trainer import resolve_attention
 
     sizes = {a: 1 for a in config_lib.MESH_AXES}
     h100, a100 = (SimpleNamespace(platform="gpu", compute_capability=c) for c in ("9.0", "8.0"))
@@ -146,7 +146,7 @@ def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
 
 
 def test_automatic_loss_chunks_keep_float32_logits_within_256_mib():
-    from jaxpar.train import loss_chunks
+    from jaxpar.models.loss import loss_chunks
 
     gpt2 = os.path.join(ROOT, "configs", "gpt2-124m.yaml")
     sizes = {a: 1 for a in config_lib.MESH_AXES}

@@ -1,0 +1,308 @@
+"""The trainer: the layout, the born-sharded state and the jitted train step of a config,
+built once (`build_trainer`) and shared by everything that trains, compiles or restores a run:
+the training loop (jaxpar.train), compiling without running (jaxpar.inspect, jaxpar.plan's
+verification, benchmarks/bench.py) and reading a run's weights (jaxpar.export).
+
+The data path is one way: config -> mesh -> sharded state (born sharded, inside a jitted init)
+-> jitted train step (state, batch) -> (state, metrics). This module imports no command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar import fp8 as fp8_lib
+from jaxpar import sharding as sharding_lib
+from jaxpar import targets as targets_lib
+from jaxpar.config import Config
+from jaxpar.models import Transformer
+from jaxpar.models.attention import kernel_for
+from jaxpar.models import objective as objective_lib
+from jaxpar.models.loss import loss_chunks
+from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel import schedule as schedule_lib
+from jaxpar.optim import lr_schedule, make_optimizer
+from jaxpar.parallel.ring_attention import permute_to_layout
+
+# --- The learning-rate schedule on resume ------------------------------------------------
+
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+# --- Building the sharded state and the step ----------------------------------------------
+
+
+@dataclass
+class Trainer:
+    """Everything needed to run (or only compile) training on one mesh."""
+
+    cfg: Config  # resolved: model.attention is concrete for the layout's devices
+    layout: sharding_lib.Layout  # the mesh and the rules of params, grads, optimizer state, activations
+    graphdef: Any  # the model's structure; params are plain nested dicts of arrays
+    state_shape: Any  # tree of ShapeDtypeStructs of the train state
+    state_shardings: Any
+    grad_shardings: Any  # where the reduced gradients live (sharded over fsdp from ZeRO-2)
+    batch_sharding: NamedSharding
+    init: Callable[[], Any]  # () -> state, born sharded
+    step: Callable[[Any, dict], tuple[Any, dict]]  # jitted (state, batch) -> (state, metrics)
+    # The same step, also returning the gradients it applied (averaged over tokens, laid out as
+    # grad_shardings): what the parity tests compare leaf by leaf. Compiled only when called.
+    step_with_grads: Callable[[Any, dict], tuple[Any, dict, Any]]
+    # jitted (params, batch) -> (summed NLL, token count): the step's loss, no update, nothing donated
+    evaluate: Callable[[Any, dict], tuple[Any, Any]]
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.layout.mesh
+
+    def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows -> global arrays split over (data, fsdp, expert)."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, local_batch[k])
+                for k in BATCH_KEYS}
+
+    def batch_shape(self) -> dict[str, jax.ShapeDtypeStruct]:
+        t = self.cfg.train
+        dtypes = {"loss_mask": jnp.float32}
+        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtypes.get(k, jnp.int32),
+                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+
+
+def _new_model(cfg: Config, context_layout: str | None) -> Transformer:
+    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat,
+                       context_layout=context_layout)
+
+
+def resolve_attention(cfg: Config, sizes: dict[str, int], device) -> Config:
+    """The config with `model.attention: auto` made concrete for the mesh's devices
+    (`jaxpar.models.attention.kernel_for`); the model reads the choice from its config."""
+    kernel = kernel_for(cfg.model, device, pipelined=sizes["pipe"] > 1, ring=sizes["context"] > 1)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
+
+
+# --- The train step, in pieces -------------------------------------------------------------
+
+
+def accumulate(fn: Callable, params, batch: dict, microsteps: int):
+    """fn(params, batch) summed over `microsteps` microsteps of the batch, in one `lax.scan`
+    (gradient accumulation): microstep k takes rows k, k + microsteps, ... (split_microbatches),
+    so every device keeps its own rows. fn's outputs (any pytree) are added leaf by leaf."""
+    if microsteps == 1:
+        return fn(params, batch)
+    micro = pipeline_lib.split_microbatches(batch, microsteps)
+
+    def microstep(total, rows):
+        return jax.tree.map(jnp.add, total, fn(params, rows)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, params, first))
+    total, _ = jax.lax.scan(microstep, zeros, micro)
+    return total
+
+
+def summed_grads_fn(cfg: Config, sizes: dict[str, int], layout: sharding_lib.Layout,
+                    abstract_model) -> Callable:
+    """(params, batch) -> (gradients of the objective summed over the batch's tokens, the
+    statistics summed likewise), over parallel.grad_accum microsteps (`accumulate`). A microstep
+    is the gradient of `objective_lib.objective`, or with mesh.pipe > 1 a pipelined pass of
+    parallel.microbatches microbatches (`objective_lib.pipelined_grads`), the same objective."""
+    p = cfg.parallel
+    if sizes["pipe"] > 1:
+        schedule = schedule_lib.build_schedule(p.pipeline_schedule, sizes["pipe"], p.microbatches,
+                                               p.virtual_stages)
+        rows = cfg.train.batch_size // (p.grad_accum * p.microbatches)  # one pipeline microbatch
+        microstep = functools.partial(
+            objective_lib.pipelined_grads, abstract_model, schedule=schedule, mesh=layout.mesh,
+            axis_name=layout.rules["activations"]["layers"][0],
+            loss_chunks=loss_chunks(cfg, sizes, rows=rows),
+            # Axes over which parameters and gradients are whole: the pipeline splits rows over
+            # them itself and sums once per pass.
+            row_axes=schedule_lib.row_axes_for(cfg.model, p.zero_stage))
+    else:
+        microstep = jax.grad(functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
+                                               chunks=loss_chunks(cfg, sizes)), has_aux=True)
+    return functools.partial(accumulate, microstep, microsteps=p.grad_accum)
+
+
+def summed_nll_fn(cfg: Config, sizes: dict[str, int], abstract_model,
+                  summed_grads: Callable) -> Callable:
+    """(params, batch) -> {"nll": summed NLL, "count": tokens} of the batch, computed as the
+    step computes them (the same microsteps of the same rows), without a gradient."""
+    if sizes["pipe"] > 1:
+        # The pipeline's loss comes from the call the step makes (its schedules hold backward
+        # actions too; jaxpar.parallel.pipeline has no forward-only one). Nothing reads the
+        # gradients and XLA removes their work: in the compiled XLA:CPU program of
+        # configs/tiny.yaml at mesh.pipe=2 (jax 0.12.0.1) the schedule's backward branch is
+        # empty and the program holds 19 dot ops, the train step 40.
+        return lambda params, batch: summed_grads(params, batch)[1]
+    objective = functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
+                                  chunks=loss_chunks(cfg, sizes))
+
+    def nll_and_count(params, batch):
+        aux = objective(params, batch)[1]
+        return {"nll": aux["nll"], "count": aux["count"]}
+
+    return functools.partial(accumulate, nll_and_count, microsteps=cfg.parallel.grad_accum)
+
+
+def to_ring_layout(batch: dict, context: int, context_layout: str | None) -> dict:
+    """Ring attention's sequence order over `context` devices (zigzag or contiguous), applied
+    once per step to every token array, so positions and segment ids travel with their tokens;
+    the batch as it is without ring attention (context_layout None)."""
+    if context_layout is None:
+        return batch
+    return {k: permute_to_layout(x, context=context, layout=context_layout)
+            for k, x in batch.items()}
+
+
+def guard_non_finite(state: dict, updated: dict, metrics: dict, on_nan: str) -> tuple[dict, dict]:
+    """The step's guard, on the device: (the new state, metrics with skipped, skipped_steps and
+    first_bad_step). `updated`: {params, opt_state} after this step's update.
+
+    A step with a non-finite loss or gradient never reaches the weights: `skip` counts it and
+    goes on, `stop` marks it (first_bad_step). Finite gradients can still blow the weights up (a
+    huge lr): their float32 norm stops being finite (a weight inf or NaN, or beyond ~1e19 so that
+    its square overflows). That is checked after the update -- gating the update on it would
+    keep two copies of the weights alive -- and marks the step under both settings, since no
+    later step can undo it. Once a step is marked the state stays frozen; the host, which reads
+    the counters only when it logs, saves or stops (no sync per step), stops before saving
+    anything after it."""
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    step = state["step"] + 1
+    apply = finite & (state["first_bad_step"] == 0)
+    kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old), updated,
+                        {"params": state["params"], "opt_state": state["opt_state"]})
+    weights_finite = jnp.isfinite(optax.tree.norm(kept["params"]))
+    bad = ~weights_finite | (~finite if on_nan == "stop" else False)
+    first_bad = jnp.where((state["first_bad_step"] == 0) & bad, step, state["first_bad_step"])
+    skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
+    metrics = {**metrics, "skipped": 1.0 - finite.astype(jnp.float32), "skipped_steps": skipped,
+               "first_bad_step": first_bad}
+    return {**kept, "step": step, "skipped_steps": skipped, "first_bad_step": first_bad}, metrics
+
+
+@dataclass(frozen=True, eq=False)
+class StepParts:
+    """What the train step and the evaluation read besides their arguments."""
+
+    cfg: Config
+    sizes: dict[str, int]
+    layout: sharding_lib.Layout
+    optimizer: optax.GradientTransformation
+    grad_shardings: Any
+    summed_grads: Callable  # `summed_grads_fn`
+    summed_nll: Callable  # `summed_nll_fn`
+
+    def prepare(self, batch: dict) -> dict:
+        """The batch in ring attention's layout when the mesh has one (`to_ring_layout`)."""
+        p = self.cfg.parallel
+        context = self.sizes["context"]
+        return to_ring_layout(batch, context, p.context_layout if context > 1 else None)
+
+
+def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, Any]:
+    """One update: (new state, metrics, the gradients applied, averaged over tokens)."""
+    cfg, batch = parts.cfg, parts.prepare(batch)
+    with parts.layout.scope():  # the mesh and activation rules the model's names resolve against
+        grads, aux = parts.summed_grads(state["params"], batch)
+    count = jnp.maximum(aux["count"], 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    # ZeRO-2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
+    grads = jax.lax.with_sharding_constraint(grads, parts.grad_shardings)
+    updates, opt_state = parts.optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": aux["nll"] / count, "grad_norm": optax.tree.norm(grads),
+               # optax's count of updates
+               "lr": lr_schedule(cfg)(state["step"] - state["skipped_steps"]),
+               "tokens": count}
+    if "expert_load" in aux:
+        accum = cfg.parallel.grad_accum
+        metrics.update({k: aux[k] / accum for k in objective_lib.MOE_MEANS})
+        metrics["expert_load_min"] = jnp.min(aux["expert_load"])
+        metrics["expert_load_max"] = jnp.max(aux["expert_load"])
+    new_state, metrics = guard_non_finite(state, {"params": params, "opt_state": opt_state},
+                                          metrics, cfg.train.on_nan)
+    return new_state, metrics, grads
+
+
+def eval_step(parts: StepParts, params, batch: dict):
+    """The training loss of `batch` under these params (train.eval_every), nothing updated:
+    (summed NLL, token count)."""
+    batch = parts.prepare(batch)
+    with parts.layout.scope():
+        aux = parts.summed_nll(params, batch)
+    return aux["nll"], aux["count"]
+
+
+def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
+    """Layout, shardings, born-sharded init and the jitted train step for `cfg` (not compiled)."""
+    p = cfg.parallel
+    layout = sharding_lib.Layout.build(sizes, zero_stage=p.zero_stage,
+                                       sequence_parallel=p.sequence_parallel, devices=devices)
+    mesh = layout.mesh
+    cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0])
+    if cfg.model.fp8:  # before anything compiles: float8 GEMMs on this backend, or exit 2
+        fp8_lib.check_device(mesh.devices.flat[0])
+    # Ring attention's sequence order; the batch is permuted into it once per step
+    # (StepParts.prepare).
+    context_layout = p.context_layout if sizes["context"] > 1 else None
+    optimizer = make_optimizer(cfg)
+
+    abstract_model = nnx.eval_shape(lambda: _new_model(cfg, context_layout))
+    graphdef, abstract_state = nnx.split(abstract_model)
+    logical = sharding_lib.logical_names(abstract_state)
+    param_shape = nnx.to_pure_dict(abstract_state)
+    shardings = {kind: layout.shardings(logical, kind) for kind in ("params", "grads")}
+    opt_shape = jax.eval_shape(optimizer.init, param_shape)
+    opt_shardings = sharding_lib.opt_state_shardings(opt_shape, logical, mesh,
+                                                     layout.rules["opt_state"])
+    replicated = NamedSharding(mesh, PartitionSpec())
+    counters = ("step", "skipped_steps", "first_bad_step")
+    state_shardings = {"params": shardings["params"], "opt_state": opt_shardings,
+                       **{k: replicated for k in counters}}
+    state_shape = {"params": param_shape, "opt_state": opt_shape,
+                   **{k: jax.ShapeDtypeStruct((), jnp.int32) for k in counters}}
+
+    def init():
+        params = nnx.to_pure_dict(nnx.state(_new_model(cfg, context_layout)))
+        return {"params": params, "opt_state": optimizer.init(params),
+                **{k: jnp.zeros((), jnp.int32) for k in counters}}
+
+    summed_grads = summed_grads_fn(cfg, sizes, layout, abstract_model)
+    parts = StepParts(cfg, sizes, layout, optimizer, shardings["grads"], summed_grads,
+                      summed_nll_fn(cfg, sizes, abstract_model, summed_grads))
+
+    def step(state, batch):
+        return train_step(parts, state, batch)[:2]
+
+    batch_sharding = layout.batch_sharding()
+    return Trainer(
+        cfg=cfg, layout=layout, graphdef=graphdef,
+        state_shape=state_shape, state_shardings=state_shardings,
+        grad_shardings=shardings["grads"], batch_sharding=batch_sharding,
+        init=jax.jit(init, out_shardings=state_shardings),
+        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                     out_shardings=(state_shardings, replicated), donate_argnums=0),
+        step_with_grads=jax.jit(
+            functools.partial(train_step, parts), in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated, shardings["grads"]), donate_argnums=0),
+        evaluate=jax.jit(functools.partial(eval_step, parts),
+                         in_shardings=(shardings["params"], batch_sharding),
+                         out_shardings=(replicated, replicated)),
+    )
+
+
+def compile_step(trainer: Trainer):
+    """The train step lowered on abstract state and batch, and compiled (nothing runs)."""
+    with targets_lib.lowering_context(trainer.mesh):
+        lowered = trainer.step.lower(trainer.state_shape, trainer.batch_shape())
+    return lowered.compile()
