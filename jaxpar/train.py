@@ -117,11 +117,13 @@ class Preemption:
     longer than `PROMPT_S`, and on a second SIGINT whatever the main thread is doing."""
 
     PROMPT_S = 5.0
+    POLL_EVERY = 10  # steps between stop agreements of a multi-process run (see `poll`)
 
     def __init__(self, exit_at_once: bool = False):
         self.requested: str | None = None
         self.exit_at_once = exit_at_once
         self.expected_wait_s = 0.0
+        self.polls = self.agreements = 0  # loop steps polled; all-gathers they made
         self._previous = {}
         self._wakeup = None  # (read end, write end, the wakeup fd it replaced)
 
@@ -178,6 +180,18 @@ class Preemption:
 
         anyone = multihost_utils.process_allgather(np.int32(self.requested is not None)).any()
         return (self.requested or "SIGTERM (on another process)") if anyone else None
+
+    def poll(self, step: int, host_waits: bool) -> str | None:
+        """The agreed stop request after `step`. One process: every step (nothing to agree on).
+        Several: agreeing is a blocking all-gather, a host sync that would drain the queue of
+        dispatched steps, so it is made only where the host waits on the device anyway
+        (`host_waits`: a logged or saved step) and every `POLL_EVERY` steps; every process
+        takes the same decision at the same steps. A signal waits at most that many steps."""
+        self.polls += 1
+        if jax.process_count() == 1 or host_waits or step % self.POLL_EVERY == 0:
+            self.agreements += jax.process_count() > 1
+            return self.agreed()
+        return None
 
     def check_startup(self, before_step: int) -> None:
         """Raises `Interrupted` if a stop was asked for during start-up (on any process: every
@@ -538,6 +552,33 @@ class _StepClock:
         return mean
 
 
+class _Profiler:
+    """`train.profile_steps` [first, last]: a jax.profiler trace from before step `first` to
+    after step `last` has run (waited for, so its device work is in the trace), written under
+    run_dir/profile/plugins/profile/<time>/ (TensorBoard's layout; Perfetto opens the
+    .trace.json.gz). A run stopped inside the window ends the trace there."""
+
+    def __init__(self, steps: list[int] | None, run_dir: str):
+        self.first, self.last = steps if steps else (None, None)
+        self.directory = os.path.join(run_dir, "profile")
+        self.tracing = False
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            jax.profiler.start_trace(self.directory)
+            self.tracing = True
+
+    def after(self, step: int, metrics) -> None:
+        if self.tracing and step == self.last:
+            jax.block_until_ready(metrics)
+            self.close()
+
+    def close(self) -> None:
+        if self.tracing:
+            self.tracing = False
+            jax.profiler.stop_trace()
+
+
 def _read_device(metrics, t, step: int, ckpt) -> tuple[float, int]:
     """The step's loss and skipped-step count, read from the device; NonFiniteLoss if the state
     froze on a non-finite value since the last read."""
@@ -601,6 +642,7 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
     # a fixed interleave), so the tokens seen per source need no bookkeeping, and survive a resume.
     source_counts = data_lib.source_counter(cfg.data)
     clock, save = _StepClock(), _saver(cfg, trainer, ckpt, iterator)
+    profiler = _Profiler(t.profile_steps, t.run_dir)
     first_loss = loss = eval_loss = tokens_seen = None
     step, stopped_by, skipped_steps = start, None, 0
     writer = metrics_lib.MetricsWriter(t.run_dir, purge_after=start) if is_main else None
@@ -608,13 +650,15 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
     try:
         for step in range(start + 1, t.steps + 1):
             local = next(iterator)
+            profiler.before(step)
             if trainer.cfg.model.attention == "cudnn" and sizes["context"] == 1:
                 _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
             state, metrics = trainer.step(state, trainer.shard_batch(local))
             clock.stepped(metrics)
-            stop = preemption.agreed()  # read once: a signal arriving later waits a step
+            profiler.after(step, metrics)
             evaluated = eval_data is not None and (step % t.eval_every == 0 or step == t.steps)
             logged = step % t.log_every == 0 or step == t.steps or evaluated
+            stop = preemption.poll(step, logged or ckpt.should_save(step))
             # The host reads the device only here (logging, saving, stopping), never per step.
             if logged or ckpt.should_save(step) or stop:
                 loss, skipped_steps = _read_device(metrics, t, step, ckpt)
@@ -645,6 +689,7 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
                 break
     finally:
         clock.ended = time.perf_counter()  # the plot and the last flush are not training time
+        profiler.close()
         progress.close()
         if writer is not None:
             writer.close()
