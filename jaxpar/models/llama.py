@@ -60,6 +60,7 @@ from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
 from jaxpar.models.loss import chunked_cross_entropy
 from jaxpar.sharding import constrain, rules_in_force
+from jaxpar.swiglu import block_swiglu
 
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -213,7 +214,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)) (`jaxpar.swiglu`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
         self.cfg = cfg
@@ -223,11 +224,8 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def __call__(self, x):  # [batch, seq, embed]
-        matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=jnp.dtype(self.cfg.dtype))
-        gate = matmul("bse,ef->bsf", x, self.w_gate[...])
-        up = matmul("bse,ef->bsf", x, self.w_up[...])
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-        return matmul("bsf,fe->bse", hidden, self.w_down[...])
+        return block_swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...],
+                            fp8=self.cfg.fp8, dtype=jnp.dtype(self.cfg.dtype))
 
 
 class Block(nnx.Module):

@@ -3,17 +3,13 @@ all-to-all in `jaxpar.parallel.experts` (one shard_map over the mesh)."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.fp8 import einsum as block_einsum
 from jaxpar.models.params import param
 from jaxpar.parallel.experts import moe_mlp
-from jaxpar.sharding import constrain
+from jaxpar.swiglu import block_swiglu
 
 
 def expert_d_ff(cfg: ModelConfig) -> int:
@@ -65,8 +61,6 @@ class MoEMLP(nnx.Module):
                            fp8=self.cfg.fp8, dispatch=self.cfg.moe.dispatch,
                            buffer_factor=self.cfg.moe.ragged_buffer_factor)
         if self.cfg.moe.shared_experts:
-            matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=dtype)
-            hidden = (jax.nn.silu(matmul("bse,ef->bsf", x, self.shared_gate[...]))
-                      * matmul("bse,ef->bsf", x, self.shared_up[...]))
-            y = y + matmul("bsf,fe->bse", constrain(hidden, ("batch", "seq", "mlp")), self.shared_down[...])
+            y = y + block_swiglu(x, self.shared_gate[...], self.shared_up[...],
+                                 self.shared_down[...], fp8=self.cfg.fp8, dtype=dtype)
         return y, stats

@@ -93,6 +93,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.fp8 import fp8_einsum
 from jaxpar.sharding import rules_in_force
+from jaxpar.swiglu import swiglu
 
 
 class Routing(NamedTuple):
@@ -167,7 +168,7 @@ def expert_capacity(tokens, num_experts, top_k, capacity_factor):
 
 
 def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
-    """Batched SwiGLU over a group of experts: down(silu(h @ gate) * (h @ up)).
+    """Batched SwiGLU (`jaxpar.swiglu`) over a group of experts: down(silu(h @ gate) * (h @ up)).
 
     h: [experts, slots, embed]; gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
     Returns [experts, slots, embed] float32 (a partial sum if `mlp` is a slice of the hidden dim).
@@ -175,13 +176,15 @@ def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
     the whole tensor: `amax_axes` are the manual mesh axes its pieces are spread over.
     """
     if fp8:
-        h = h.astype(compute_dtype)
-        hidden = (jax.nn.silu(fp8_einsum("esd,edm->esm", h, gate, amax_axes))
-                  * fp8_einsum("esd,edm->esm", h, up, amax_axes))
-        return fp8_einsum("esm,emd->esd", hidden, down, amax_axes, jnp.float32)
+        return swiglu(h.astype(compute_dtype), gate, up, down,
+                      project_in=lambda x, w: fp8_einsum("esd,edm->esm", x, w, amax_axes),
+                      project_out=lambda x, w: fp8_einsum("esm,emd->esd", x, w, amax_axes,
+                                                          jnp.float32))
     h, gate, up, down = (a.astype(compute_dtype) for a in (h, gate, up, down))
-    hidden = jax.nn.silu(jnp.einsum("esd,edm->esm", h, gate)) * jnp.einsum("esd,edm->esm", h, up)
-    return jnp.einsum("esm,emd->esd", hidden, down, preferred_element_type=jnp.float32)
+    return swiglu(h, gate, up, down,
+                  project_in=functools.partial(jnp.einsum, "esd,edm->esm"),
+                  project_out=functools.partial(jnp.einsum, "esm,emd->esd",
+                                                preferred_element_type=jnp.float32))
 
 
 def _mesh_axes(mesh, names):
@@ -430,9 +433,10 @@ def grouped_swiglu(rows, group_sizes, gate, up, down, compute_dtype):
     sum are not computed); gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
     Returns [rows, embed] float32, the same numbers as `swiglu_experts` on the same rows."""
     rows, gate, up, down = (a.astype(compute_dtype) for a in (rows, gate, up, down))
-    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes))
-              * jax.lax.ragged_dot(rows, up, group_sizes))
-    return jax.lax.ragged_dot(hidden, down, group_sizes, preferred_element_type=jnp.float32)
+    return swiglu(rows, gate, up, down,
+                  project_in=lambda x, w: jax.lax.ragged_dot(x, w, group_sizes),
+                  project_out=lambda x, w: jax.lax.ragged_dot(
+                      x, w, group_sizes, preferred_element_type=jnp.float32))
 
 
 def _exclusive_cumsum(a, axis=-1):

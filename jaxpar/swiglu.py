@@ -1,0 +1,31 @@
+"""SwiGLU, the feed-forward of every block, written once: down(silu(x @ gate) * (x @ up))
+(Shazeer 2020, "GLU Variants Improve Transformer"). The dense MLP and the shared experts
+(`block_swiglu`) and the routed experts (`jaxpar.parallel.experts`: batched, float8 or grouped
+GEMMs) all compute it here; the matmuls are the caller's."""
+
+import functools
+
+import jax
+
+from jaxpar.fp8 import einsum as block_einsum
+from jaxpar.sharding import constrain
+
+
+def swiglu(x, gate, up, down, *, project_in, project_out):
+    """down(silu(x @ gate) * (x @ up)): `project_in(x, w)` computes x @ w for gate and up,
+    `project_out(hidden, down)` the down projection (where a caller pins the hidden activation's
+    sharding, or accumulates in float32)."""
+    return project_out(jax.nn.silu(project_in(x, gate)) * project_in(x, up), down)
+
+
+def block_swiglu(x, gate, up, down, *, fp8: bool, dtype):
+    """A block's dense SwiGLU (the MLP, the shared experts): x [batch, seq, embed], gate and up
+    [embed, mlp], down [mlp, embed], with the block matmuls (`jaxpar.fp8.einsum`: model.dtype
+    or float8) and the hidden [batch, seq, mlp] pinned by its logical names."""
+    matmul = functools.partial(block_einsum, fp8=fp8, dtype=dtype)
+
+    def project_out(hidden, w):
+        return matmul("bsf,fe->bse", constrain(hidden, ("batch", "seq", "mlp")), w)
+
+    return swiglu(x, gate, up, down, project_in=functools.partial(matmul, "bse,ef->bsf"),
+                  project_out=project_out)
