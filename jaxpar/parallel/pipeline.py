@@ -51,6 +51,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.parallel.schedule import Lowered, Row, Schedule, Work, collective_free, lower_schedule
 
+# ----------------------------------------------------------------------------- layouts
+
+
 def stack_stages(layer_params, stages: int, virtual_stages: int = 1):
     """[layers, ...] leaves -> [stages*v, layers/(stages*v), ...]; row s*v + j is model chunk j*p+s.
 
@@ -95,7 +98,7 @@ def merge_microbatches(microbatched):
     return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[2:]), microbatched)
 
 
-def _residual_layout(stage_fn, chunk_params, x, side):
+def _residual_layout(chunk_fn, chunk_params, x, side):
     """Trace one chunk's jax.vjp abstractly: the pullback's treedef, and for each residual leaf
     either the index of the chunk-param leaf it is (not stashed: params do not change during the
     step), CONSTANT (kept, in the returned {leaf index: constant}) or STASHED, with its shape
@@ -103,7 +106,7 @@ def _residual_layout(stage_fn, chunk_params, x, side):
     found = {}
 
     def trace(params, h):
-        _, pullback = _chunk_vjp(stage_fn, params, h, side)
+        _, pullback = _chunk_vjp(chunk_fn, params, h, side)
         leaves, found["treedef"] = jax.tree.flatten(pullback)
         if not all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves):
             raise RuntimeError("jax.vjp's pullback is not a pytree of arrays in this jax "
@@ -132,18 +135,19 @@ def _param_sources(leaves, params) -> list[int]:
     return [source(leaf) for leaf in leaves]
 
 
-def _chunk_vjp(stage_fn, params, h, side):
-    """jax.vjp of one chunk as the runtime runs it: stage_fn(params, h, side) -> (h, loss,
+def _chunk_vjp(chunk_fn, params, h, side):
+    """jax.vjp of one chunk as the runtime runs it: chunk_fn(params, h, side) -> (h, loss,
     stats); the pullback takes (dh, dloss), stats are not differentiated. Returns ((h, loss,
     stats), pullback)."""
     def chunk(p_, h_):
-        y, loss, stats = stage_fn(p_, h_, side)
+        y, loss, stats = chunk_fn(p_, h_, side)
         return (y, loss), stats
 
     (y, loss), pullback, stats = jax.vjp(chunk, params, h, has_aux=True)
     return (y, loss, stats), pullback
 
 
+# ----------------------------------------------------------------------------- entry points
 
 
 def pipeline_value_and_grad(
@@ -200,13 +204,14 @@ def pipeline_value_and_grad(
     collective-free chunk: every mesh axis but `axis_name` and the manual row axes of size 1
     (else ValueError).
     """
-    if side is None:  # [microbatches, rows]: splits as inputs do, and nobody reads it
-        side, plain_fn = jnp.zeros(inputs.shape[:2], jnp.int32), lambda params, h, _: stage_fn(params, h)
-    else:
-        plain_fn = stage_fn
+    if side is None:
+        side = jnp.zeros(inputs.shape[:2], jnp.int32)  # [microbatches, rows]: splits as inputs do
 
-    def chunk_fn(params, h, side_i):
-        return plain_fn(params, h, side_i), jnp.zeros((), jnp.float32), {}
+        def chunk_fn(params, h, _):  # no loss of its own, no statistics
+            return stage_fn(params, h), jnp.zeros((), jnp.float32), {}
+    else:
+        def chunk_fn(params, h, side_i):
+            return stage_fn(params, h, side_i), jnp.zeros((), jnp.float32), {}
 
     loss, grads, _ = _run(_Program(chunk_fn, head_fn, schedule, axis_name, row_axes), mesh,
                           stage_params, head_params, inputs, targets, side)
@@ -477,7 +482,7 @@ def _chunk_forward(dev: _Device, carry: _Carry, row: Row):
     out, pullback = _chunk_vjp(dev.program.chunk_fn, params, h, dev.side_of(row.f_microbatch))
     leaves = jax.tree.leaves(pullback)
     if _param_sources(leaves, params) != dev.sources:
-        raise RuntimeError("stage_fn's vjp residuals changed between traces")
+        raise RuntimeError("the chunk's vjp residuals changed between traces")
     stashed = [x for x, src in zip(leaves, dev.sources) if src == STASHED]
     return h, row.f_microbatch, out, stashed
 

@@ -403,7 +403,8 @@ def _timeline_cells(schedule: Schedule, s: int, width: int) -> list[str]:
             if any(row):
                 a = row[s]
                 rest = "." if a is None else "=" * width
-                cells += [_label(schedule, a).ljust(width)] + [rest.ljust(width)] * (costs[phase] - 1)
+                cells += [_label(schedule, a).ljust(width)]
+                cells += [rest.ljust(width)] * (costs[phase] - 1)
         cells.append("|")
     return cells
 
@@ -524,7 +525,8 @@ class Lowered(NamedTuple):
     gradient_slots: int
 
 
-def _allocate(lifetimes: dict[Any, tuple[tuple[int, int], tuple[int, int]]]) -> tuple[dict[Any, int], int]:
+def _allocate(lifetimes: dict[Any, tuple[tuple[int, int], tuple[int, int]]]
+              ) -> tuple[dict[Any, int], int]:
     """Slots for values written at (tick, position) w and last read at r > w, greedily; a slot is
     free again for a write strictly after its last read."""
     busy_until: list[tuple[int, int]] = []
