@@ -328,6 +328,14 @@ def train_tokenizer(documents: list[str], vocab_size: int, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {"train-tokenizer": _train_tokenizer_command, "prepare": _prepare_command,
+                "verify": _verify_command}
+    return cli.run(lambda: commands[args.command](args), prefix="error")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: train-tokenizer, prepare and verify."""
     parser = argparse.ArgumentParser(prog="python -m jaxpar.data")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json")
@@ -357,10 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("verify", help="read prepared shards whole and check them against "
                                           "their manifest (hashes, document index, token ids)")
     check.add_argument("directories", nargs="+", metavar="DIR", help="a directory of shards")
-    args = parser.parse_args(argv)
-    commands = {"train-tokenizer": _train_tokenizer_command, "prepare": _prepare_command,
-                "verify": _verify_command}
-    return cli.run(lambda: commands[args.command](args), prefix="error")
+    return parser
 
 
 def _train_tokenizer_command(args) -> int:
