@@ -99,7 +99,7 @@ def stdlib_files() -> list[str]:
     return sorted(str(p) for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-class _Skipped:
+class Skipped:
     """Counts the documents data.errors=replace/skip changed or left out, for one warning."""
 
     def __init__(self):
@@ -115,7 +115,7 @@ class _Skipped:
                       file=sys.stderr)
 
 
-def _text(raw: bytes, path: str, line: int | None, errors: str, skipped: _Skipped) -> str | None:
+def _text(raw: bytes, path: str, line: int | None, errors: str, skipped: Skipped) -> str | None:
     """`raw` (a whole file, or JSONL line `line`) as text under data.errors; None when the
     document is left out. Errors name the file and line."""
     if b"\0" in raw:
@@ -270,7 +270,7 @@ def open_source_file(path: str):
     return io.BufferedReader(raw, buffer_size=1 << 20), raw
 
 
-def file_documents(path: str, kind: str, field: str, errors: str, skipped: _Skipped,
+def file_documents(path: str, kind: str, field: str, errors: str, skipped: Skipped,
                    start: int = 0, raw_position: list | None = None):
     """Yields (records read so far, document text) for each document of one file, in order. A
     record is the unit a preparation resumes at: the file (text), a line (JSONL), a row (Parquet);
@@ -301,7 +301,7 @@ def file_documents(path: str, kind: str, field: str, errors: str, skipped: _Skip
                 yield n, text
 
 
-def iter_documents(entries: list[tuple[str, str]], field: str, errors: str, skipped: _Skipped,
+def iter_documents(entries: list[tuple[str, str]], field: str, errors: str, skipped: Skipped,
                    start: tuple[int, int] = (0, 0), raw_position: list | None = None):
     """Yields (file index, records read in that file, text) for the documents of `entries` (see
     `source_entries`), from position `start` = (file index, records read in it)."""
@@ -316,7 +316,7 @@ def read_documents(cfg: DataConfig) -> list[str]:
     """The source's documents, in a fixed order (sorted file names, then line order). A document
     that is not text is handled as data.errors says."""
     docs: list[str] = []
-    skipped = _Skipped()
+    skipped = Skipped()
     entries = source_entries(cfg.source, cfg.format)
     for _, _, text in iter_documents(entries, cfg.text_field, cfg.errors, skipped):
         if cfg.max_documents is not None and len(docs) >= cfg.max_documents:
@@ -326,7 +326,7 @@ def read_documents(cfg: DataConfig) -> list[str]:
     return docs
 
 
-def _not_a_string(value, path: str, n: int, field: str, errors: str, skipped: _Skipped) -> None:
+def _not_a_string(value, path: str, n: int, field: str, errors: str, skipped: Skipped) -> None:
     if errors == "strict":
         raise ConfigError(
             f"{path}:{n}: '{field}' (data.text_field) is {json.dumps(value, default=repr)[:40]}, "
@@ -335,7 +335,7 @@ def _not_a_string(value, path: str, n: int, field: str, errors: str, skipped: _S
 
 
 def _jsonl_text(line_bytes: bytes, path: str, n: int, field: str, errors: str,
-                skipped: _Skipped) -> str | None:
+                skipped: Skipped) -> str | None:
     """The document of JSONL line `n`, or None when data.errors leaves it out."""
     line = _text(line_bytes, path, n, errors, skipped)
     if line is None:

@@ -59,7 +59,7 @@ import time
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.documents import (_Skipped, iter_documents, make_tokenizer, packed_rows, parquet_file,
+from jaxpar.documents import (Skipped, iter_documents, make_tokenizer, packed_rows, parquet_file,
                             source_entries, split_rows, stdlib_files)
 
 FORMAT = "jaxpar-token-shards"
@@ -560,7 +560,7 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
     bar = tqdm(total=before[-1], initial=before[start[0]], unit="B", unit_scale=True,
                desc="prepare", disable=None if progress is None else not progress, file=sys.stderr)
     new_tokens = 0
-    skipped = _Skipped()
+    skipped = Skipped()
     raw = [0]
     state = {"chunk": None, "end": start, "total": total}
 
