@@ -1,12 +1,14 @@
 """The house rules of jaxpar/, read from the source with `ast` (nothing is imported or run):
 no module imports in a circle, counting imports inside functions as well as at the top of a
-module (a function-local import hides a circle from Python, not from a reader)."""
+module (a function-local import hides a circle from Python, not from a reader); and no function
+is longer than 80 lines."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = "jaxpar"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+MAX_FUNCTION_LINES = 80
 
 
 def module_name(path: Path) -> str:
@@ -89,6 +91,20 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def long_functions() -> list[tuple[str, int]]:
+    """Every function or method of the package longer than MAX_FUNCTION_LINES, with its length
+    (from the `def` line, decorators excluded, to its last line; docstring included)."""
+    found = []
+    for name, path in sources().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append((f"{path.relative_to(ROOT.parent)}:{node.lineno} "
+                                  f"{name}.{node.name}", lines))
+    return sorted(found, key=lambda item: -item[1])
+
+
 def test_no_import_cycle():
     graph = import_graph()
     assert "jaxpar.train" in graph and graph["jaxpar.train"], "the walk found no imports"
@@ -101,3 +117,9 @@ def test_find_cycle_sees_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_function_longer_than_80_lines():
+    offenders = long_functions()
+    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(
+        f"  {where}: {lines} lines" for where, lines in offenders)
