@@ -80,6 +80,7 @@ FILE_SECONDS = {
     "test_model.py": 13, "test_attention.py": 11, "test_config.py": 9, "test_seam.py": 5,
     "test_data.py": 5, "test_mixture.py": 2, "test_first_run.py": 50, "test_entry_points.py": 45,
     "test_integrity.py": 30, "test_export_tokenizer.py": 20, "test_hlo.py": 20,
+    "test_house.py": 1,
 }
 
 
