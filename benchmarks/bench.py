@@ -3,7 +3,7 @@
 train step, or (with --target) print the memory of its compiled program for GPUs not present.
 
 The config is loaded and validated exactly as `python -m jaxpar.train` does
-(`jaxpar.train.load_and_validate`), the trainer is built (`build_trainer`) and its step is
+(`jaxpar.startup.load_and_validate`), the trainer is built (`build_trainer`) and its step is
 compiled once on abstract shapes (`jaxpar.trainer.compile_step`). Batches are random tokens made
 here with numpy, a fresh one per step, put on the devices before timing (no data pipeline, no
 grain). After W warm-up steps, N steps (default 20) are timed one by one, each ended by `block_until_ready` on the new
@@ -45,7 +45,7 @@ from jaxpar import cli
 from jaxpar import metrics as metrics_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.inspect import report
-from jaxpar.train import load_and_validate
+from jaxpar.startup import load_and_validate
 from jaxpar.trainer import BATCH_KEYS, Trainer, build_trainer, compile_step
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -45,7 +45,7 @@ from jaxpar import metrics as metrics_lib
 from jaxpar.config import ConfigError
 from jaxpar.parallel import schedule as pipeline_lib
 from jaxpar.sharding import shard_bytes, zero_state_bytes
-from jaxpar.train import load_and_validate
+from jaxpar.startup import load_and_validate
 from jaxpar.trainer import Trainer, build_trainer, compile_step
 
 

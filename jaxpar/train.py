@@ -15,7 +15,6 @@ if __name__ == "__main__":  # a Ctrl-C while the imports below load stops quietl
     _signal.signal(_signal.SIGINT, lambda *_: (_os.write(2, b"interrupted during start-up\n"),
                                                _os._exit(130)))
 
-import dataclasses
 import errno
 import functools
 import json
@@ -39,8 +38,8 @@ from jaxpar import host as host_lib
 from jaxpar import metrics as metrics_lib
 from jaxpar import rundir as rundir_lib
 from jaxpar.config import Config, ConfigError
-from jaxpar.mesh import emulate_cpu_devices, start_distributed
 from jaxpar.models.attention import documents_per_row
+from jaxpar.startup import load_and_validate
 from jaxpar.trainer import Trainer, build_trainer
 from jaxpar.optim import lr_schedule
 
@@ -732,25 +731,6 @@ def format_summary(s: dict) -> str:
             f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}{data} | {rate}"
             f" | {s['devices']} devices ({mesh}) | {s['run_dir']}"
             + (f" | {s['skipped_steps']} non-finite steps skipped" if s.get("skipped_steps") else ""))
-
-
-def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[Config, dict[str, int]]:
-    """Parses the command line, starts the backend with the emulated devices, validates.
-
-    `num_devices` validates for that many devices instead of the ones present (compiling for
-    GPUs that are not here: `python -m jaxpar.inspect --target h100:8`)."""
-    path, overrides = config_lib.parse_cli(argv)
-    settings = config_lib.user_settings(path, overrides)
-    cfg = config_lib.build_config(settings)
-    if num_devices is None:
-        config_lib.validate_runtime(cfg)  # before the backend starts with those devices
-        emulate_cpu_devices(cfg.runtime)
-        start_distributed(cfg.distributed)
-        num_devices = jax.device_count()
-    if "mesh" not in settings:  # no layout asked for: the default one, or DP over what exists
-        cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(num_devices))
-    cfg = convert_lib.apply_init_from(cfg, settings)  # train.init_from: its shape and tokenizer
-    return cfg, config_lib.validate(cfg, num_devices)
 
 
 USAGE = """usage: python -m jaxpar.train [CONFIG.yaml] [dotted.key=value ...]

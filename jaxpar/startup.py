@@ -1,0 +1,34 @@
+"""A command's start: its command line made into a validated config on started devices. What
+the training command (jaxpar.train), the compile-only report (jaxpar.inspect) and the benchmark
+(benchmarks/bench.py) share before they build a trainer, so that each reads its settings as
+`python -m jaxpar.train` does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxpar import config as config_lib
+from jaxpar import convert as convert_lib
+from jaxpar.config import Config
+from jaxpar.mesh import emulate_cpu_devices, start_distributed
+
+
+def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[Config, dict[str, int]]:
+    """Parses the command line, starts the backend with the emulated devices, validates.
+
+    `num_devices` validates for that many devices instead of the ones present (compiling for
+    GPUs that are not here: `python -m jaxpar.inspect --target h100:8`)."""
+    path, overrides = config_lib.parse_cli(argv)
+    settings = config_lib.user_settings(path, overrides)
+    cfg = config_lib.build_config(settings)
+    if num_devices is None:
+        config_lib.validate_runtime(cfg)  # before the backend starts with those devices
+        emulate_cpu_devices(cfg.runtime)
+        start_distributed(cfg.distributed)
+        num_devices = jax.device_count()
+    if "mesh" not in settings:  # no layout asked for: the default one, or DP over what exists
+        cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(num_devices))
+    cfg = convert_lib.apply_init_from(cfg, settings)  # train.init_from: its shape and tokenizer
+    return cfg, config_lib.validate(cfg, num_devices)
