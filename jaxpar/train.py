@@ -418,7 +418,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
     preemption.check_startup(1)
     is_main = jax.process_index() == 0
     lock = rundir_lib.RunLock(t.run_dir)
-    ckpt = None
+    ckpt, finished = None, False
     no_space_logs = _DropNoSpace().__enter__()
     try:
         _on_main(lock.acquire, f"train.run_dir={t.run_dir}")
@@ -430,18 +430,22 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
         preemption.check_startup(start + 1)
         if is_main:
             config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
-        return _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption,
-                     eval_data)
+        summary = _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption,
+                        eval_data)
+        finished = True
+        return summary
     except Exception as e:
         if _no_space(e) and not isinstance(e, DiskFull):
             raise _disk_full(ckpt, trainer, t.run_dir) from None
         raise
     finally:
-        if ckpt is not None:
-            _close(ckpt, trainer, t.run_dir)
-        if is_main:  # no collective here: this also runs when only this process failed
-            lock.release()
-        no_space_logs.__exit__()
+        try:
+            if ckpt is not None:
+                _close(ckpt, trainer, t.run_dir, report=finished)
+        finally:
+            if is_main:  # no collective here: this also runs when only this process failed
+                lock.release()
+            no_space_logs.__exit__()
 
 
 def _resume_step(cfg: Config) -> int | None:
@@ -490,18 +494,18 @@ def _initial_state(cfg: Config, trainer: Trainer, ckpt, resume: int | None,
     return trainer.init(), None, 0
 
 
-def _close(ckpt, trainer: Trainer, run_dir: str) -> None:
-    """Closes the checkpointer, waiting for a save in flight. Meant to report a save that failed
-    only now (once; as a full disk where it is one) unless another error is on its way out. As
-    written it reports none: inside the handler `sys.exc_info()` is the close's own error, never
-    None, so an error from `close` is dropped (unchanged from before this was split out)."""
+def _close(ckpt, trainer: Trainer, run_dir: str, report: bool) -> None:
+    """Closes the checkpointer, waiting for a save in flight. A save that failed only now (orbax
+    writes in the background) is raised when `report` (the run finished: nothing else is on its
+    way out), as a full disk where it is one; otherwise the error already leaving wins."""
     try:
         ckpt.close()
     except Exception as e:
-        if sys.exc_info()[1] is None:
-            if _no_space(e):
-                raise _disk_full(ckpt, trainer, run_dir) from None
-            raise
+        if not report:
+            return
+        if _no_space(e):
+            raise _disk_full(ckpt, trainer, run_dir) from None
+        raise
 
 
 def _evaluate(trainer: Trainer, params, eval_data) -> float:
@@ -650,7 +654,7 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
         for step in range(start + 1, t.steps + 1):
             local = next(iterator)
             profiler.before(step)
-            if trainer.cfg.model.attention == "cudnn" and sizes["context"] == 1:
+            if trainer.cfg.model.attention == "cudnn" and not trainer.layout.ring:
                 _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
             state, metrics = trainer.step(state, trainer.shard_batch(local))
             clock.stepped(metrics)

@@ -260,3 +260,19 @@ def test_profile_steps_write_a_trace_and_the_run_goes_on(tmp_path):
     assert any(e.get("name", "").startswith("PjitFunction(") for e in events)  # jitted calls traced
     with pytest.raises(ConfigError, match=r"train.profile_steps=\[4, 9\]: give \[first, last\]"):
         config_lib.validate(config_lib.load_config(TINY_YAML, ["train.steps=5", "train.profile_steps=[4, 9]"]), 8)
+
+
+def test_a_save_that_fails_only_when_the_checkpointer_closes_fails_the_run(tmp_path, monkeypatch):
+    """orbax writes in the background: a failure can surface only at the final close. It must
+    fail the run (here as a full disk, the one-line DiskFull), not end as a success."""
+    import errno
+
+    def failing_close(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train_lib.checkpoint_lib.Checkpointer, "close", failing_close)
+    cfg = config_lib.load_config(TINY_YAML, ["runtime.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1",
+                                             "mesh.tensor=1", "train.steps=2", f"train.run_dir={tmp_path}"])
+    with pytest.raises(train_lib.DiskFull):
+        train_lib.train(cfg, config_lib.validate(cfg, 8))
+    assert not (tmp_path / "jaxpar.lock").exists()  # released all the same
