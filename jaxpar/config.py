@@ -14,8 +14,13 @@ with the schedules in `jaxpar.parallel.schedule.validate_pipeline` and are calle
 Some checks cannot be made here and raise the same `ConfigError` later: the distributed keys
 when the processes start (`jaxpar.mesh.start_distributed`), what only the data shows (the
 tokenizer's vocabulary against model.vocab_size, a corpus shorter than one sequence, malformed
-JSONL, documents per packed row for cuDNN attention) when the trainer reads it, and a resume step
-whose checkpoint is unusable when the trainer opens it.
+JSONL, documents per packed row for cuDNN attention, prepared shards that differ from their
+manifest) when the trainer reads it, a resume step whose checkpoint is unusable or whose data
+differs from the run's record when the run directory is opened (`jaxpar.rundir`),
+`train.init_from`'s model directory when it is read (`jaxpar.convert`), and `model.fp8` against
+the devices' compute capability when the trainer is built (`jaxpar.trainer`). A CPU run that will
+not fit in the host's memory is refused before compiling too, but as its own error (exit code 3,
+`jaxpar.host`), not a ConfigError.
 """
 
 from __future__ import annotations
