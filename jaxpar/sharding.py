@@ -209,6 +209,48 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, usable)))
 
 
+# --- Which explicit techniques a layout runs: read from the rules, never from axis names ------
+
+
+def pipe_axis(rules: Rules) -> str | None:
+    """The mesh axis the pipeline's stages run over: the first of the `layers` rule's axes."""
+    return next(iter(rules.get("layers", ())), None)
+
+
+def ring_axis(rules: Rules) -> str | None:
+    """The mesh axis ring attention goes round: the first of the `seq` rule's axes (what
+    `jaxpar.models.llama` reads from the rules in force)."""
+    return next(iter(rules.get("seq", ())), None)
+
+
+def is_pipelined(sizes: dict[str, int], rules: Rules = BASE_RULES) -> bool:
+    """Whether a mesh of these axis sizes pipelines the blocks: the pipeline axis (`pipe_axis`
+    of these activation rules; `pipe` by default) has more than one device. For callers with
+    axis sizes and no `Layout` (the planner, the command lines); a Layout answers `pipelined`."""
+    axis = pipe_axis(rules)
+    return axis is not None and sizes.get(axis, 1) > 1
+
+
+def is_ring(sizes: dict[str, int], rules: Rules = BASE_RULES) -> bool:
+    """Whether attention is a ring on a mesh of these axis sizes: the ring axis (`ring_axis` of
+    these activation rules; `context` by default) has more than one device."""
+    axis = ring_axis(rules)
+    return axis is not None and sizes.get(axis, 1) > 1
+
+
+def row_axes(rules: dict[str, Rules]) -> tuple[str, ...]:
+    """The mesh axes that only split batch rows: the activation rules' `batch` axes that no
+    other name of the params, grads or activations rules uses (no parameter, gradient or
+    sequence is split over them; the optimizer state is updated outside the pipeline).
+    Inside a pipelined chunk they are manual and summed over once, after the loop
+    (`jaxpar.parallel.pipeline`). Default rules: `data`, and `fsdp` below ZeRO-2 (ZeRO-2/3 split
+    gradients or weights over it) -- `jaxpar.parallel.schedule.row_axes_for` for a dense model.
+    The model may still couple its rows (MoE, float8): the pipeline adapter then uses none."""
+    others = {axis for kind in ("params", "grads", "activations")
+              for name, axes in rules.get(kind, {}).items() if name != "batch" for axis in axes}
+    return tuple(a for a in rules["activations"].get("batch", ()) if a not in others)
+
+
 # --- The layout: one value that says where everything lives ----------------------------------
 
 
@@ -216,7 +258,9 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 class Layout:
     """The mesh, its axis sizes, and the rules of every kind of array: built once per run
     (`Layout.build`) and passed wherever placement matters. `scope()` is the one place a traced
-    step learns the mesh and the activation rules."""
+    step learns the mesh and the activation rules. It answers which explicit techniques run and
+    over which axes (`pipelined`, `ring`, `row_axes`), from its activation rules, so the step
+    follows a rule that moves `seq` or `layers` to another axis."""
 
     mesh: Mesh
     rules: dict[str, Rules]  # params, grads, opt_state, activations (see `state_rules`)
@@ -225,6 +269,42 @@ class Layout:
     def build(cls, sizes: dict[str, int], *, zero_stage: int, sequence_parallel: bool,
               devices: Sequence[jax.Device] | None = None) -> "Layout":
         return cls(make_mesh(sizes, devices), state_rules(zero_stage, sequence_parallel))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Mesh axis -> number of devices."""
+        return dict(self.mesh.shape)
+
+    @property
+    def pipe_axis(self) -> str | None:
+        return pipe_axis(self.rules["activations"])
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: the size of the pipeline axis (1 without one)."""
+        return self.sizes.get(self.pipe_axis, 1)
+
+    @property
+    def pipelined(self) -> bool:
+        return is_pipelined(self.sizes, self.rules["activations"])
+
+    @property
+    def ring_axis(self) -> str | None:
+        return ring_axis(self.rules["activations"])
+
+    @property
+    def ring_size(self) -> int:
+        """Devices in attention's ring: the size of the ring axis (1: no ring)."""
+        return self.sizes.get(self.ring_axis, 1)
+
+    @property
+    def ring(self) -> bool:
+        return is_ring(self.sizes, self.rules["activations"])
+
+    @property
+    def row_axes(self) -> tuple[str, ...]:
+        """The axes a pipelined chunk splits only rows over (`row_axes`)."""
+        return row_axes(self.rules)
 
     def shardings(self, logical_tree: Any, kind: str) -> Any:
         """NamedShardings of a tree of logical-name tuples, for `kind` (params, grads, ...)."""

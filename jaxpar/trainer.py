@@ -82,10 +82,10 @@ def _new_model(cfg: Config, context_layout: str | None) -> Transformer:
                        context_layout=context_layout)
 
 
-def resolve_attention(cfg: Config, sizes: dict[str, int], device) -> Config:
-    """The config with `model.attention: auto` made concrete for the mesh's devices
+def resolve_attention(cfg: Config, layout: sharding_lib.Layout, device) -> Config:
+    """The config with `model.attention: auto` made concrete for `device` under this layout
     (`jaxpar.models.attention.kernel_for`); the model reads the choice from its config."""
-    kernel = kernel_for(cfg.model, device, pipelined=sizes["pipe"] > 1, ring=sizes["context"] > 1)
+    kernel = kernel_for(cfg.model, device, pipelined=layout.pipelined, ring=layout.ring)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=kernel))
 
 
@@ -109,35 +109,33 @@ def accumulate(fn: Callable, params, batch: dict, microsteps: int):
     return total
 
 
-def summed_grads_fn(cfg: Config, sizes: dict[str, int], layout: sharding_lib.Layout,
-                    abstract_model) -> Callable:
+def summed_grads_fn(cfg: Config, layout: sharding_lib.Layout, abstract_model) -> Callable:
     """(params, batch) -> (gradients of the objective summed over the batch's tokens, the
     statistics summed likewise), over parallel.grad_accum microsteps (`accumulate`). A microstep
-    is the gradient of `objective_lib.objective`, or with mesh.pipe > 1 a pipelined pass of
+    is the gradient of `objective_lib.objective`, or where the layout is pipelined a pass of
     parallel.microbatches microbatches (`objective_lib.pipelined_grads`), the same objective."""
     p = cfg.parallel
-    if sizes["pipe"] > 1:
-        schedule = schedule_lib.build_schedule(p.pipeline_schedule, sizes["pipe"], p.microbatches,
+    if layout.pipelined:
+        schedule = schedule_lib.build_schedule(p.pipeline_schedule, layout.stages, p.microbatches,
                                                p.virtual_stages)
         rows = cfg.train.batch_size // (p.grad_accum * p.microbatches)  # one pipeline microbatch
         microstep = functools.partial(
             objective_lib.pipelined_grads, abstract_model, schedule=schedule, mesh=layout.mesh,
-            axis_name=layout.rules["activations"]["layers"][0],
-            loss_chunks=loss_chunks(cfg, sizes, rows=rows),
+            axis_name=layout.pipe_axis, loss_chunks=loss_chunks(cfg, layout.sizes, rows=rows),
             # Axes over which parameters and gradients are whole: the pipeline splits rows over
             # them itself and sums once per pass.
-            row_axes=schedule_lib.row_axes_for(cfg.model, p.zero_stage))
+            row_axes=layout.row_axes)
     else:
         microstep = jax.grad(functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
-                                               chunks=loss_chunks(cfg, sizes)), has_aux=True)
+                                               chunks=loss_chunks(cfg, layout.sizes)), has_aux=True)
     return functools.partial(accumulate, microstep, microsteps=p.grad_accum)
 
 
-def summed_nll_fn(cfg: Config, sizes: dict[str, int], abstract_model,
+def summed_nll_fn(cfg: Config, layout: sharding_lib.Layout, abstract_model,
                   summed_grads: Callable) -> Callable:
     """(params, batch) -> {"nll": summed NLL, "count": tokens} of the batch, computed as the
     step computes them (the same microsteps of the same rows), without a gradient."""
-    if sizes["pipe"] > 1:
+    if layout.pipelined:
         # The pipeline's loss comes from the call the step makes (its schedules hold backward
         # actions too; jaxpar.parallel.pipeline has no forward-only one). Nothing reads the
         # gradients and XLA removes their work: in the compiled XLA:CPU program of
@@ -145,7 +143,7 @@ def summed_nll_fn(cfg: Config, sizes: dict[str, int], abstract_model,
         # empty and the program holds 19 dot ops, the train step 40.
         return lambda params, batch: summed_grads(params, batch)[1]
     objective = functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
-                                  chunks=loss_chunks(cfg, sizes))
+                                  chunks=loss_chunks(cfg, layout.sizes))
 
     def nll_and_count(params, batch):
         aux = objective(params, batch)[1]
@@ -154,13 +152,14 @@ def summed_nll_fn(cfg: Config, sizes: dict[str, int], abstract_model,
     return functools.partial(accumulate, nll_and_count, microsteps=cfg.parallel.grad_accum)
 
 
-def to_ring_layout(batch: dict, context: int, context_layout: str | None) -> dict:
-    """Ring attention's sequence order over `context` devices (zigzag or contiguous), applied
-    once per step to every token array, so positions and segment ids travel with their tokens;
-    the batch as it is without ring attention (context_layout None)."""
-    if context_layout is None:
+def to_ring_layout(batch: dict, layout: sharding_lib.Layout, context_layout: str) -> dict:
+    """Ring attention's sequence order (parallel.context_layout: zigzag or contiguous) over the
+    devices of the layout's ring axis (`Layout.ring_size`, the axis ring attention goes round),
+    applied once per step to every token array, so positions and segment ids travel with their
+    tokens; the batch as it is where the layout has no ring."""
+    if not layout.ring:
         return batch
-    return {k: permute_to_layout(x, context=context, layout=context_layout)
+    return {k: permute_to_layout(x, context=layout.ring_size, layout=context_layout)
             for k, x in batch.items()}
 
 
@@ -195,7 +194,6 @@ class StepParts:
     """What the train step and the evaluation read besides their arguments."""
 
     cfg: Config
-    sizes: dict[str, int]
     layout: sharding_lib.Layout
     optimizer: optax.GradientTransformation
     grad_shardings: Any
@@ -203,10 +201,8 @@ class StepParts:
     summed_nll: Callable  # `summed_nll_fn`
 
     def prepare(self, batch: dict) -> dict:
-        """The batch in ring attention's layout when the mesh has one (`to_ring_layout`)."""
-        p = self.cfg.parallel
-        context = self.sizes["context"]
-        return to_ring_layout(batch, context, p.context_layout if context > 1 else None)
+        """The batch in ring attention's layout when the layout has a ring (`to_ring_layout`)."""
+        return to_ring_layout(batch, self.layout, self.cfg.parallel.context_layout)
 
 
 def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, Any]:
@@ -244,17 +240,26 @@ def eval_step(parts: StepParts, params, batch: dict):
 
 
 def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
-    """Layout, shardings, born-sharded init and the jitted train step for `cfg` (not compiled)."""
+    """Layout, shardings, born-sharded init and the jitted train step for `cfg` (not compiled)
+    on a mesh of these axis sizes (config.validate's) with the default rules (`trainer_for`).
+    It keeps taking `(cfg, sizes)`: the command lines, tests and notebooks call it so; past
+    here the trainer asks the Layout."""
     p = cfg.parallel
-    layout = sharding_lib.Layout.build(sizes, zero_stage=p.zero_stage,
-                                       sequence_parallel=p.sequence_parallel, devices=devices)
+    return trainer_for(cfg, sharding_lib.Layout.build(
+        sizes, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, devices=devices))
+
+
+def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
+    """`build_trainer` on a built layout: which techniques run, and over which axes, is the
+    layout's answer (`Layout.pipelined`, `ring`, `ring_size`, `row_axes`), so the step follows
+    its rules."""
     mesh = layout.mesh
-    cfg = resolve_attention(cfg, sizes, mesh.devices.flat[0])
+    cfg = resolve_attention(cfg, layout, mesh.devices.flat[0])
     if cfg.model.fp8:  # before anything compiles: float8 GEMMs on this backend, or exit 2
         fp8_lib.check_device(mesh.devices.flat[0])
     # Ring attention's sequence order; the batch is permuted into it once per step
     # (StepParts.prepare).
-    context_layout = p.context_layout if sizes["context"] > 1 else None
+    context_layout = cfg.parallel.context_layout if layout.ring else None
     optimizer = make_optimizer(cfg)
 
     abstract_model = nnx.eval_shape(lambda: _new_model(cfg, context_layout))
@@ -277,9 +282,9 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
         return {"params": params, "opt_state": optimizer.init(params),
                 **{k: jnp.zeros((), jnp.int32) for k in counters}}
 
-    summed_grads = summed_grads_fn(cfg, sizes, layout, abstract_model)
-    parts = StepParts(cfg, sizes, layout, optimizer, shardings["grads"], summed_grads,
-                      summed_nll_fn(cfg, sizes, abstract_model, summed_grads))
+    summed_grads = summed_grads_fn(cfg, layout, abstract_model)
+    parts = StepParts(cfg, layout, optimizer, shardings["grads"], summed_grads,
+                      summed_nll_fn(cfg, layout, abstract_model, summed_grads))
 
     def step(state, batch):
         return train_step(parts, state, batch)[:2]

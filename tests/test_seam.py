@@ -222,3 +222,45 @@ def test_moe_exchange_goes_over_the_axis_of_the_layouts_experts_rule(monkeypatch
                                atol=1e-5)
     monkeypatch.setattr(experts_lib, "rules_in_force", lambda: BASE_RULES)  # the static table
     assert _all_to_all_axes(jax.make_jaxpr(scoped())(params, x).jaxpr) == set()
+
+
+def test_the_trainer_follows_a_layout_whose_seq_rule_names_another_axis():
+    """Rules that put the sequence over `data` (4 devices) and the batch over `context` (2):
+    the layout says the ring goes round `data` with 4 devices, and the trainer built on it
+    permutes the batch for that ring and trains as one device does (first-step gradients, leaf
+    by leaf). A batch permuted for `context`'s 2 devices, as `sizes["context"]` would say,
+    hands the ring tokens in the wrong order: its causal mask and the gradients come out wrong."""
+    from jaxpar.trainer import trainer_for
+    from tests.parity import SGD, assert_grads_match, assert_nonzero, parity_trainer, random_batches
+
+    layout = _layout_with_activation_rules(seq=("data",), act_seq=("data",), batch=("context",))
+    assert (layout.ring, layout.ring_axis, layout.ring_size) == (True, "data", 4)
+    assert not layout.pipelined and layout.sizes["context"] == 2
+    cfg = tiny_config(SGD)
+    trainer = trainer_for(cfg, layout)
+    want_trainer = parity_trainer([], {})
+    batch = next(random_batches(cfg, steps=1))
+
+    def first_grads(trainer):
+        return jax.device_get(trainer.step_with_grads(trainer.init(), trainer.shard_batch(batch))[2])
+
+    want = first_grads(want_trainer)
+    assert_nonzero(want)
+    assert_grads_match(first_grads(trainer), want)
+
+
+def test_the_layouts_row_axes_are_the_pipelines_under_the_default_rules():
+    """Layout.row_axes (from the rules) equals `row_axes_for` (what the planner and
+    `inspect --schedule` use) for a dense model at every ZeRO stage, with and without sequence
+    parallelism; with a `layers` rule the pipeline axis and its size follow it."""
+    from jaxpar.parallel.schedule import row_axes_for
+
+    sizes = {a: 1 for a in config_lib.MESH_AXES} | {"pipe": 2, "data": 2, "context": 2}
+    for stage in range(4):
+        for sp in (False, True):
+            layout = Layout.build(sizes, zero_stage=stage, sequence_parallel=sp)
+            assert layout.row_axes == row_axes_for(tiny_config().model, stage), (stage, sp)
+            assert (layout.pipelined, layout.pipe_axis, layout.stages) == (True, "pipe", 2)
+            assert (layout.ring, layout.ring_axis, layout.ring_size) == (True, "context", 2)
+    moved = _layout_with_activation_rules(layers=("context",))
+    assert (moved.pipelined, moved.pipe_axis, moved.stages) == (True, "context", 2)

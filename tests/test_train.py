@@ -127,6 +127,9 @@ def test_the_guard_keeps_a_non_finite_step_out_of_the_weights(on_nan):
 def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
     from types import SimpleNamespace
 
+    import jax
+
+    from jaxpar.sharding import Layout
     from jaxpar.trainer import resolve_attention
 
     sizes = {a: 1 for a in config_lib.MESH_AXES}
@@ -135,7 +138,9 @@ def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
 
     def kernel(device, overrides=(), **mesh):
         cfg = config_lib.load_config(TINY_YAML, TINY + list(overrides))
-        return resolve_attention(cfg, {**sizes, **mesh}, device).model.attention
+        layout = Layout.build({**sizes, **mesh}, zero_stage=0, sequence_parallel=False,
+                              devices=jax.devices()[:max(mesh.values(), default=1)])
+        return resolve_attention(cfg, layout, device).model.attention
 
     assert kernel(h100) == "cudnn"
     assert kernel(a100) == "xla"  # packed documents need Hopper

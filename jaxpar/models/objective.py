@@ -71,7 +71,8 @@ def pipelined_grads(model, params, batch, *, schedule: Schedule, mesh: jax.shard
         segment_ids, loss_mask}, each [batch, seq] (already in ring attention's layout when the
         model has one: positions and segment ids travel with their tokens).
     row_axes: the mesh axes that split only the batch rows, parameters replicated over them
-        (`row_axes_for`; `pipeline_value_and_grad`); none for MoE and float8 models whatever given.
+        (`Layout.row_axes`; `pipeline_value_and_grad`); none for MoE and float8 models whatever
+        given.
 
     Returns (gradients of the summed objective, shaped like params; {"nll": summed NLL, "count":
     tokens}, and for MoE models the router statistics). Activations and their gradients travel
