@@ -74,7 +74,7 @@ from jaxpar import targets as targets_lib
 from jaxpar.config import MESH_AXES, Config, ConfigError, ModelConfig
 from jaxpar.models.llama import scan_length
 from jaxpar.models.moe import moe_layers
-from jaxpar.sharding import Rules, make_rules, state_rules
+from jaxpar.sharding import Rules, is_pipelined, is_ring, make_rules, state_rules
 from jaxpar.targets import DEVICES, DeviceSpec
 
 GIB = 2**30
@@ -360,7 +360,7 @@ def attention_kernel(cfg: Config, sizes: dict[str, int], device: DeviceSpec | No
 
     fake = (SimpleNamespace(platform="cpu", compute_capability=None) if device is None else
             SimpleNamespace(platform="gpu", compute_capability=device.compute_capability))
-    return kernel_for(cfg.model, fake, pipelined=sizes["pipe"] > 1, ring=sizes["context"] > 1)
+    return kernel_for(cfg.model, fake, pipelined=is_pipelined(sizes), ring=is_ring(sizes))
 
 
 def pipeline_slots(cfg: Config, sizes: dict[str, int]) -> tuple[int, int, int]:
@@ -407,19 +407,18 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str,
     el = state_elements(m, sizes, p.zero_stage)
     moments = 2 if cfg.optimizer.name == "adamw" else 0
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    pipe = sizes["pipe"]
-    ring = sizes["context"] > 1
+    pipe, pipelined, ring = sizes["pipe"], is_pipelined(sizes), is_ring(sizes)
     layers = m.n_layers // pipe
     # Rows one pass works on: a grad-accumulation microstep's share, and with a pipeline one
     # microbatch of it.
-    rows = t.batch_size // (dp * p.grad_accum * (p.microbatches if pipe > 1 else 1))
+    rows = t.batch_size // (dp * p.grad_accum * (p.microbatches if pipelined else 1))
     s = shape_for(cfg, sizes, rows)
-    saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipe > 1, backend=backend) * rows
+    saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipelined, backend=backend) * rows
     whole = layer_residuals(m, s, "none", kernel, ring, backend=backend) * rows
     if ring:  # one hop's float32 block attention: scores, probabilities and their gradients
         whole += b.ring_arrays * 4 * rows * s.heads * s.tokens * s.tokens
     stream = rows * s.between * m.d_model * a  # one [rows, seq, embed] activation
-    if pipe > 1:
+    if pipelined:
         stash, n_act, n_grad = pipeline_slots(cfg, sizes)
         chunk = layers // p.virtual_stages
         # The stash, plus the slot a forward fills before it is written into the stash.
@@ -568,7 +567,7 @@ def _data_parallel_time(cfg: Config, sizes: dict[str, int], bandwidth) -> float:
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     # What one device computes with: params split by tensor / pipe / expert.
     gathered = state_elements(m, sizes, 0)["params"]
-    passes = p.grad_accum * (p.microbatches if sizes["pipe"] > 1 else 1)  # forward+backward passes
+    passes = p.grad_accum * (p.microbatches if is_pipelined(sizes) else 1)  # forward+backward passes
     grad_bytes = 4 * gathered
     f = sizes["fsdp"]
     if p.zero_stage == 0 or f == 1:
@@ -602,7 +601,7 @@ def _model_parallel_times(cfg: Config, sizes: dict[str, int], bandwidth,
     comm["tensor"] = layers * per_layer * ring(act, tensor, "all-reduce") / bandwidth(("tensor",))
     # context: K and V blocks go c - 1 hops forward; K, V, dK, dV backward.
     kv = (t.batch_size // dp) * (t.seq_len // context) * 2 * (m.n_kv_heads // tensor) * m.head_dim * a
-    ring_time = layers * (context - 1) * 3 * kv / bandwidth(("context",)) if context > 1 else 0.0
+    ring_time = layers * (context - 1) * 3 * kv / bandwidth(("context",)) if is_ring(sizes) else 0.0
     comm["context"] = max(0.0, ring_time - attention_s)
     # expert: two all-to-alls of the routed tokens per MoE layer forward, two backward.
     comm["expert"] = 0.0
@@ -612,7 +611,7 @@ def _model_parallel_times(cfg: Config, sizes: dict[str, int], bandwidth,
                           / bandwidth(("expert",)))
     # pipe: each microbatch's activation forward and its gradient backward, per boundary.
     comm["pipe"] = (2 * p.microbatches * (act / max(p.microbatches, 1)) / bandwidth(("pipe",))
-                    if pipe > 1 else 0.0)
+                    if is_pipelined(sizes) else 0.0)
     return comm
 
 
@@ -621,7 +620,7 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     """Predicted seconds of one optimizer step, by part (module doc), and the MFU."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = math.prod(sizes.values())
-    pipe = sizes["pipe"]
+    pipelined = is_pipelined(sizes)
     tokens = t.batch_size * t.seq_len
     model_flops = tokens * _model_flops_per_token(m, t.seq_len)
     kernel = attention_kernel(cfg, sizes, device)
@@ -637,14 +636,14 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     comm = {"data_fsdp": _data_parallel_time(cfg, sizes, bandwidth),
             **_model_parallel_times(cfg, sizes, bandwidth, attention_s)}
     bubble = 0.0
-    if pipe > 1:
+    if pipelined:
         bubble = schedule_bubble(executed_schedule(cfg, sizes))
     busy = compute + comm["tensor"] + comm["context"] + comm["expert"] + comm["pipe"]
     busy = busy / (1 - bubble)
     exposed_dp = max(0.0, comm["data_fsdp"] - busy)
     from jaxpar.parallel import schedule as pipeline_lib
 
-    if pipe > 1 and pipeline_lib.row_axes_for(m, p.zero_stage):
+    if pipelined and pipeline_lib.row_axes_for(m, p.zero_stage):
         # The pipeline sums its gradients over the row axes (data, fsdp below ZeRO-2) once per
         # pipelined pass, after its loop, with nothing left to overlap: exposed, grad_accum times.
         exposed_dp = p.grad_accum * comm["data_fsdp"]
@@ -728,7 +727,7 @@ def _settings(cfg: Config, sizes: dict[str, int]):
     for zero, remat in itertools.product(stages, ("none", "dots", "full")):
         base = dict(zero_stage=zero, remat=remat, sequence_parallel=sp)
         p = sizes["pipe"]
-        if p == 1:
+        if not is_pipelined(sizes):
             for accum in (1, 2, 4, 8, 16):
                 if per_replica % accum == 0:
                     yield dict(base, grad_accum=accum)
@@ -776,7 +775,7 @@ def _rank(plan: Plan) -> tuple[int, int]:
     p, s = plan.cfg.parallel, plan.sizes
     complexity = (sum(s[a] > 1 for a in MESH_AXES if a != "data") + p.zero_stage
                   + ("none", "dots", "full").index(p.remat) + p.grad_accum.bit_length()
-                  + (p.microbatches.bit_length() if s["pipe"] > 1 else 0))
+                  + (p.microbatches.bit_length() if is_pipelined(s) else 0))
     return round(math.log(plan.time["step_time_s"]) / math.log(1.005)), complexity
 
 
@@ -801,11 +800,11 @@ def _feature_tests(plan: Plan) -> list[tuple[str, callable, str]]:
         where = "across nodes" if "tensor" in plan.crosses else "inside the node"
         out.append((f"tensor={s['tensor']} {where}", lambda q: q.sizes["tensor"] == 1,
                     "tensor parallelism"))
-    if s["pipe"] > 1:
+    if is_pipelined(s):
         out.append((f"pipe={s['pipe']} ({p.pipeline_schedule}, {p.microbatches} microbatches)",
-                    lambda q: q.sizes["pipe"] == 1, "pipelining"))
-    if s["context"] > 1:
-        out.append((f"context={s['context']}", lambda q: q.sizes["context"] == 1,
+                    lambda q: not is_pipelined(q.sizes), "pipelining"))
+    if is_ring(s):
+        out.append((f"context={s['context']}", lambda q: not is_ring(q.sizes),
                     "context parallelism"))
     if s["fsdp"] > 1:
         stage = p.zero_stage
@@ -858,7 +857,7 @@ def command(plan: Plan, path: str | None, overrides: list[str], gpus_per_node: i
     keys = {f"mesh.{a}": s[a] for a in MESH_AXES}
     keys.update({"parallel.zero_stage": p.zero_stage, "parallel.remat": p.remat,
                  "parallel.sequence_parallel": str(p.sequence_parallel).lower()})
-    if s["pipe"] > 1:
+    if is_pipelined(s):
         keys.update({"parallel.pipeline_schedule": p.pipeline_schedule,
                      "parallel.microbatches": p.microbatches,
                      "parallel.virtual_stages": p.virtual_stages})
@@ -873,14 +872,15 @@ def command(plan: Plan, path: str | None, overrides: list[str], gpus_per_node: i
 
 def to_json(plan: Plan, why: str, cmd: str) -> dict:
     p, mem = plan.cfg.parallel, plan.memory
+    pipelined = is_pipelined(plan.sizes)
     return {
         "mesh": dict(plan.sizes),
         "zero_stage": p.zero_stage,
         "remat": p.remat,
         "sequence_parallel": p.sequence_parallel,
-        "microbatches": p.microbatches if plan.sizes["pipe"] > 1 else None,
-        "schedule": p.pipeline_schedule if plan.sizes["pipe"] > 1 else None,
-        "virtual_stages": p.virtual_stages if plan.sizes["pipe"] > 1 else None,
+        "microbatches": p.microbatches if pipelined else None,
+        "schedule": p.pipeline_schedule if pipelined else None,
+        "virtual_stages": p.virtual_stages if pipelined else None,
         "grad_accum": p.grad_accum,
         "attention": plan.kernel,
         "memory_per_device": {k: int(mem[k]) for k in
