@@ -301,7 +301,8 @@ def settings_help(cls=None, prefix: str = "") -> str:
             continue
         default = getattr(defaults, f.name)
         shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
-        lines.append(f"  {prefix}{f.name}={shown}".ljust(44) + f"  {comments.get(f.name, '')}".rstrip())
+        comment = comments.get(f.name, "").replace("(see above)", "(see jaxpar/config.py)")
+        lines.append(f"  {prefix}{f.name}={shown}".ljust(44) + f"  {comment}".rstrip())
     return "\n".join(lines)
 
 
@@ -470,7 +471,7 @@ def _similar_config(path: str) -> str:
         if not os.path.isdir(where):
             continue
         names = sorted(n for n in os.listdir(where) if n.endswith((".yaml", ".yml")))
-        close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.5)
+        close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.7)
         if close:
             shown = os.path.join(folder if where == folder else os.path.relpath(where), close[0])
             return f"; did you mean '{shown}'?"
@@ -783,6 +784,10 @@ def validate_runtime(cfg: Config) -> None:
     if cfg.runtime.cpu_devices < 1:
         raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices}: must be at least 1 "
                           "(1 = a plain single-device run; 8 emulates the default mesh)")
+    memory = cfg.runtime.host_memory_gib
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
+        raise ConfigError(f"runtime.host_memory_gib={memory}: give the GiB of RAM the run may take "
+                          "(a positive number, e.g. 16), or null for what the machine has available")
 
 
 def check_writable_dir(path: str, key: str) -> None:

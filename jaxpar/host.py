@@ -7,8 +7,10 @@ config alone, before anything compiles:
 
 - memory: the planner's per-device prediction for XLA:CPU's program (`jaxpar.plan.predict_memory`,
   backend "cpu"), times the emulated devices of this process, times `COMPILER_MARGIN`, plus
-  `PROCESS_BYTES` for the Python process, the JAX runtime and the data loader; compared with the
-  memory the kernel says is available (`/proc/meminfo`'s MemAvailable) or `runtime.host_memory_gib`.
+  `PROCESS_BYTES` for the Python process, the JAX runtime and the data loader; compared with
+  `runtime.host_memory_gib` when set, else with `USABLE_SHARE` of the memory available to this
+  process: the kernel's MemAvailable, or less where a cgroup limits the process (Slurm's --mem,
+  a container's memory limit).
 - time per step: the step's executed FLOPs (`jaxpar.plan.hardware_flops`, recomputation included)
   over this machine's float32 matmul rate, measured here in a fraction of a second, times
   `STEP_EFFICIENCY`, the share of that rate a whole train step reaches on a CPU.
@@ -50,6 +52,9 @@ STEP_EFFICIENCY = 0.21
 SLOW_STEP_S = 10.0
 
 
+DOES_NOT_FIT = 3  # the exit code of a run refused here: like a config error, a restart would repeat it
+
+
 class DoesNotFit(Exception):
     """The run is predicted to need more memory than this host has available (exit code 3)."""
 
@@ -57,6 +62,8 @@ class DoesNotFit(Exception):
 @dataclass(frozen=True)
 class Forecast:
     memory_bytes: float  # the process's predicted peak resident memory
+    limit_bytes: float | None  # what it may take: runtime.host_memory_gib, else a share of what
+    # is available (None: unknown)
     available_bytes: float | None  # what the host has for it (None: unknown)
     step_seconds: float  # predicted time of one train step
     step_flops: float  # executed FLOPs of one step, all emulated devices together
@@ -64,25 +71,61 @@ class Forecast:
 
     @property
     def fits(self) -> bool:
-        return self.available_bytes is None or self.memory_bytes <= USABLE_SHARE * self.available_bytes
+        return self.limit_bytes is None or self.memory_bytes <= self.limit_bytes
 
     @property
     def slow(self) -> bool:
         return self.step_seconds > SLOW_STEP_S
 
 
-def available_bytes(cfg: Config) -> float | None:
-    """`runtime.host_memory_gib`, else the kernel's MemAvailable; None where neither is known."""
-    if cfg.runtime.host_memory_gib is not None:
-        return cfg.runtime.host_memory_gib * GIB
+def _read_number(path: str) -> float | None:
+    try:
+        with open(path) as f:
+            text = f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+    return float(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _cgroup_room() -> float | None:
+    """Bytes this process's memory cgroup has left (limit less usage), v2 then v1; None where no
+    limit applies. (The cgroup of PID 1's view: /sys/fs/cgroup, as a container or Slurm job sees it.)"""
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, used = _read_number(limit), _read_number(usage)
+        if cap is not None and cap < 2**60:  # v1 writes a huge number for no limit
+            return max(cap - (used or 0.0), 0.0)
+    return None
+
+
+def available_bytes() -> float | None:
+    """Memory available to this process: the kernel's MemAvailable, or its cgroup's room where
+    that is smaller; None where neither is known."""
+    meminfo = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
+                    meminfo = float(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    known = [x for x in (meminfo, _cgroup_room()) if x is not None]
+    return min(known) if known else None
+
+
+def limit_bytes(cfg: Config, available: float | None) -> float | None:
+    """What a run may take: runtime.host_memory_gib as given, else USABLE_SHARE of `available`."""
+    if cfg.runtime.host_memory_gib is not None:
+        return cfg.runtime.host_memory_gib * GIB
+    return None if available is None else USABLE_SHARE * available
+
+
+def memory_bytes(cfg: Config, sizes: dict[str, int], local_devices: int) -> float:
+    """The predicted peak resident memory of one process running `local_devices` of the mesh."""
+    kernel = plan_lib.attention_kernel(cfg, sizes, None)
+    per_device = plan_lib.predict_memory(cfg, sizes, kernel, backend="cpu")["total"]
+    return COMPILER_MARGIN * per_device * local_devices + PROCESS_BYTES
 
 
 def matmul_rate(n: int = 1024, repeats: int = 5) -> float:
@@ -103,13 +146,13 @@ def matmul_rate(n: int = 1024, repeats: int = 5) -> float:
 def forecast(cfg: Config, sizes: dict[str, int], local_devices: int,
              rate: float | None = None) -> Forecast:
     """Predicted peak memory of this process and time per step of `cfg` on this CPU host."""
-    kernel = plan_lib.attention_kernel(cfg, sizes, None)
-    per_device = plan_lib.predict_memory(cfg, sizes, kernel, backend="cpu")["total"]
-    memory = COMPILER_MARGIN * per_device * local_devices + PROCESS_BYTES
+    memory = memory_bytes(cfg, sizes, local_devices)
     t = cfg.train
     flops = plan_lib.hardware_flops(cfg.model, t.seq_len, cfg.parallel.remat) * t.batch_size * t.seq_len
     rate = matmul_rate() if rate is None else rate
-    return Forecast(memory_bytes=memory, available_bytes=available_bytes(cfg),
+    available = available_bytes()
+    return Forecast(memory_bytes=memory, limit_bytes=limit_bytes(cfg, available),
+                    available_bytes=available,
                     step_seconds=flops / (rate * STEP_EFFICIENCY), step_flops=flops,
                     matmul_flops_per_s=rate)
 
@@ -122,14 +165,24 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def room(cfg: Config, limit: float, available: float | None) -> str:
+    """What the limit is, in words: the setting, or a share of what is available."""
+    if cfg.runtime.host_memory_gib is not None:
+        return f"runtime.host_memory_gib={cfg.runtime.host_memory_gib:g} allows {limit / GIB:.1f} GiB"
+    return (f"{available / GIB:.1f} GiB is available, of which {USABLE_SHARE:.0%} "
+            f"({limit / GIB:.1f} GiB) may be taken")
+
+
+ADVICE = ("use a smaller train.batch_size or train.seq_len, parallel.remat=full, a smaller model, "
+          "a GPU, or set runtime.host_memory_gib to the GiB the run may take if the estimate is wrong")
+
+
 def refusal(f: Forecast, cfg: Config) -> str:
     """The one-line message of a run that will not fit."""
     return (f"this run needs about {f.memory_bytes / GIB:.1f} GiB of host memory on this CPU "
             f"(train.batch_size={cfg.train.batch_size} x train.seq_len={cfg.train.seq_len}, "
-            f"{cfg.runtime.cpu_devices} emulated device(s)) and {f.available_bytes / GIB:.1f} GiB "
-            f"is available ({USABLE_SHARE:.0%} of it usable); use a smaller train.batch_size or "
-            "train.seq_len, parallel.remat=full, a smaller model (configs/tiny.yaml), a GPU, or "
-            "set runtime.host_memory_gib to the GiB this run may take if the estimate is wrong")
+            f"{cfg.runtime.cpu_devices} emulated device(s)) and "
+            f"{room(cfg, f.limit_bytes, f.available_bytes)}; {ADVICE}")
 
 
 def warning(f: Forecast, cfg: Config) -> str:
@@ -137,8 +190,8 @@ def warning(f: Forecast, cfg: Config) -> str:
     return (f"warning: on this CPU one step is expected to take about {_duration(f.step_seconds)} "
             f"({f.step_flops:.2e} FLOPs at about {f.matmul_flops_per_s * STEP_EFFICIENCY / 1e9:.0f} "
             f"GFLOP/s), {cfg.train.steps} steps about {_duration(f.step_seconds * cfg.train.steps)}; "
-            f"memory about {f.memory_bytes / GIB:.1f} GiB. This preset is sized for GPUs: for a "
-            "quick try on a CPU use configs/tiny.yaml or the default job. Ctrl-C stops at once.")
+            f"memory about {f.memory_bytes / GIB:.1f} GiB. For a quick try on a CPU, a smaller model "
+            "or batch (configs/tiny.yaml, or the default job with no arguments).")
 
 
 def check(cfg: Config, sizes: dict[str, int]) -> Forecast | None:

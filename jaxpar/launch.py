@@ -41,8 +41,10 @@ when it cannot work: --port outside 1-65535 or taken; more processes than the ma
 (`most_processes`: about PROCESS_BYTES of the machine's memory for each, at most
 PROCESSES_PER_CORE per core); and, for `python -m jaxpar.train`, the config every process would
 refuse -- on the CPU checked for the devices of all of them, nproc x runtime.cpu_devices (on
-GPUs, each process counts its own). A stop asked for while the processes are being started ends
-the starting there.
+GPUs, each process counts its own). On the CPU the processes' forecast memory together
+(`jaxpar.host`) is checked against what the machine allows too, and a launch too big for it is
+refused with exit code 3. A stop asked for while the processes are being started ends the
+starting there.
 
 Output: process 0's stdout and stderr pass through live; the others are kept as a rolling tail.
 
@@ -68,7 +70,7 @@ restart never starts over from a setting: if the command says `train.resume=neve
 restarts say `train.resume=auto` instead (and the line says so), since the checkpoints now in the
 run dir are this run's. If no checkpoint was complete yet, the restart starts over with
 `train.resume=never` (what the first start did). Not restarted: exit code 2 (a configuration
-error, which would only recur), a stop asked for with SIGINT/SIGTERM, and a process that is still
+error, which would only recur) or 3 (too big for this machine's memory, likewise), a stop asked for with SIGINT/SIGTERM, and a process that is still
 running after SIGKILL. When the restarts are used up, the launcher exits with the last failure's
 code; the last line says how many restarts were used.
 """
@@ -92,6 +94,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from jaxpar import config as config_lib
+from jaxpar import host as host_lib
 from jaxpar.cli import CONFIG_ERROR  # a restart would repeat it: not restarted
 
 POLL_S = 0.1  # how often the launcher looks at its queue of exits and signals
@@ -320,22 +323,52 @@ def _on_cpu() -> bool:
     return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg"))
 
 
+def _cpu_config(nproc: int, train_args: list[str]):
+    """(config, devices) of the run as the processes will read it, for the devices of all of them
+    together on the CPU (nproc x runtime.cpu_devices); a ConfigError as they would raise it."""
+    path, overrides = config_lib.parse_cli(list(train_args))
+    settings = config_lib.user_settings(path, overrides)
+    cfg = config_lib.build_config(settings)
+    config_lib.validate_runtime(cfg)
+    devices = nproc * cfg.runtime.cpu_devices
+    if "mesh" not in settings:  # as jaxpar.train does: the default layout, fitted to the devices
+        cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(devices))
+    return cfg, devices
+
+
+def memory_problem(nproc: int, train_args: list[str]) -> str | None:
+    """On the CPU: the processes' forecast memory together against what this machine allows
+    (`jaxpar.host`; each process checks only its own share); None when it fits or cannot be told
+    (GPUs, a config error that `_config_problem` reports, train.init_from's shape)."""
+    if not _on_cpu():
+        return None
+    try:
+        cfg, devices = _cpu_config(nproc, train_args)
+        if cfg.train.init_from is not None:
+            return None
+        sizes = config_lib.validate(cfg, devices)
+    except config_lib.ConfigError:
+        return None
+    need = nproc * host_lib.memory_bytes(cfg, sizes, cfg.runtime.cpu_devices)
+    available = host_lib.available_bytes()
+    limit = host_lib.limit_bytes(cfg, available)
+    if limit is None or need <= limit:
+        return None
+    return (f"the {nproc} processes need about {need / host_lib.GIB:.1f} GiB of host memory "
+            f"together and {host_lib.room(cfg, limit, available)}; {host_lib.ADVICE}, or fewer "
+            "processes")
+
+
 def _config_problem(nproc: int, train_args: list[str]) -> str | None:
     """The config error every process would stop with, checked here once, for the devices of
     all the processes together where they run on the CPU (nproc x runtime.cpu_devices); None
     when there is none (or only the processes can tell: their devices on GPUs)."""
     try:
-        path, overrides = config_lib.parse_cli(list(train_args))
-        settings = config_lib.user_settings(path, overrides)
-        cfg = config_lib.build_config(settings)
-        config_lib.validate_runtime(cfg)
+        cfg, devices = _cpu_config(nproc, train_args)
     except config_lib.ConfigError as e:
         return f"config error: {e}"
     if not _on_cpu():
         return None
-    devices = nproc * cfg.runtime.cpu_devices
-    if "mesh" not in settings:  # as jaxpar.train does: the default layout, fitted to the devices
-        cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(devices))
     try:
         if cfg.train.init_from is None:
             config_lib.validate(cfg, devices)
@@ -476,6 +509,9 @@ def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, g
     if (problem := launch_problem(nproc, list(train_args), port, config=command is None)) is not None:
         _say(f"error: {problem}")  # before any process starts
         return CONFIG_ERROR
+    if command is None and (problem := memory_problem(nproc, list(train_args))) is not None:
+        _say(f"error: {problem}")
+        return host_lib.DOES_NOT_FIT
     base = [*(command or [sys.executable, "-m", "jaxpar.train"]), *train_args]
     # The run dir of a custom command is known only from the train arguments it is given.
     run_dir, resume = _train_settings(train_args) if command is None or train_args else (None, "auto")
@@ -508,8 +544,9 @@ def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, g
             survivors = [c for c in children if c.running()]
             if received:
                 why_not = f"a stop was requested ({signal.Signals(received[0]).name})"
-            elif returncode == CONFIG_ERROR:
-                why_not = f"exit code {code} is a configuration error, which a restart would repeat"
+            elif returncode in (CONFIG_ERROR, host_lib.DOES_NOT_FIT):
+                why_not = (f"exit code {code} is a configuration error or a run too big for this "
+                           "machine, which a restart would repeat")
             elif survivors:
                 why_not = (f"process {survivors[0].index} (pid {survivors[0].proc.pid}) is still "
                            "running after SIGKILL")

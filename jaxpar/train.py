@@ -60,9 +60,11 @@ def _schedule_change(cfg: Config, run_dir: str, start: int) -> str | None:
     value = lambda c, key: getattr(getattr(c, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     changed = [f"{key} {value(saved, key)} -> {value(cfg, key)}" for key in SCHEDULE_KEYS
                if value(saved, key) != value(cfg, key)]
-    if not changed:
+    if not changed or start >= cfg.train.steps:  # nothing to train: nothing to say
         return None
     before, after = float(lr_schedule(saved)(start)), float(lr_schedule(cfg)(start))
+    if f"{before:.2e}" == f"{after:.2e}":
+        return None
     return (f"note: {', '.join(changed)} since the run was saved: the learning-rate schedule is "
             f"recomputed for the new settings, so update {start + 1} runs at {after:.2e} where the "
             f"saved schedule had {before:.2e}")
@@ -111,9 +113,12 @@ class Preemption:
 
     With `exit_at_once`, a SIGINT is also seen by a watcher thread the moment it arrives (through
     `signal.set_wakeup_fd`): Python runs its handlers only between bytecodes, so while the main
-    thread waits on a step, a handler would wait out the step. The watcher exits at once when the
-    wait for the next safe point (`expected_wait_s`: the forecast or measured time of a step) is
-    longer than `PROMPT_S`, and on a second SIGINT whatever the main thread is doing."""
+    thread waits on a step, a handler would wait out the step. When the wait for the next safe
+    point (`expected_wait_s`: the forecast or measured time of a step) is longer than `PROMPT_S`,
+    the watcher answers the first SIGINT at once: it exits when nothing would be lost (no step
+    since the last checkpoint was issued, `unsaved_steps`, as in start-up), else says that the
+    run stops after the step with a checkpoint and that a second SIGINT stops now. It exits on a
+    second SIGINT whatever the main thread is doing."""
 
     PROMPT_S = 5.0
     POLL_EVERY = 10  # steps between stop agreements of a multi-process run (see `poll`)
@@ -123,6 +128,7 @@ class Preemption:
         self.exit_at_once = exit_at_once
         self.expected_wait_s = 0.0
         self.polls = self.agreements = 0  # loop steps polled; all-gathers they made
+        self.unsaved_steps = 0  # steps run since the last checkpoint was issued (the loop counts)
         self._previous = {}
         self._wakeup = None  # (read end, write end, the wakeup fd it replaced)
 
@@ -140,13 +146,24 @@ class Preemption:
             interrupts += chunk.count(signal.SIGINT)
             if interrupts >= 2:
                 _exit_at_once(b"\ninterrupted again: stopped at once, without a checkpoint (the "
-                              b"last complete one is intact)\n")
-            if interrupts and self.expected_wait_s > self.PROMPT_S:
-                _exit_at_once(
-                    f"\nstopped at once: a step takes about {self.expected_wait_s:.0f} s here, too "
-                    "long to wait for; nothing after the last complete checkpoint was saved (run "
-                    "the same command to resume from it)\n".encode())
+                              b"last complete one, if any, is intact)\n")
+            if interrupts == 1 and self.expected_wait_s > self.PROMPT_S:
+                self._answer_long_wait()
         os.close(read_end)
+
+    def _answer_long_wait(self) -> None:
+        """The first Ctrl-C while a step-sized wait is ahead: with nothing to lose (no step since
+        the last checkpoint was issued, as in start-up) stop at once; otherwise say at once what
+        waiting saves and that a second Ctrl-C stops now."""
+        wait = f"about {self.expected_wait_s:.0f} s"
+        if self.unsaved_steps == 0:
+            _exit_at_once(
+                f"\nstopped at once: a step takes {wait} here and no step had run since the last "
+                "checkpoint (if any), so nothing was lost; the same command resumes from it, or "
+                "starts over with train.resume=never where there is none\n".encode())
+        os.write(2, f"\nCtrl-C: stopping after the step in flight ({wait} per step) with a "
+                    f"checkpoint of the {self.unsaved_steps} step(s) since the last one; Ctrl-C "
+                    "again stops at once and loses them\n".encode())
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -199,9 +216,14 @@ class Preemption:
             raise Interrupted(signame, before_step)
 
 
+_EXITING = threading.Lock()  # the watcher and the signal handler may both decide to exit
+
+
 def _exit_at_once(message: bytes) -> None:
-    os.write(2, message)
-    os._exit(130)
+    if _EXITING.acquire(blocking=False):  # one message: the other caller waits to be ended
+        os.write(2, message)
+        os._exit(130)
+    time.sleep(60)
 
 
 class Interrupted(Exception):
@@ -428,7 +450,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
             every=cfg.checkpoint.every, verified={} if resume is None else {resume: None})
         state, data_state, start = _initial_state(cfg, trainer, ckpt, resume, is_main)
         preemption.check_startup(start + 1)
-        if is_main:
+        if is_main and start < t.steps:  # a run with nothing to do keeps the record it has
             config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
         summary = _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption,
                         eval_data)
@@ -656,6 +678,7 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
             profiler.before(step)
             if trainer.cfg.model.attention == "cudnn" and not trainer.layout.ring:
                 _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
+            preemption.unsaved_steps += 1
             state, metrics = trainer.step(state, trainer.shard_batch(local))
             clock.stepped(metrics)
             profiler.after(step, metrics)
@@ -666,6 +689,8 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
             if logged or ckpt.should_save(step) or stop:
                 loss, skipped_steps = _read_device(metrics, t, step, ckpt)
             saved, save_s = clock.timed("save_s", save, step, state, step == t.steps or stop is not None)
+            if saved:
+                preemption.unsaved_steps = 0
             if not logged:
                 progress.update(step, None)
             else:
@@ -693,6 +718,7 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
     finally:
         clock.ended = time.perf_counter()  # the plot and the last flush are not training time
         profiler.close()
+        preemption.expected_wait_s = 0.0  # the final save's wait is not a step's: no early exit
         progress.close()
         if writer is not None:
             writer.close()
@@ -762,8 +788,11 @@ def _preflight(cfg: Config, sizes: dict[str, int], preemption: Preemption) -> No
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["-h"], ["--help"]):
-        print(USAGE + "\n" + config_lib.settings_help())
+    if {"-h", "--help"} & set(argv):
+        try:
+            print(USAGE + "\n" + config_lib.settings_help(), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     # From the first moment, a signal only asks for a stop (Preemption): start-up checks for it
     # between its phases, the loop after each step; nothing is interrupted half-way.
