@@ -59,7 +59,7 @@ from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_layers, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
 from jaxpar.models.loss import chunked_cross_entropy
-from jaxpar.sharding import constrain, rules_in_force
+from jaxpar.sharding import constrain, ring_axis, rules_in_force
 from jaxpar.swiglu import block_swiglu
 
 REMAT_POLICIES = {
@@ -203,7 +203,7 @@ class Attention(nnx.Module):
             mask = cache.causal_mask(q.shape[1])
             out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask)
         elif self.context_layout is not None:  # context parallel: the ring over `seq`'s axis
-            out = ring_attention_permuted(q, k, v, axis_name=rules_in_force()["seq"][0],
+            out = ring_attention_permuted(q, k, v, axis_name=ring_axis(rules_in_force()),
                                           layout=self.context_layout, segment_ids=segment_ids)
         else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
             out = attend(q, k, v, segment_ids, implementation=attention_kernel(self.cfg),
