@@ -259,8 +259,9 @@ class Layout:
     """The mesh, its axis sizes, and the rules of every kind of array: built once per run
     (`Layout.build`) and passed wherever placement matters. `scope()` is the one place a traced
     step learns the mesh and the activation rules. It answers which explicit techniques run and
-    over which axes (`pipelined`, `ring`, `row_axes`), from its activation rules, so the step
-    follows a rule that moves `seq` or `layers` to another axis."""
+    over which axes (`pipelined`, `ring`, `row_axes`), from its rules: the trainer permutes the
+    batch for the ring the `seq` rule names, the ring goes round it (tests/test_seam.py moves it
+    to another axis), and the pipeline runs over the `layers` rule's axis."""
 
     mesh: Mesh
     rules: dict[str, Rules]  # params, grads, opt_state, activations (see `state_rules`)
