@@ -459,7 +459,7 @@ PIPELINE = [
         import matplotlib.pyplot as plt
         import numpy as np
 
-        from jaxpar.parallel.pipeline import (bubble_fraction, build_schedule, format_schedule,
+        from jaxpar.parallel.schedule import (bubble_fraction, build_schedule, format_schedule,
                                               lower_schedule)
 
         print(format_schedule(build_schedule("1f1b", stages=4, microbatches=6)))
