@@ -410,7 +410,7 @@ def bench(args, flags_env: list[str], flags_added: list[str]) -> int:
     config_path = words[0] if words and "=" not in words[0] else None
     result = {
         "config": config_path, "overrides": [a for a in words if "=" in a], "tag": args.tag,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **run_benchmark(cfg, sizes, args.steps, args.warmup),
         "xla_flags": flags_env + flags_added, "xla_flags_set_by_bench": flags_added,
         "env": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},

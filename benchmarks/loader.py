@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "load_average_before": os.getloadavg()},
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "software": software_versions(), "target_tokens_per_sec": TARGET_TOKENS_PER_SEC,
         "settings": {k: getattr(args, k) for k in ("corpus_mb", "bpe_mb", "steps", "repeats", "workers")},
     }

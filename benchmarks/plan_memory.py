@@ -61,32 +61,32 @@ def main(argv=None) -> int:
 
     cache_path = RESULTS / f"plan_memory-{args.target or 'cpu'}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    chosen = [l for l in LAYOUTS if args.only is None or l["name"] in args.only]
+    chosen = [row for row in LAYOUTS if args.only is None or row["name"] in args.only]
     rows = []
-    for l in chosen:
-        overrides = MODEL + l["overrides"]
-        if args.compile or l["name"] not in cache:
+    for row in chosen:
+        overrides = MODEL + row["overrides"]
+        if args.compile or row["name"] not in cache:
             start = time.time()
-            cache[l["name"]] = plan.compiled_memory(overrides, l["mesh"], target=target)
-            cache[l["name"]]["compile_s"] = round(time.time() - start, 1)
+            cache[row["name"]] = plan.compiled_memory(overrides, row["mesh"], target=target)
+            cache[row["name"]]["compile_s"] = round(time.time() - start, 1)
             RESULTS.mkdir(exist_ok=True)
             cache_path.write_text(json.dumps(cache, indent=1, sort_keys=True))
-            print(f"compiled {l['name']}: {cache[l['name']]}", file=sys.stderr, flush=True)
-        compiled = cache[l["name"]]
-        predicted = plan.predict_memory_for(overrides, l["mesh"],
+            print(f"compiled {row['name']}: {cache[row['name']]}", file=sys.stderr, flush=True)
+        compiled = cache[row["name"]]
+        predicted = plan.predict_memory_for(overrides, row["mesh"],
                                             backend="gpu" if target else "cpu")
-        rows.append((l, predicted, compiled))
+        rows.append((row, predicted, compiled))
     mib = 2**20
     print("| layout | mesh | settings | predicted MiB | compiled MiB | error |")
     print("| --- | --- | --- | --- | --- | --- |")
     errors = []
-    for l, p, c in rows:
+    for row, p, c in rows:
         err = p["total"] / c["total"] - 1
         errors.append(abs(err))
-        mesh = " ".join(f"{a}={s}" for a, s in l["mesh"].items())
-        settings = " ".join(o.split(".", 1)[1] for o in l["overrides"] if not o.startswith("model.moe"))
-        settings += " (MoE)" if any(o.startswith("model.moe") for o in l["overrides"]) else ""
-        print(f"| {l['name']} | {mesh} | {settings} | {p['total'] / mib:.1f} | "
+        mesh = " ".join(f"{a}={s}" for a, s in row["mesh"].items())
+        settings = " ".join(o.split(".", 1)[1] for o in row["overrides"] if not o.startswith("model.moe"))
+        settings += " (MoE)" if any(o.startswith("model.moe") for o in row["overrides"]) else ""
+        print(f"| {row['name']} | {mesh} | {settings} | {p['total'] / mib:.1f} | "
               f"{c['total'] / mib:.1f} | {err:+.1%} |")
     if errors:
         print(f"\n{len(errors)} layouts, {sum(e <= 0.10 for e in errors)} within 10%; largest "

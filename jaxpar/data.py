@@ -48,11 +48,11 @@ import numpy as np
 from jaxpar import cli, shards
 from jaxpar.config import ConfigError, DataConfig, source_names
 from jaxpar.documents import EOD_TOKEN, packed_rows, read_documents, split_rows
+
 # Tokenizers and documents live in jaxpar.documents; the two that users of this module have always
 # imported from here stay importable from here (the example notebooks do).
 from jaxpar.documents import make_tokenizer as make_tokenizer
 from jaxpar.documents import stdlib_files as stdlib_files
-
 
 # --- Packing --------------------------------------------------------------------------------
 

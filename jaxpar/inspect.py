@@ -40,14 +40,13 @@ import jax
 import numpy as np
 
 from jaxpar import cli, hlo
-from jaxpar import targets as targets_lib
 from jaxpar import metrics as metrics_lib
+from jaxpar import targets as targets_lib
 from jaxpar.config import ConfigError
 from jaxpar.parallel import schedule as pipeline_lib
 from jaxpar.sharding import shard_bytes, zero_state_bytes
 from jaxpar.startup import load_and_validate
 from jaxpar.trainer import Trainer, build_trainer, compile_step
-
 
 FLOPS_NOTE = ("model_flops_per_step: (6N + 12LdT) per token x the step's tokens, all devices "
               "together (what MFU counts); xla_flops_per_step: XLA's cost analysis of the "

@@ -267,7 +267,7 @@ class Resumption:
     where: str  # for the restart line
 
     @classmethod
-    def plan(cls, run_dir: str | None, resume: str) -> "Resumption":
+    def plan(cls, run_dir: str | None, resume: str) -> Resumption:
         if run_dir is None:  # a command whose arguments the launcher does not know
             return cls(None, [], "from the newest complete checkpoint (if any)")
         directory = os.path.join(os.path.abspath(run_dir), "checkpoints")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

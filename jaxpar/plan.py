@@ -380,7 +380,7 @@ def executed_schedule(cfg: Config, sizes: dict[str, int]):
                      tuple(sorted(sizes.items())), pipeline_lib.row_axes_for(cfg.model, p.zero_stage))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _executed(kind: str, stages: int, microbatches: int, virtual: int,
               sizes: tuple[tuple[str, int], ...], row_axes: tuple[str, ...]):
     """Many layouts share one schedule: built once (pure Python)."""
@@ -390,7 +390,7 @@ def _executed(kind: str, stages: int, microbatches: int, virtual: int,
     return pipeline_lib.schedule_for_mesh(built, dict(sizes), row_axes=row_axes)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lowered(schedule):
     from jaxpar.parallel import schedule as pipeline_lib
 
@@ -653,7 +653,7 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
             "mfu": model_flops / (step * n * device.bf16_flops)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def schedule_bubble(schedule) -> float:
     """The idle fraction of the schedule the runtime executes (`executed_schedule`; the
     pipeline module's own `bubble_fraction`: forward 1 and backward 2, zero-bubble's B and W 1

@@ -121,7 +121,7 @@ class RunLock:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": _start_ticks(os.getpid()),
               "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv)}
         for attempt in range(2):
             try:
@@ -297,7 +297,7 @@ def set_aside(run_dir: str, start: Start) -> str | None:
     returns that directory, or None when there was nothing to set aside."""
     if not start.move and not start.copy:
         return None
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     target = os.path.join(run_dir, REPLACED + stamp)
     n = 1
     while os.path.exists(target):

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -268,7 +269,7 @@ class Layout:
 
     @classmethod
     def build(cls, sizes: dict[str, int], *, zero_stage: int, sequence_parallel: bool,
-              devices: Sequence[jax.Device] | None = None) -> "Layout":
+              devices: Sequence[jax.Device] | None = None) -> Layout:
         return cls(make_mesh(sizes, devices), state_rules(zero_stage, sequence_parallel))
 
     @property

@@ -59,8 +59,16 @@ import time
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.documents import (Skipped, iter_documents, make_tokenizer, packed_rows, parquet_file,
-                            source_entries, split_rows, stdlib_files)
+from jaxpar.documents import (
+    Skipped,
+    iter_documents,
+    make_tokenizer,
+    packed_rows,
+    parquet_file,
+    source_entries,
+    split_rows,
+    stdlib_files,
+)
 
 FORMAT = "jaxpar-token-shards"
 VERSION = 1

@@ -39,9 +39,9 @@ from jaxpar import metrics as metrics_lib
 from jaxpar import rundir as rundir_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.models.attention import documents_per_row
+from jaxpar.optim import lr_schedule
 from jaxpar.startup import load_and_validate
 from jaxpar.trainer import Trainer, build_trainer
-from jaxpar.optim import lr_schedule
 
 # --- The learning-rate schedule on resume ------------------------------------------------
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +27,12 @@ from jaxpar import sharding as sharding_lib
 from jaxpar import targets as targets_lib
 from jaxpar.config import Config
 from jaxpar.models import Transformer
-from jaxpar.models.attention import kernel_for
 from jaxpar.models import objective as objective_lib
+from jaxpar.models.attention import kernel_for
 from jaxpar.models.loss import loss_chunks
+from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import schedule as schedule_lib
-from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel.ring_attention import permute_to_layout
 
 # --- The learning-rate schedule on resume ------------------------------------------------

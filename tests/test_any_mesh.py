@@ -22,9 +22,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.parallel.experts import moe_mlp, route
 from jaxpar.parallel.pipeline import pipeline_value_and_grad, split_microbatches, stack_stages
-from jaxpar.parallel.ring_attention import (layout_indices, permute_from_layout,
-                                            permute_to_layout, ring_attention,
-                                            ring_attention_permuted)
+from jaxpar.parallel.ring_attention import (
+    layout_indices,
+    permute_from_layout,
+    permute_to_layout,
+    ring_attention,
+    ring_attention_permuted,
+)
 from jaxpar.parallel.schedule import build_schedule
 
 EXPLICIT, AUTO = AxisType.Explicit, AxisType.Auto

@@ -12,8 +12,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import targets as targets_lib
 from jaxpar.config import MESH_AXES
-from jaxpar.models.attention import (assume_compute_capability, attend, attention_mask,
-                                     documents_per_row, poison_overflow, segment_offsets)
+from jaxpar.models.attention import (
+    assume_compute_capability,
+    attend,
+    attention_mask,
+    documents_per_row,
+    poison_overflow,
+    segment_offsets,
+)
 from jaxpar.sharding import Layout, make_rules
 
 # --- References ---------------------------------------------------------------------------

@@ -21,8 +21,13 @@ from safetensors.numpy import load_file
 
 from jaxpar import config as config_lib
 from jaxpar import export as export_lib
-from jaxpar.checkpoint import (MANIFEST, Checkpointer, CheckpointMismatchError, CheckpointWarning,
-                               checkpoint_dir)
+from jaxpar.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointWarning,
+    checkpoint_dir,
+)
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.train import build_trainer
 

@@ -148,7 +148,7 @@ def test_resume_never_starts_over_with_the_old_run_moved_aside(finished, tmp_pat
     assert metrics_steps(run / aside) == [1, 2, 3, 4]
     assert "train.resume=never: moved the earlier run's files into" in capsys.readouterr().err
     # The same losses as the first run: a fresh start is a fresh start.
-    assert losses(run) == {s: l for s, l in losses(finished).items() if s <= 2}
+    assert losses(run) == {s: loss for s, loss in losses(finished).items() if s <= 2}
 
 
 def test_resume_at_an_earlier_step_sets_the_later_checkpoints_aside_and_reruns_them(finished, tmp_path):

@@ -13,10 +13,17 @@ import pytest
 
 from jaxpar import hlo
 from jaxpar.config import ConfigError, validate
-from jaxpar.inspect import compile_step
 from jaxpar.fp8 import E4M3, E5M2, fp8_einsum, scale_of
-from tests.parity import (assert_parity, parity_trainer, random_batches, run_parity, run_steps,
-                          tiny_config, trainer_on)
+from jaxpar.inspect import compile_step
+from tests.parity import (
+    assert_parity,
+    parity_trainer,
+    random_batches,
+    run_parity,
+    run_steps,
+    tiny_config,
+    trainer_on,
+)
 
 # Round to nearest: a normal float8 value is within 2^-(mantissa bits + 1) of what it rounds.
 UNIT = {E4M3: 2.0**-4, E5M2: 2.0**-3}
@@ -237,9 +244,8 @@ def test_expert_matmuls_scale_by_the_global_amax_on_every_layout():
     """The MoE layer alone, fp8, on expert=2 x data=2 x tensor=2 against one device, with the
     first data shard's tokens 16 times larger than the rest: a scale taken from one device's
     tokens or weights alone (a missing pmax) would round the others differently."""
-    from tests.test_experts import TOP_K, make_inputs, make_mesh, objective, shard_inputs
-
     from jaxpar.parallel.experts import moe_mlp
+    from tests.test_experts import TOP_K, make_inputs, make_mesh, objective, shard_inputs
 
     x, params, cotangent = make_inputs()
     x = x.at[: x.shape[0] // 2].multiply(16.0)

@@ -11,7 +11,7 @@ all-reduce of the whole gradient and a slice, so its temporaries say little abou
 import numpy as np
 import pytest
 
-from jaxpar.inspect import compile_step, report, zero_formula
+from jaxpar.inspect import compile_step, report
 from tests.parity import trainer_on
 
 FSDP = 8

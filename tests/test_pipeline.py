@@ -22,8 +22,8 @@ from jaxpar.parallel.pipeline import (
     unstack_stages,
 )
 from jaxpar.parallel.schedule import (
-    build_schedule,
     bubble_fraction,
+    build_schedule,
     describe_schedule,
     format_schedule,
     lower_schedule,

@@ -16,8 +16,15 @@ import pytest
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
-from tests.parity import (TINY_YAML, assert_parity, parity_trainer, random_batches, relative_errors,
-                          run_parity, tiny_config)
+from tests.parity import (
+    TINY_YAML,
+    assert_parity,
+    parity_trainer,
+    random_batches,
+    relative_errors,
+    run_parity,
+    tiny_config,
+)
 from tests.test_pipeline import _collectives_in_branches
 
 # 8 layers: up to 8 stages; 16 rows of 16 tokens: up to 8 microbatches of 2 rows.

@@ -31,7 +31,7 @@ COMPILED = ["p2-d4-1f1b", "fsdp8-z3-full"]
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_predicted_memory_within_10_percent_of_compiled(name):
-    layout = next(l for l in LAYOUTS if l["name"] == name)
+    layout = next(layout for layout in LAYOUTS if layout["name"] == name)
     overrides = MODEL + layout["overrides"]
     compiled = plan.compiled_memory(overrides, layout["mesh"])
     predicted = plan.predict_memory_for(overrides, layout["mesh"], backend="cpu")
@@ -87,9 +87,9 @@ def test_predicted_memory_against_cached_compiled_totals(backend):
     assert len(errors) >= 25
     assert len(within) >= max(least, 20), {n: f"{e:+.1%}" for n, e in errors.items()}
     # The layouts span the six axes, ZeRO 0-3, the remat policies and every schedule.
-    spanned = [l for l in LAYOUTS if l["name"] in errors]
-    assert {a for l in spanned for a in l["mesh"]} == set(MESH_AXES)
-    settings = " ".join(o for l in spanned for o in l["overrides"])
+    spanned = [layout for layout in LAYOUTS if layout["name"] in errors]
+    assert {a for layout in spanned for a in layout["mesh"]} == set(MESH_AXES)
+    settings = " ".join(o for layout in spanned for o in layout["overrides"])
     for word in ["zero_stage=0", "zero_stage=1", "zero_stage=2", "zero_stage=3", "remat=dots",
                  "remat=full", "schedule=1f1b", "schedule=gpipe", "schedule=interleaved",
                  "schedule=zb", "grad_accum=2"]:
@@ -102,7 +102,7 @@ def test_gpu_backend_keeps_less_under_remat_and_ring():
     recomputed forward's working set is smaller; ring attention keeps fewer block arrays. The
     un-rematerialised program's state and residuals are the same on both."""
     def both(name):
-        layout = next(l for l in LAYOUTS if l["name"] == name)
+        layout = next(layout for layout in LAYOUTS if layout["name"] == name)
         return [plan.predict_memory_for(MODEL + layout["overrides"], layout["mesh"], kernel="xla",
                                         backend=b) for b in ("cpu", "gpu")]
     cpu, gpu = both("data8-z0-full")

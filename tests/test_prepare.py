@@ -6,7 +6,6 @@ test starts JAX (a training subprocess, for its peak memory).
 """
 
 import gzip
-import hashlib
 import json
 import os
 import pickle

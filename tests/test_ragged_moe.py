@@ -24,8 +24,19 @@ import pytest
 from jaxpar.config import ConfigError, MoEDispatch, load_config, validate
 from jaxpar.parallel import experts
 from jaxpar.parallel.experts import moe_mlp, ragged_receive_rows
-from tests.test_experts import (BATCH, EMBED, EXPERTS, SEQ, SKEWED, TOP_K, INPUTS,
-                                assert_close, make_mesh, objective, shard_inputs)
+from tests.test_experts import (
+    BATCH,
+    EMBED,
+    EXPERTS,
+    INPUTS,
+    SEQ,
+    SKEWED,
+    TOP_K,
+    assert_close,
+    make_mesh,
+    objective,
+    shard_inputs,
+)
 
 
 def gathered_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.config import MESH_AXES
 from jaxpar.parallel.ring_attention import (
     layout_indices,
     permute_from_layout,
@@ -20,7 +21,6 @@ from jaxpar.parallel.ring_attention import (
     ring_attention,
     ring_attention_permuted,
 )
-from jaxpar.config import MESH_AXES
 from jaxpar.sharding import BASE_RULES
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 32, 4, 8

@@ -11,14 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar import config as config_lib
 from jaxpar.config import MoEConfig
 from jaxpar.models import Transformer
 from jaxpar.models.moe import MoEMLP
-from jaxpar.sharding import BASE_RULES, Layout, constrain, make_rules
 from jaxpar.optim import lr_schedule
+from jaxpar.sharding import BASE_RULES, Layout, constrain, make_rules
 from tests.parity import tiny_config, trainer_on
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -53,12 +53,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.models.attention import attend, kernel_for
 from jaxpar.fp8 import einsum as block_einsum
+from jaxpar.models.attention import attend, kernel_for
+from jaxpar.models.loss import chunked_cross_entropy
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_layers, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.parallel.ring_attention import ring_attention_permuted
-from jaxpar.models.loss import chunked_cross_entropy
 from jaxpar.sharding import constrain, ring_axis, rules_in_force
 from jaxpar.swiglu import block_swiglu
 

@@ -17,7 +17,8 @@ a whole layer on export.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 

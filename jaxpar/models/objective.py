@@ -23,9 +23,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.models.moe import moe_layers
-from jaxpar.parallel.pipeline import (merge_microbatches, pipeline_value_and_grad,
-                                      pipeline_value_grad_and_stats, split_microbatches,
-                                      stack_stages, unstack_stages)
+from jaxpar.parallel.pipeline import (
+    merge_microbatches,
+    pipeline_value_and_grad,
+    pipeline_value_grad_and_stats,
+    split_microbatches,
+    stack_stages,
+    unstack_stages,
+)
 from jaxpar.parallel.schedule import Schedule, schedule_for_mesh
 
 MOE_MEANS = ("aux_loss", "z_loss", "dropped_fraction")  # router statistics reported as means
