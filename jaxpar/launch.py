@@ -545,8 +545,9 @@ def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, g
             if received:
                 why_not = f"a stop was requested ({signal.Signals(received[0]).name})"
             elif returncode in (CONFIG_ERROR, host_lib.DOES_NOT_FIT):
-                why_not = (f"exit code {code} is a configuration error or a run too big for this "
-                           "machine, which a restart would repeat")
+                what = ("a configuration error" if returncode == CONFIG_ERROR else
+                        "a run too big for this machine's memory")
+                why_not = f"exit code {code} is {what}, which a restart would repeat"
             elif survivors:
                 why_not = (f"process {survivors[0].index} (pid {survivors[0].proc.pid}) is still "
                            "running after SIGKILL")

@@ -128,7 +128,7 @@ class Preemption:
         self.exit_at_once = exit_at_once
         self.expected_wait_s = 0.0
         self.polls = self.agreements = 0  # loop steps polled; all-gathers they made
-        self.unsaved_steps = 0  # steps run since the last checkpoint was issued (the loop counts)
+        self.unsaved_steps = 0  # steps dispatched since the last checkpoint was issued (the loop counts)
         self._previous = {}
         self._wakeup = None  # (read end, write end, the wakeup fd it replaced)
 
@@ -678,8 +678,8 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
             profiler.before(step)
             if trainer.cfg.model.attention == "cudnn" and not trainer.layout.ring:
                 _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
-            preemption.unsaved_steps += 1
             state, metrics = trainer.step(state, trainer.shard_batch(local))
+            preemption.unsaved_steps += 1  # dispatched (a first step's compile is not counted)
             clock.stepped(metrics)
             profiler.after(step, metrics)
             evaluated = eval_data is not None and (step % t.eval_every == 0 or step == t.steps)

@@ -396,7 +396,7 @@ def _attempts(codes):
 def test_restarts_take_a_new_port_until_used_up_then_give_the_last_failures_code(capsys):
     """Catches: restarting more (or fewer) times than asked, the first failure's code instead of
     the last one's (torchrun returns the last), one coordinator port for every attempt."""
-    assert launch(2, command=_attempts("3,kill,5,0"), max_restarts=2, grace=10) == 5
+    assert launch(2, command=_attempts("4,kill,5,0"), max_restarts=2, grace=10) == 5
     out, err = capsys.readouterr()
     attempts = re.findall(r"attempt (\d) at 127\.0\.0\.1:(\d+)", out)
     assert [k for k, _ in attempts] == ["0", "1", "2"]
@@ -404,15 +404,24 @@ def test_restarts_take_a_new_port_until_used_up_then_give_the_last_failures_code
     first, second = re.findall(r"restart (\d) of 2: process 0 \(pid \d+\) failed: ([^;]*); "
                                r"starting all 2 processes again from the newest complete "
                                r"checkpoint \(if any\)\n", err)
-    assert first == ("1", "exit code 3") and second == ("2", "killed by SIGKILL (exit code 137)")
+    assert first == ("1", "exit code 4") and second == ("2", "killed by SIGKILL (exit code 137)")
     assert "restart 3" not in err
     assert err.rstrip().endswith("not restarting: no restarts are left (2 of --max-restarts 2 "
                                  "used); exit code 5")
 
 
+def test_a_run_too_big_for_the_machine_is_not_restarted(capsys):
+    """Exit code 3 is jaxpar.host's refusal: the memory forecast would refuse the restart too."""
+    assert launch(2, command=_attempts("3,0"), max_restarts=2, grace=10) == 3
+    out, err = capsys.readouterr()
+    assert "restart 1" not in err and "attempt 1" not in out
+    assert err.rstrip().endswith("not restarting: exit code 3 is a run too big for this machine's "
+                                 "memory, which a restart would repeat (0 of --max-restarts 2 used); exit code 3")
+
+
 def test_a_configuration_error_is_not_restarted(capsys):
     """Exit code 2 is jaxpar's configuration error: a restart would fail the same way."""
-    assert launch(2, command=_attempts("3,2,0"), max_restarts=3, grace=10) == 2
+    assert launch(2, command=_attempts("4,2,0"), max_restarts=3, grace=10) == 2
     out, err = capsys.readouterr()
     assert "restart 1 of 3" in err and "restart 2" not in err and "attempt 2" not in out
     assert err.rstrip().endswith("not restarting: exit code 2 is a configuration error, which a "
@@ -436,10 +445,10 @@ def test_a_restart_resumes_from_the_newest_complete_checkpoint(tmp_path, capsys)
     for name in ("2", "6.orbax-checkpoint-tmp-1700000000"):
         (run_dir / "checkpoints" / name / "jaxpar_manifest.json").write_text("{}")
     args = [f"train.run_dir={run_dir}", "train.resume=never"]
-    assert launch(2, args, command=_attempts("3,0"), max_restarts=1, grace=10) == 0
+    assert launch(2, args, command=_attempts("4,0"), max_restarts=1, grace=10) == 0
     out, err = capsys.readouterr()
     assert re.findall(r"attempt \d at \S+ with (.*)", out) == [str(args), str([*args, "train.resume=auto"])]
-    assert re.search(r"restart 1 of 1: process 0 \(pid \d+\) failed: exit code 3; starting all 2 "
+    assert re.search(r"restart 1 of 1: process 0 \(pid \d+\) failed: exit code 4; starting all 2 "
                      r"processes again from step 2, the newest complete checkpoint in "
                      + re.escape(str(run_dir / "checkpoints")) + r" \(train\.resume=auto instead of "
                      r"the command's train\.resume=never: ", err)
