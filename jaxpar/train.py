@@ -136,7 +136,7 @@ class Preemption:
         if self.requested is not None and signum == signal.SIGINT:
             if self.exit_at_once:
                 _exit_at_once(b"\ninterrupted again: stopped at once, without a checkpoint (the "
-                              b"last complete one is intact)\n")
+                              b"last complete one, if any, is intact)\n")
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
 
