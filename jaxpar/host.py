@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxpar import plan as plan_lib
 from jaxpar.config import Config
+from jaxpar.metrics import format_duration
 
 GIB = 2**30
 # The Python process, JAX's runtime, compiled code and the data pipeline, beside the program's
@@ -157,14 +158,6 @@ def forecast(cfg: Config, sizes: dict[str, int], local_devices: int,
                     matmul_flops_per_s=rate)
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 def room(cfg: Config, limit: float, available: float | None) -> str:
     """What the limit is, in words: the setting, or a share of what is available."""
     if cfg.runtime.host_memory_gib is not None:
@@ -187,9 +180,9 @@ def refusal(f: Forecast, cfg: Config) -> str:
 
 def warning(f: Forecast, cfg: Config) -> str:
     """The one-line notice of a slow run: the expected time per step and for the whole run."""
-    return (f"warning: on this CPU one step is expected to take about {_duration(f.step_seconds)} "
+    return (f"warning: on this CPU one step is expected to take about {format_duration(f.step_seconds)} "
             f"({f.step_flops:.2e} FLOPs at about {f.matmul_flops_per_s * STEP_EFFICIENCY / 1e9:.0f} "
-            f"GFLOP/s), {cfg.train.steps} steps about {_duration(f.step_seconds * cfg.train.steps)}; "
+            f"GFLOP/s), {cfg.train.steps} steps about {format_duration(f.step_seconds * cfg.train.steps)}; "
             f"memory about {f.memory_bytes / GIB:.1f} GiB. For a quick try on a CPU, a smaller model "
             "or batch (configs/tiny.yaml, or the default job with no arguments).")
 

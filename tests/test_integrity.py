@@ -21,6 +21,7 @@ import pytest
 from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.documents import ByteTokenizer
+from tests.test_faults import mount_tmpfs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = str(ROOT / "configs" / "tiny.yaml")
@@ -362,20 +363,9 @@ def test_every_frame_of_a_zst_is_read(tmp_path):
     assert len(documents) == 400 and documents[-1].startswith("document 399 ")
 
 
-def mount_tmpfs(where: Path, size: str) -> Path:
-    where.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, check=False)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    return where
-
-
 @pytest.fixture
 def small_disk(tmp_path):
-    yield mount_tmpfs(tmp_path / "disk", "600k")
+    yield mount_tmpfs(tmp_path / "disk", "size=600k")
     subprocess.run(["umount", "-l", str(tmp_path / "disk")], check=False)
 
 
