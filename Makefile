@@ -1,7 +1,7 @@
 # `make train`: create .venv, install jaxpar with its test extras, run the default job.
 # `make test`: the same environment plus the `gpu-compile` extra (the CUDA plugin and cuDNN, so
 # that the tests compile real H100 programs on this GPU-less machine) and the .venv-hf sidecar,
-# then ruff's lint (pyproject.toml names the rules) and the whole suite on 8 emulated CPU devices.
+# then ruff's lint and format check (pyproject.toml names the rules) and the whole suite on 8 emulated CPU devices.
 #
 # jax >= 0.12 needs Python >= 3.12; the project is tested on 3.12. PYTHON picks the interpreter:
 # set it to override; otherwise python3.12 on PATH, else the newest 3.12.x that pyenv has, else
@@ -81,6 +81,7 @@ inspect: $(STAMP)
 test: $(GPU_STAMP)
 	@$(MAKE) --no-print-directory hf-reference || echo "make: could not build $(HF_VENV); the Hugging Face parity tests will skip" >&2
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 clean:

@@ -24,9 +24,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def train(run_dir: str, overrides: list[str]) -> dict:
     start = time.time()
-    subprocess.run([sys.executable, "-m", "jaxpar.train", f"train.run_dir={run_dir}",
-                    "train.progress=false", "checkpoint.every=0", *overrides],
-                   cwd=ROOT, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.train",
+            f"train.run_dir={run_dir}",
+            "train.progress=false",
+            "checkpoint.every=0",
+            *overrides,
+        ],
+        cwd=ROOT,
+        check=True,
+    )
     wall = time.time() - start
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     return {"wall_s": round(wall, 1), "loss": {r["step"]: r["loss"] for r in rows if "loss" in r}}

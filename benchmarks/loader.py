@@ -1,6 +1,6 @@
 """`python -m benchmarks.loader [--corpus-mb 300] [--bpe-mb 30] [--steps 300] [--repeats 3]
-[--workers 0,1,2] [--json PATH] [--keep DIR]`: time the data path on this machine's CPU cores -- preparing token
-shards (`python -m jaxpar.data prepare`) and the loader that training reads them with.
+[--workers 0,1,2] [--json PATH] [--keep DIR]`: time the data path on this machine's CPU cores -- preparing
+token shards (`python -m jaxpar.data prepare`) and the loader that training reads them with.
 
 1. A JSONL corpus of --corpus-mb MiB is written into a temporary directory: this interpreter's
    standard library `.py` files, one document each, repeated until the size is reached (real text,
@@ -62,8 +62,10 @@ def cpu_name() -> str:
 def software_versions() -> dict[str, str]:
     from importlib.metadata import version
 
-    return {"python": platform.python_version(),
-            **{name: version(name) for name in ("grain", "numpy", "tokenizers")}}
+    return {
+        "python": platform.python_version(),
+        **{name: version(name) for name in ("grain", "numpy", "tokenizers")},
+    }
 
 
 def default_json_path(cpu: str) -> Path:
@@ -95,17 +97,24 @@ def timed_prepare(sources: list[str], out: str, tokenizer: str) -> dict:
 
     messages = []
     start = time.perf_counter()
-    manifest = shards.prepare(sources, out, tokenizer=tokenizer, progress=False,
-                              log=messages.append)
+    manifest = shards.prepare(sources, out, tokenizer=tokenizer, progress=False, log=messages.append)
     seconds = time.perf_counter() - start
     tokens = manifest["splits"]["train"]["tokens"]
     text_bytes = sum(s["bytes"] for s in manifest["sources"])
-    return {"tokenizer": "byte" if tokenizer == "byte" else "bpe-4096", "input_bytes": text_bytes,
-            "tokens": tokens, "shards": len(manifest["splits"]["train"]["shards"]),
-            "shard_bytes": sum(os.path.getsize(os.path.join(out, f"{r['name']}.bin"))
-                               for r in manifest["splits"]["train"]["shards"]),
-            "seconds": seconds, "tokens_per_sec": tokens / seconds,
-            "input_megabytes_per_sec": text_bytes / seconds / 2**20, "log": messages[-1]}
+    return {
+        "tokenizer": "byte" if tokenizer == "byte" else "bpe-4096",
+        "input_bytes": text_bytes,
+        "tokens": tokens,
+        "shards": len(manifest["splits"]["train"]["shards"]),
+        "shard_bytes": sum(
+            os.path.getsize(os.path.join(out, f"{r['name']}.bin"))
+            for r in manifest["splits"]["train"]["shards"]
+        ),
+        "seconds": seconds,
+        "tokens_per_sec": tokens / seconds,
+        "input_megabytes_per_sec": text_bytes / seconds / 2**20,
+        "log": messages[-1],
+    }
 
 
 def sample_rate(directory: str, seq_len: int, rows: int, count: int = 4000) -> float:
@@ -115,7 +124,7 @@ def sample_rate(directory: str, seq_len: int, rows: int, count: int = 4000) -> f
 
     source = PreparedSequences(directory, "byte", seq_len)
     indices = np.random.default_rng(0).integers(0, len(source), count).tolist()
-    batches = [indices[i:i + rows] for i in range(0, count - rows + 1, rows)]
+    batches = [indices[i : i + rows] for i in range(0, count - rows + 1, rows)]
     for batch in batches:
         source._getitems(batch)
     start = time.perf_counter()
@@ -131,8 +140,9 @@ def loader_rate(directory: str, seq_len: int, rows: int, steps: int, workers: in
     from jaxpar.data import batch_dataset, iter_dataset
     from jaxpar.shards import PreparedSequences
 
-    dataset = iter_dataset(batch_dataset(PreparedSequences(directory, "byte", seq_len),
-                                         global_batch=rows, seed=0))
+    dataset = iter_dataset(
+        batch_dataset(PreparedSequences(directory, "byte", seq_len), global_batch=rows, seed=0)
+    )
     if workers:
         dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     iterator = iter(dataset)
@@ -150,19 +160,34 @@ def loader_rate(directory: str, seq_len: int, rows: int, steps: int, workers: in
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.loader",
-        description="Time shard preparation and the loader (see the module docstring).")
+        description="Time shard preparation and the loader (see the module docstring).",
+    )
     parser.add_argument("--corpus-mb", type=int, default=300, help="MiB of JSONL text (default 300)")
-    parser.add_argument("--bpe-mb", type=int, default=30,
-                        help="MiB of it prepared with the BPE tokenizer (default 30; 0 = skip)")
+    parser.add_argument(
+        "--bpe-mb",
+        type=int,
+        default=30,
+        help="MiB of it prepared with the BPE tokenizer (default 30; 0 = skip)",
+    )
     parser.add_argument("--steps", type=int, default=300, help="timed batches per loader run")
     parser.add_argument("--repeats", type=int, default=3, help="loader runs per setting; the best counts")
     parser.add_argument("--workers", default="0,1,2", help="grain worker processes to try, e.g. 0,2")
-    parser.add_argument("--json", metavar="PATH", help="default benchmarks/results/loader-<cpu>-<N>cores.json")
-    parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temporary "
-                        "directory, removed at the end)")
+    parser.add_argument(
+        "--json", metavar="PATH", help="default benchmarks/results/loader-<cpu>-<N>cores.json"
+    )
+    parser.add_argument(
+        "--keep",
+        metavar="DIR",
+        help="work in DIR and keep it (default: a temporary directory, removed at the end)",
+    )
     args = parser.parse_args(argv)
-    if args.corpus_mb < 1 or args.bpe_mb < 0 or args.steps < 1 or args.bpe_mb > args.corpus_mb \
-            or args.repeats < 1:
+    if (
+        args.corpus_mb < 1
+        or args.bpe_mb < 0
+        or args.steps < 1
+        or args.bpe_mb > args.corpus_mb
+        or args.repeats < 1
+    ):
         parser.error("--corpus-mb >= 1, 0 <= --bpe-mb <= --corpus-mb, --steps >= 1, --repeats >= 1")
     args.workers = [int(w) for w in args.workers.split(",")]
     return args
@@ -180,10 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.keep or tempfile.mkdtemp(prefix="jaxpar-loader-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     result = {
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_before": os.getloadavg()},
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_before": os.getloadavg(),
+        },
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "software": software_versions(), "target_tokens_per_sec": TARGET_TOKENS_PER_SEC,
+        "software": software_versions(),
+        "target_tokens_per_sec": TARGET_TOKENS_PER_SEC,
         "settings": {k: getattr(args, k) for k in ("corpus_mb", "bpe_mb", "steps", "repeats", "workers")},
     }
     try:
@@ -211,16 +241,21 @@ def main(argv: list[str] | None = None) -> int:
             result["prepare"].append(timed_prepare([str(part)], bpe_dir, tokenizer))
         result["loader"] = []
         for seq_len, rows in SHAPES:
-            entry = {"seq_len": seq_len, "rows": rows,
-                     "samples_alone_tokens_per_sec": sample_rate(byte_dir, seq_len, rows)}
+            entry = {
+                "seq_len": seq_len,
+                "rows": rows,
+                "samples_alone_tokens_per_sec": sample_rate(byte_dir, seq_len, rows),
+            }
             for workers in args.workers:
                 entry[f"workers_{workers}_tokens_per_sec"] = max(
-                    loader_rate(byte_dir, seq_len, rows, args.steps, workers)
-                    for _ in range(args.repeats))
+                    loader_rate(byte_dir, seq_len, rows, args.steps, workers) for _ in range(args.repeats)
+                )
             result["loader"].append(entry)
-            print(f"seq {seq_len} x {rows}: " + ", ".join(
-                f"{k} {v / 1e6:.2f} M" for k, v in entry.items() if k.endswith("per_sec")),
-                file=sys.stderr)
+            print(
+                f"seq {seq_len} x {rows}: "
+                + ", ".join(f"{k} {v / 1e6:.2f} M" for k, v in entry.items() if k.endswith("per_sec")),
+                file=sys.stderr,
+            )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -235,21 +270,32 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_table(r: dict, workers: list[int]) -> str:
     m = r["machine"]
-    lines = [f"machine: {m['cpu']}, {m['cores']} cores; load average {m['load_average_before'][0]:.1f} "
-             f"before, {m['load_average_after'][0]:.1f} after", "",
-             "preparation (python -m jaxpar.data prepare, all cores):",
-             "| tokenizer | input | tokens | shards | seconds | tokens/s | input MiB/s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"machine: {m['cpu']}, {m['cores']} cores; load average {m['load_average_before'][0]:.1f} "
+        f"before, {m['load_average_after'][0]:.1f} after",
+        "",
+        "preparation (python -m jaxpar.data prepare, all cores):",
+        "| tokenizer | input | tokens | shards | seconds | tokens/s | input MiB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for p in r["prepare"]:
-        lines.append(f"| {p['tokenizer']} | {p['input_bytes'] / 2**20:,.0f} MiB | {p['tokens']:,} | "
-                     f"{p['shards']} ({p['shard_bytes'] / 2**20:,.0f} MiB) | {p['seconds']:.1f} | "
-                     f"{p['tokens_per_sec'] / 1e6:.2f} M | {p['input_megabytes_per_sec']:.1f} |")
-    lines += ["", "loader (one process, M tokens/s, best of the repeats; workers = grain worker processes):",
-              "| seq x rows | batched reads alone | " + " | ".join(f"workers {w}" for w in workers) + " |",
-              "| --- | --- | " + " | ".join("---" for _ in workers) + " |"]
+        lines.append(
+            f"| {p['tokenizer']} | {p['input_bytes'] / 2**20:,.0f} MiB | {p['tokens']:,} | "
+            f"{p['shards']} ({p['shard_bytes'] / 2**20:,.0f} MiB) | {p['seconds']:.1f} | "
+            f"{p['tokens_per_sec'] / 1e6:.2f} M | {p['input_megabytes_per_sec']:.1f} |"
+        )
+    lines += [
+        "",
+        "loader (one process, M tokens/s, best of the repeats; workers = grain worker processes):",
+        "| seq x rows | batched reads alone | " + " | ".join(f"workers {w}" for w in workers) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in workers) + " |",
+    ]
     for e in r["loader"]:
-        lines.append(f"| {e['seq_len']} x {e['rows']} | {e['samples_alone_tokens_per_sec'] / 1e6:.2f} | "
-                     + " | ".join(f"{e[f'workers_{w}_tokens_per_sec'] / 1e6:.2f}" for w in workers) + " |")
+        lines.append(
+            f"| {e['seq_len']} x {e['rows']} | {e['samples_alone_tokens_per_sec'] / 1e6:.2f} | "
+            + " | ".join(f"{e[f'workers_{w}_tokens_per_sec'] / 1e6:.2f}" for w in workers)
+            + " |"
+        )
     lines.append("")
     target = r["target_tokens_per_sec"]
     for e in r["loader"]:
@@ -257,9 +303,11 @@ def format_table(r: dict, workers: list[int]) -> str:
         if rate is None:
             continue
         verdict = "reaches" if rate >= target else "does NOT reach"
-        lines.append(f"seq {e['seq_len']}: the training path (grain iterator, no workers) gives "
-                     f"{rate / 1e6:.2f} M tokens/s per process: {verdict} the target of "
-                     f"{target / 1e6:.0f} M tokens/s")
+        lines.append(
+            f"seq {e['seq_len']}: the training path (grain iterator, no workers) gives "
+            f"{rate / 1e6:.2f} M tokens/s per process: {verdict} the target of "
+            f"{target / 1e6:.0f} M tokens/s"
+        )
     return "\n".join(lines)
 
 

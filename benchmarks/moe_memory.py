@@ -35,9 +35,19 @@ CONFIG = "configs/moe-tiny.yaml"
 # moe-tiny scaled: 8 experts of 5632 hidden units (SwiGLU), top-2, an MoE MLP every second of 4
 # blocks, d_model 2048, 4096-token sequences, 8 sequences a step: 4096 tokens per GPU, one
 # expert per GPU (mesh.expert=8).
-SCALE = ["model.d_model=2048", "model.n_heads=16", "model.n_kv_heads=8", "model.d_ff=5632",
-         "model.moe.d_ff=5632", "model.n_layers=4", "model.max_seq_len=4096",
-         "train.seq_len=4096", "train.batch_size=8", "mesh.data=1", "mesh.expert=8"]
+SCALE = [
+    "model.d_model=2048",
+    "model.n_heads=16",
+    "model.n_kv_heads=8",
+    "model.d_ff=5632",
+    "model.moe.d_ff=5632",
+    "model.n_layers=4",
+    "model.max_seq_len=4096",
+    "train.seq_len=4096",
+    "train.batch_size=8",
+    "mesh.data=1",
+    "mesh.expert=8",
+]
 VARIANTS = {
     "padded": ["model.moe.dispatch=padded"],
     "ragged": ["model.moe.dispatch=ragged"],
@@ -49,13 +59,22 @@ def inspect(variant: list[str], target: str) -> dict:
     env = dict(os.environ)
     if "xla_gpu_autotune_level" not in env.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
-    done = subprocess.run([sys.executable, "-m", "jaxpar.inspect", CONFIG, *SCALE, *variant,
-                           "--target", target], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxpar.inspect", CONFIG, *SCALE, *variant, "--target", target],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode not in (0, 3):  # 3: does not fit, still a report
         raise SystemExit(f"inspect {' '.join(variant)} failed:\n{done.stderr[-3000:]}")
     report = json.loads(done.stdout)
-    return {"memory_per_device": report["memory_per_device"], "fits": report.get("fits"),
-            "collectives": report["collectives"], "kernels": report["kernels"]}
+    return {
+        "memory_per_device": report["memory_per_device"],
+        "fits": report.get("fits"),
+        "collectives": report["collectives"],
+        "kernels": report["kernels"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, variant in VARIANTS.items():
         run = inspect(variant, args.target)
         memory = run["memory_per_device"]
-        out["variants"][name] = {"overrides": variant, **run,
-                                 "gib": {k: round(v / 2**30, 2) for k, v in memory.items()
-                                         if isinstance(v, int)}}
+        out["variants"][name] = {
+            "overrides": variant,
+            **run,
+            "gib": {k: round(v / 2**30, 2) for k, v in memory.items() if isinstance(v, int)},
+        }
     text = json.dumps(out, indent=1)
     print(text)
     name = re.sub(r"[^\w.-]", "-", args.target.split(":")[0])  # the GPU type; the count is inside

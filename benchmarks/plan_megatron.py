@@ -31,38 +31,60 @@ SEQ, VOCAB = 4096, 131072
 
 def config(shape: dict, batch: int):
     overrides = [f"model.{k}={v}" for k, v in shape.items()]
-    overrides += [f"model.vocab_size={VOCAB}", f"model.max_seq_len={SEQ}", "model.dtype=bfloat16",
-                  f"train.seq_len={SEQ}", f"train.batch_size={batch}"]
+    overrides += [
+        f"model.vocab_size={VOCAB}",
+        f"model.max_seq_len={SEQ}",
+        "model.dtype=bfloat16",
+        f"train.seq_len={SEQ}",
+        f"train.batch_size={batch}",
+    ]
     return config_lib.load_config(None, overrides), overrides
 
 
 def main() -> int:
     device = plan.DEVICES["h100"]
-    print("| model | params | GPUs | batch | published layout | published MFU | predicted MFU "
-          "(same layout) | predicted / published | settings picked | planner's own best (MFU) |")
+    print(
+        "| model | params | GPUs | batch | published layout | published MFU | predicted MFU "
+        "(same layout) | predicted / published | settings picked | planner's own best (MFU) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, shape, gpus, batch, tp, pp, mfu in PUBLISHED:
         cfg, _ = config(shape, batch)
         plans = plan.enumerate_plans(cfg, gpus, device, 8)
-        same = [p for p in plans if p.fits and p.sizes["tensor"] == tp and p.sizes["pipe"] == pp
-                and p.sizes["context"] == 1 and plan.runnable(p, gpus)]
+        same = [
+            p
+            for p in plans
+            if p.fits
+            and p.sizes["tensor"] == tp
+            and p.sizes["pipe"] == pp
+            and p.sizes["context"] == 1
+            and plan.runnable(p, gpus)
+        ]
         best = next(p for p in plans if p.fits and not p.crosses and plan.runnable(p, gpus))
         params = plan.state_elements(cfg.model, {a: 1 for a in config_lib.MESH_AXES}, 0)["total"]
         if not same:
-            print(f"| {name} | {params / 1e9:.2f} B | {gpus} | {batch} | TP{tp} PP{pp} | {mfu:.0%} | "
-                  "nothing fits | | | |")
+            print(
+                f"| {name} | {params / 1e9:.2f} B | {gpus} | {batch} | TP{tp} PP{pp} | {mfu:.0%} | "
+                "nothing fits | | | |"
+            )
             continue
         p = same[0]
         par = p.cfg.parallel
-        picked = (f"data {p.sizes['data']}, fsdp {p.sizes['fsdp']}, ZeRO-{par.zero_stage}, "
-                  f"remat {par.remat}"
-                  + (f", {par.pipeline_schedule} m={par.microbatches}" if pp > 1 else "")
-                  + (f", grad_accum {par.grad_accum}" if par.grad_accum > 1 else ""))
+        picked = (
+            f"data {p.sizes['data']}, fsdp {p.sizes['fsdp']}, ZeRO-{par.zero_stage}, "
+            f"remat {par.remat}"
+            + (f", {par.pipeline_schedule} m={par.microbatches}" if pp > 1 else "")
+            + (f", grad_accum {par.grad_accum}" if par.grad_accum > 1 else "")
+        )
         bs = best.sizes
         own = " ".join(f"{a}={bs[a]}" for a in config_lib.MESH_AXES if bs[a] > 1)
-        own += f" ZeRO-{best.cfg.parallel.zero_stage} remat {best.cfg.parallel.remat} ({best.time['mfu']:.1%})"
-        print(f"| {name} | {params / 1e9:.2f} B | {gpus} | {batch} | TP{tp} PP{pp} | {mfu:.0%} | "
-              f"{p.time['mfu']:.1%} | {p.time['mfu'] / mfu:.2f} | {picked} | {own} |")
+        own += (
+            f" ZeRO-{best.cfg.parallel.zero_stage} remat {best.cfg.parallel.remat} ({best.time['mfu']:.1%})"
+        )
+        print(
+            f"| {name} | {params / 1e9:.2f} B | {gpus} | {batch} | TP{tp} PP{pp} | {mfu:.0%} | "
+            f"{p.time['mfu']:.1%} | {p.time['mfu'] / mfu:.2f} | {picked} | {own} |"
+        )
     print()
     print("Calibration (one H100; the first row solved the model's only free constant):")
     print("| run | measured step | predicted step | predicted / measured |")
@@ -70,7 +92,9 @@ def main() -> int:
     for run in plan.calibration_runs():
         pred = plan.calibrated_step_s(run)
         tag = " (calibration)" if run.used_for_calibration else ""
-        print(f"| {run.what}{tag} | {run.step_s * 1e3:.1f} ms | {pred * 1e3:.1f} ms | {pred / run.step_s:.2f} |")
+        print(
+            f"| {run.what}{tag} | {run.step_s * 1e3:.1f} ms | {pred * 1e3:.1f} ms | {pred / run.step_s:.2f} |"
+        )
     return 0
 
 

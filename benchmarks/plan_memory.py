@@ -28,12 +28,30 @@ from benchmarks.plan_layouts import layout  # noqa: E402
 # The MoE row is float32 like the other MoE rows (bfloat16 MoE with data > 1 aborts
 # XLA:CPU's compiler).
 EXTRA = [
-    layout("p2-e2-d2-1f1b-moe", {"pipe": 2, "data": 2, "expert": 2}, "parallel.zero_stage=0",
-           "parallel.pipeline_schedule=1f1b", "parallel.microbatches=4", moe=True),
-    layout("p2-f2-c2-zb-z3-dots", {"pipe": 2, "fsdp": 2, "context": 2}, "parallel.zero_stage=3",
-           "parallel.pipeline_schedule=zb", "parallel.microbatches=4", "parallel.remat=dots"),
-    layout("p2-d4-1f1b-accum2", {"pipe": 2, "data": 4}, "parallel.zero_stage=0",
-           "parallel.pipeline_schedule=1f1b", "parallel.microbatches=2", "parallel.grad_accum=2"),
+    layout(
+        "p2-e2-d2-1f1b-moe",
+        {"pipe": 2, "data": 2, "expert": 2},
+        "parallel.zero_stage=0",
+        "parallel.pipeline_schedule=1f1b",
+        "parallel.microbatches=4",
+        moe=True,
+    ),
+    layout(
+        "p2-f2-c2-zb-z3-dots",
+        {"pipe": 2, "fsdp": 2, "context": 2},
+        "parallel.zero_stage=3",
+        "parallel.pipeline_schedule=zb",
+        "parallel.microbatches=4",
+        "parallel.remat=dots",
+    ),
+    layout(
+        "p2-d4-1f1b-accum2",
+        {"pipe": 2, "data": 4},
+        "parallel.zero_stage=0",
+        "parallel.pipeline_schedule=1f1b",
+        "parallel.microbatches=2",
+        "parallel.grad_accum=2",
+    ),
 ]
 LAYOUTS = BASE_LAYOUTS + EXTRA
 
@@ -46,14 +64,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.target:
         from jaxpar import targets as targets_lib
+
         target = targets_lib.resolve(f"{args.target}:8")
         targets_lib.use_cpu_backend()
     else:
         target = None
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + " --xla_force_host_platform_device_count=8").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        ).strip()
     import jax
+
     if target is None:
         jax.config.update("jax_num_cpu_devices", 8)
     from benchmarks.plan_layouts import MODEL
@@ -73,8 +94,7 @@ def main(argv=None) -> int:
             cache_path.write_text(json.dumps(cache, indent=1, sort_keys=True))
             print(f"compiled {row['name']}: {cache[row['name']]}", file=sys.stderr, flush=True)
         compiled = cache[row["name"]]
-        predicted = plan.predict_memory_for(overrides, row["mesh"],
-                                            backend="gpu" if target else "cpu")
+        predicted = plan.predict_memory_for(overrides, row["mesh"], backend="gpu" if target else "cpu")
         rows.append((row, predicted, compiled))
     mib = 2**20
     print("| layout | mesh | settings | predicted MiB | compiled MiB | error |")
@@ -86,11 +106,15 @@ def main(argv=None) -> int:
         mesh = " ".join(f"{a}={s}" for a, s in row["mesh"].items())
         settings = " ".join(o.split(".", 1)[1] for o in row["overrides"] if not o.startswith("model.moe"))
         settings += " (MoE)" if any(o.startswith("model.moe") for o in row["overrides"]) else ""
-        print(f"| {row['name']} | {mesh} | {settings} | {p['total'] / mib:.1f} | "
-              f"{c['total'] / mib:.1f} | {err:+.1%} |")
+        print(
+            f"| {row['name']} | {mesh} | {settings} | {p['total'] / mib:.1f} | "
+            f"{c['total'] / mib:.1f} | {err:+.1%} |"
+        )
     if errors:
-        print(f"\n{len(errors)} layouts, {sum(e <= 0.10 for e in errors)} within 10%; largest "
-              f"error {max(errors):.1%}, mean {sum(errors) / len(errors):.1%}")
+        print(
+            f"\n{len(errors)} layouts, {sum(e <= 0.10 for e in errors)} within 10%; largest "
+            f"error {max(errors):.1%}, mean {sum(errors) / len(errors):.1%}"
+        )
     return 0
 
 

@@ -32,11 +32,13 @@ _REPO = "<<OWNER/NAME>>"  # in the cells below; build() puts the repository's ow
 
 
 def github_path(repo_url: str) -> str:
-    """"https://github.com/OWNER/NAME" (a trailing ".git" or "/" allowed) -> "OWNER/NAME"."""
+    """ "https://github.com/OWNER/NAME" (a trailing ".git" or "/" allowed) -> "OWNER/NAME"."""
     match = re.fullmatch(r"https://github\.com/([\w.-]+)/([\w.-]+?)(?:\.git)?/?", repo_url)
     if not match:
-        raise ValueError(f"repository URL {repo_url!r} is not of the form "
-                         "https://github.com/OWNER/NAME (Colab opens notebooks from GitHub only)")
+        raise ValueError(
+            f"repository URL {repo_url!r} is not of the form "
+            "https://github.com/OWNER/NAME (Colab opens notebooks from GitHub only)"
+        )
     return f"{match[1]}/{match[2]}"
 
 
@@ -47,8 +49,10 @@ def repository_url(pyproject: str | None = None) -> str:
     with open(pyproject, "rb") as f:
         url = tomllib.load(f).get("project", {}).get("urls", {}).get("Repository")
     if url is None:
-        raise ValueError(f"{pyproject} has no [project.urls] Repository = \"https://github.com/"
-                         "OWNER/NAME\"; the notebooks open from and clone that repository")
+        raise ValueError(
+            f'{pyproject} has no [project.urls] Repository = "https://github.com/'
+            'OWNER/NAME"; the notebooks open from and clone that repository'
+        )
     return f"https://github.com/{github_path(str(url))}"
 
 
@@ -142,7 +146,10 @@ def intro(name: str, title: str, paragraph: str):
 
 
 QUICKSTART = [
-    intro("01_quickstart", "jaxpar quickstart: train, plot, sample", """
+    intro(
+        "01_quickstart",
+        "jaxpar quickstart: train, plot, sample",
+        """
         jaxpar trains Llama-style language models on one JAX device mesh whose six axes (`pipe`,
         `data`, `fsdp`, `expert`, `context`, `tensor`) each switch on one parallelism. This
         notebook runs the whole path once: a config built from the defaults and a few
@@ -151,7 +158,8 @@ QUICKSTART = [
         `metrics.jsonl`, and a few tokens sampled from the run's checkpoint. On a GPU runtime
         the same cells train on the GPU instead. The data is this Python's own standard
         library, byte-tokenized, so nothing is downloaded.
-    """),
+    """,
+    ),
     code(SETUP),
     md("""
         ## A config
@@ -263,7 +271,10 @@ QUICKSTART = [
 
 
 DATA_FSDP_TENSOR = [
-    intro("02_data_fsdp_tensor", "Data, ZeRO and tensor parallelism on one mesh", """
+    intro(
+        "02_data_fsdp_tensor",
+        "Data, ZeRO and tensor parallelism on one mesh",
+        """
         The same tiny model under six layouts of 8 devices: plain data parallelism (`data=8`),
         ZeRO stages 1, 2 and 3 over `fsdp=8`, tensor parallelism (`tensor=8`), and tensor
         parallelism with sequence parallelism (`data=4`, `tensor=2`). The model code is the
@@ -272,7 +283,8 @@ DATA_FSDP_TENSOR = [
         parameter lives, how many bytes of parameters, gradients and optimizer state each
         device holds, and which collectives XLA puts into the compiled step. Nothing here
         runs a training step: `jaxpar.inspect` only compiles.
-    """),
+    """,
+    ),
     code(SETUP + DEVICES),
     code("""
         import numpy as np
@@ -436,7 +448,10 @@ DATA_FSDP_TENSOR = [
 
 
 PIPELINE = [
-    intro("03_pipeline", "Pipeline parallelism: GPipe, 1F1B and interleaved", """
+    intro(
+        "03_pipeline",
+        "Pipeline parallelism: GPipe, 1F1B and interleaved",
+        """
         Pipeline parallelism cuts the layer stack into stages, one per device of the `pipe`
         axis, and the batch into microbatches that flow through them. jaxpar writes each
         schedule as a static table built in Python (for every tick and every stage: forward or
@@ -445,7 +460,8 @@ PIPELINE = [
         the GPipe, 1F1B and interleaved 1F1B tables, compares their idle time (the bubble) and
         activation memory with the formulas, and checks that pipelined training gives the same
         losses as one device.
-    """),
+    """,
+    ),
     code(SETUP + DEVICES),
     md("""
         ## A schedule is a table
@@ -606,7 +622,10 @@ PIPELINE = [
 
 
 RING_ATTENTION = [
-    intro("04_ring_attention", "Context parallelism: ring attention", """
+    intro(
+        "04_ring_attention",
+        "Context parallelism: ring attention",
+        """
         Ring attention splits a long sequence over the `context` axis: each of the c devices
         keeps its block of queries, and the key/value blocks travel round the ring
         (`jax.lax.ppermute`, device i to i + 1) so that after c - 1 hops every query block has
@@ -615,7 +634,8 @@ RING_ATTENTION = [
         the ring step by step, shows why jaxpar's default `zigzag` layout balances causal work
         where the `contiguous` one does not, checks ring attention against plain attention, and
         measures memory per device as the context axis grows.
-    """),
+    """,
+    ),
     code(SETUP + DEVICES),
     md("""
         ## Who holds what
@@ -759,7 +779,10 @@ RING_ATTENTION = [
 
 
 EXPERTS = [
-    intro("05_experts", "Mixture of experts and expert parallelism", """
+    intro(
+        "05_experts",
+        "Mixture of experts and expert parallelism",
+        """
         A mixture-of-experts MLP sends each token to its top-k of E expert MLPs, chosen by a
         small router. With expert parallelism the experts are split over the `expert` mesh
         axis: each device routes its own tokens, packs them into a fixed-size buffer per
@@ -768,7 +791,8 @@ EXPERTS = [
         expert can overflow: the `capacity_factor` decides how many slots each expert gets,
         and tokens beyond it are dropped. This notebook looks at a router's load, the dropped
         fraction against the capacity factor, and trains a small MoE model over `expert=8`.
-    """),
+    """,
+    ),
     code(SETUP + DEVICES),
     md("""
         ## Routing a batch

@@ -82,8 +82,7 @@ def list_steps(directory: str) -> tuple[list[int], list[int]]:
     if not os.path.isdir(directory):
         return [], []
     names = os.listdir(directory)
-    committed = sorted(int(n) for n in names
-                       if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+    committed = sorted(int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
     pattern = re.compile(r"^(\d+)" + re.escape(TMP_SUFFIX))
     unfinished = sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
     return committed, unfinished
@@ -159,17 +158,29 @@ def _key_name(entry) -> str:
 def _leaf_shapes(tree, prefix: str) -> dict[str, tuple]:
     """{"params.blocks.attn.wq": shape, ...} for the array leaves of a tree (values or metadata)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
-    return {".".join([*prefix, *map(_key_name, path)]): tuple(leaf.shape)
-            for path, leaf in leaves if hasattr(leaf, "shape")}
+    return {
+        ".".join([*prefix, *map(_key_name, path)]): tuple(leaf.shape)
+        for path, leaf in leaves
+        if hasattr(leaf, "shape")
+    }
 
 
 def _shape_problems(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
-    problems = [f"{name}: checkpoint has shape {saved[name]}, the model has shape {shape}"
-                for name, shape in wanted.items() if name in saved and saved[name] != shape]
-    problems += [f"{name}: the model has shape {shape}, the checkpoint has no such parameter"
-                 for name, shape in wanted.items() if name not in saved]
-    problems += [f"{name}: the checkpoint has shape {shape}, the model has no such parameter"
-                 for name, shape in saved.items() if name not in wanted]
+    problems = [
+        f"{name}: checkpoint has shape {saved[name]}, the model has shape {shape}"
+        for name, shape in wanted.items()
+        if name in saved and saved[name] != shape
+    ]
+    problems += [
+        f"{name}: the model has shape {shape}, the checkpoint has no such parameter"
+        for name, shape in wanted.items()
+        if name not in saved
+    ]
+    problems += [
+        f"{name}: the checkpoint has shape {shape}, the model has no such parameter"
+        for name, shape in saved.items()
+        if name not in wanted
+    ]
     return problems
 
 
@@ -185,8 +196,16 @@ class Checkpointer:
     `checksums=False` checks file sizes only (faster for very large checkpoints).
     """
 
-    def __init__(self, directory: str, *, keep: int = 3, every: int = 0, read_only: bool = False,
-                 checksums: bool = True, verified: dict[int, str | None] | None = None):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        keep: int = 3,
+        every: int = 0,
+        read_only: bool = False,
+        checksums: bool = True,
+        verified: dict[int, str | None] | None = None,
+    ):
         self.directory = os.path.abspath(directory)
         self.every = every
         self.checksums = checksums
@@ -200,17 +219,19 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep > 0 else None,
             enable_async_checkpointing=True,
-            async_options=None if read_only else ocp.AsyncOptions(
-                post_finalization_callback=self._write_pending_manifest),
+            async_options=None
+            if read_only
+            else ocp.AsyncOptions(post_finalization_callback=self._write_pending_manifest),
             cleanup_tmp_directories=not read_only,
             create=not read_only,
             read_only=read_only,
         )
-        handlers = {PARAMS_ITEM: ocp.StandardCheckpointHandler(),
-                    REST_ITEM: ocp.StandardCheckpointHandler(),
-                    DATA_ITEM: ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_handlers=handlers)
+        handlers = {
+            PARAMS_ITEM: ocp.StandardCheckpointHandler(),
+            REST_ITEM: ocp.StandardCheckpointHandler(),
+            DATA_ITEM: ocp.JsonCheckpointHandler(),
+        }
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     # Saving --------------------------------------------------------------------------------
 
@@ -233,8 +254,11 @@ class Checkpointer:
         if step in self._saved:
             return False
         if step in self._manager.all_steps():
-            warnings.warn(f"checkpoint step {step} in {self.directory} is from an earlier run; "
-                          "replacing it", CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"checkpoint step {step} in {self.directory} is from an earlier run; replacing it",
+                CheckpointWarning,
+                stacklevel=2,
+            )
             self._manager.delete(step)
         self._problems.pop(step, None)
         self._pending_step = step
@@ -250,8 +274,7 @@ class Checkpointer:
         step = self._pending_step
         if step is None or jax.process_index() != 0:
             return
-        tmp = sorted(glob.glob(os.path.join(self.directory, f"{step}{TMP_SUFFIX}*")),
-                     key=os.path.getmtime)
+        tmp = sorted(glob.glob(os.path.join(self.directory, f"{step}{TMP_SUFFIX}*")), key=os.path.getmtime)
         step_dir = tmp[-1] if tmp else os.path.join(self.directory, str(step))
         if os.path.isdir(step_dir):  # else `_finish_pending` writes it after the commit
             write_manifest(step_dir, step)
@@ -261,8 +284,12 @@ class Checkpointer:
         self._manager.wait_until_finished()
         step, self._pending_step = self._pending_step, None
         step_dir = os.path.join(self.directory, str(step))
-        if (step is not None and jax.process_index() == 0 and os.path.isdir(step_dir)
-                and not os.path.isfile(os.path.join(step_dir, MANIFEST))):
+        if (
+            step is not None
+            and jax.process_index() == 0
+            and os.path.isdir(step_dir)
+            and not os.path.isfile(os.path.join(step_dir, MANIFEST))
+        ):
             write_manifest(step_dir, step)
 
     def close(self) -> None:
@@ -281,9 +308,9 @@ class Checkpointer:
         if step not in self._problems:
             if step not in self._manager.all_steps():
                 return "there is no such checkpoint" + (
-                    " (its save never committed)" if step in self._unfinished else "")
-            self._problems[step] = manifest_problem(
-                os.path.join(self.directory, str(step)), self.checksums)
+                    " (its save never committed)" if step in self._unfinished else ""
+                )
+            self._problems[step] = manifest_problem(os.path.join(self.directory, str(step)), self.checksums)
         return self._problems[step]
 
     def latest_valid_step(self) -> int | None:
@@ -294,12 +321,19 @@ class Checkpointer:
         self._manager.wait_until_finished()
         committed = set(self._manager.all_steps())
         for step in sorted(committed | set(self._unfinished), reverse=True):
-            problem = self.problem(step) if step in committed else (
-                "its save never committed (the run stopped while writing it)")
+            problem = (
+                self.problem(step)
+                if step in committed
+                else ("its save never committed (the run stopped while writing it)")
+            )
             if problem is None:
                 return step
-            warnings.warn(f"checkpoint step {step} in {self.directory} is unusable: {problem}; "
-                          "falling back to the previous one", CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"checkpoint step {step} in {self.directory} is unusable: {problem}; "
+                "falling back to the previous one",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         return None
 
     def latest_intact_step(self) -> int | None:
@@ -308,7 +342,8 @@ class Checkpointer:
         for step in reversed(list_steps(self.directory)[0]):
             if step not in self._problems:
                 self._problems[step] = manifest_problem(
-                    os.path.join(self.directory, str(step)), self.checksums)
+                    os.path.join(self.directory, str(step)), self.checksums
+                )
             if self._problems[step] is None:
                 return step
         return None
@@ -330,8 +365,9 @@ class Checkpointer:
     def data_state(self, step: int) -> Any:
         """What `save` stored beside the arrays of checkpoint `step` (the data iterator's state
         and the run's data settings); reads that small JSON item only."""
-        return self._manager.restore(step, args=ocp.args.Composite(
-            **{DATA_ITEM: ocp.args.JsonRestore()}))[DATA_ITEM]["data"]
+        return self._manager.restore(step, args=ocp.args.Composite(**{DATA_ITEM: ocp.args.JsonRestore()}))[
+            DATA_ITEM
+        ]["data"]
 
     def check_shapes(self, step: int, state_shape: dict) -> None:
         """Raises `CheckpointMismatchError` unless checkpoint `step` holds exactly the arrays of
@@ -348,16 +384,19 @@ class Checkpointer:
             problems += _shape_problems(_leaf_shapes(saved, prefix), _leaf_shapes(shapes, prefix))
         if problems:
             shown = "\n  ".join(problems[:8]) + (
-                f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+                f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+            )
             if not any(p.startswith(f"{PARAMS_ITEM}.") for p in problems) and any(
-                    p.startswith("opt_state") for p in problems):
+                p.startswith("opt_state") for p in problems
+            ):
                 # The parameters match: the optimizer state is what differs (another update rule).
                 raise CheckpointMismatchError(
                     f"checkpoint step {step} in {self.directory} holds the state of another "
                     f"optimizer (the model's parameters match):\n  {shown}\nresume with the "
                     "optimizer.name it was trained with (its config.yaml), or keep its weights "
                     "with a fresh optimizer: train.init_from=<that run directory> in a new "
-                    "train.run_dir")
+                    "train.run_dir"
+                )
             raise CheckpointMismatchError(
                 f"checkpoint step {step} in {self.directory} holds a model of another shape:"
                 f"\n  {shown}\nrestore it with the model config it was trained with"
@@ -365,8 +404,9 @@ class Checkpointer:
 
     # Restoring -----------------------------------------------------------------------------
 
-    def restore(self, state_shape: dict, state_shardings: dict | None,
-                step: int | None = None) -> tuple[dict, Any, int]:
+    def restore(
+        self, state_shape: dict, state_shardings: dict | None, step: int | None = None
+    ) -> tuple[dict, Any, int]:
         """(state, data_state, step) from checkpoint `step` (default: `latest_valid_step()`).
 
         `state_shape` is a tree of `jax.ShapeDtypeStruct` (e.g. `Trainer.state_shape`), or a part
@@ -383,7 +423,8 @@ class Checkpointer:
             usable = [s for s in self.all_steps() if self.problem(s) is None]
             raise CheckpointNotFoundError(
                 f"checkpoint step {step} in {self.directory} is unusable: {problem}; "
-                + (f"its usable checkpoints are steps {usable}" if usable else "it has no usable checkpoint"))
+                + (f"its usable checkpoints are steps {usable}" if usable else "it has no usable checkpoint")
+            )
         # Checkpoints from before the train state carried the guard's counters (skipped_steps,
         # first_bad_step) lack them: those scalars start at 0 instead.
         missing = self._missing_counters(step, state_shape)
@@ -397,7 +438,9 @@ class Checkpointer:
         else:
             target = jax.tree.map(
                 lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                state_shape, state_shardings)
+                state_shape,
+                state_shardings,
+            )
         items = {item: ocp.args.StandardRestore(tree) for item, tree in _split(target).items()}
         items[DATA_ITEM] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
@@ -406,8 +449,11 @@ class Checkpointer:
             state[PARAMS_ITEM] = restored[PARAMS_ITEM]
         for key, like in missing.items():
             zero, sharding = np.zeros(like.shape, like.dtype), missing_shardings[key]
-            state[key] = zero if sharding is None else jax.make_array_from_callback(
-                zero.shape, sharding, lambda index: zero[index])
+            state[key] = (
+                zero
+                if sharding is None
+                else jax.make_array_from_callback(zero.shape, sharding, lambda index: zero[index])
+            )
         meta = restored[DATA_ITEM]
         return state, meta["data"], int(meta["step"])
 
@@ -415,9 +461,14 @@ class Checkpointer:
         """Scalar integer entries of `state_shape` (besides params) that checkpoint `step` lacks."""
         saved = self._manager.item_metadata(step).get(REST_ITEM)
         saved = getattr(saved, "tree", saved) or {}
-        return {k: v for k, v in state_shape.items()
-                if k != PARAMS_ITEM and k not in saved and getattr(v, "shape", None) == ()
-                and np.issubdtype(np.dtype(v.dtype), np.integer)}
+        return {
+            k: v
+            for k, v in state_shape.items()
+            if k != PARAMS_ITEM
+            and k not in saved
+            and getattr(v, "shape", None) == ()
+            and np.issubdtype(np.dtype(v.dtype), np.integer)
+        }
 
 
 def _split(state: dict) -> dict[str, Any]:

@@ -25,8 +25,11 @@ def fail(error: BaseException, code: int, prefix: str = "error") -> int:
     return code
 
 
-def run(command: Callable[[], int], prefix: str = "config error",
-        failures: Mapping[type[BaseException], int] | None = None) -> int:
+def run(
+    command: Callable[[], int],
+    prefix: str = "config error",
+    failures: Mapping[type[BaseException], int] | None = None,
+) -> int:
     """`command()`, the body of a command line, returning its exit code. A ConfigError ends it
     as `prefix: message` on stderr with exit code CONFIG_ERROR; an exception of one of the types
     in `failures` (checked in order, after ConfigError) as `error: message` with the code given

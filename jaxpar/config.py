@@ -77,8 +77,12 @@ class MoEConfig:
     d_ff: int | None = None  # expert hidden size; None = model.d_ff
     aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer)
     z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
-    dispatch: MoEDispatch = "auto"  # auto (ragged on GPU if dropless and no costlier: experts.py) | padded | ragged
-    ragged_buffer_factor: float | None = None  # ragged, expert > 1: receive factor*tokens*top_k rows, drop (and count) past it; None = worst case, no drops
+    dispatch: MoEDispatch = (
+        "auto"  # auto (ragged on GPU if dropless, no costlier: experts.py) | padded | ragged
+    )
+    ragged_buffer_factor: float | None = (
+        None  # ragged: receive rows / (tokens*top_k); None: worst case, no drops
+    )
 
 
 @dataclass
@@ -112,7 +116,9 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     dtype: Dtype = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
     param_dtype: Dtype = "float32"  # parameters and optimizer state
-    fp8: bool = False  # block matmuls (attention projections, MLP, experts) in float8: e4m3 forward, e5m2 grads
+    fp8: bool = (
+        False  # block matmuls (attention projections, MLP, experts) in float8: e4m3 forward, e5m2 grads
+    )
     # auto: cudnn where its packed kernel runs (Hopper+ GPU, 16-bit, not pipelined, no ring), else
     # xla; models/attention.py (kernel_for) has the rule.
     attention: Attention = "auto"  # auto | xla | cudnn
@@ -180,7 +186,9 @@ class DataConfig:
     # string): strict stops naming the file and line; replace turns bad bytes into U+FFFD and
     # leaves the rest out; skip leaves the document out. Both say how many in a warning.
     errors: DataErrors = "strict"  # strict | replace | skip (see above)
-    allow_source_change: bool = False  # resume onto other data (source(s), tokenizer, seed); config.yaml keeps it
+    allow_source_change: bool = (
+        False  # resume onto other data (source(s), tokenizer, seed); config.yaml keeps it
+    )
 
 
 @dataclass
@@ -277,14 +285,22 @@ def _all_keys(cls, prefix: str = "") -> list[str]:
 
 
 def _trailing_comments(cls) -> dict[str, str]:
-    """{field name: the comment at the end of its line} in the source of dataclass `cls`."""
+    """{field name: the comment on its line(s)} in the source of dataclass `cls`."""
     source = textwrap.dedent(inspect.getsource(cls))
-    at_line = {tok.start[0]: tok.string.lstrip("#").strip()
-               for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-               if tok.type == tokenize.COMMENT}
-    return {node.target.id: at_line.get(node.end_lineno, "")
-            for node in ast.parse(source).body[0].body
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    at_line = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+
+    def comment(node):
+        return " ".join(at_line[n] for n in range(node.lineno, node.end_lineno + 1) if n in at_line)
+
+    return {
+        node.target.id: comment(node)
+        for node in ast.parse(source).body[0].body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
 
 
 def settings_help(cls=None, prefix: str = "") -> str:
@@ -365,9 +381,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             pass
     if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
-    raise ConfigError(
-        f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__})"
-    )
+    raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
 
 
 def _coerce_item(key: str, value: Any, item: Any) -> Any:
@@ -463,7 +477,7 @@ def load_yaml(path: str) -> dict:
 
 
 def _similar_config(path: str) -> str:
-    """"; did you mean 'configs/gpt2-124m.yaml'?" for a missing YAML file with a close name in its
+    """ "; did you mean 'configs/gpt2-124m.yaml'?" for a missing YAML file with a close name in its
     folder or in the presets folder beside the package; "" when none is close."""
     folder = os.path.dirname(path) or "."
     presets = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -480,8 +494,10 @@ def _similar_config(path: str) -> str:
 
 def _dashed(arg: str) -> ConfigError:
     bare = arg.lstrip("-")
-    return ConfigError(f"argument '{arg}': settings are written without dashes, as dotted.key=value "
-                       f"(e.g. {bare if '=' in bare else 'train.steps=10'}); --help lists them all")
+    return ConfigError(
+        f"argument '{arg}': settings are written without dashes, as dotted.key=value "
+        f"(e.g. {bare if '=' in bare else 'train.steps=10'}); --help lists them all"
+    )
 
 
 def parse_overrides(overrides: list[str]) -> dict:
@@ -546,15 +562,20 @@ def resolve_paths(cfg: Config) -> Config:
     data.tokenizer, train.run_dir, train.init_from), as the run's config.yaml stores them:
     `sample`, `export` or a reused config then find the same files from any directory."""
     d, t = cfg.data, cfg.train
-    absolute = lambda path: os.path.abspath(os.path.expanduser(path))  # noqa: E731
-    sources = None if d.sources is None else [dataclasses.replace(s, path=absolute(s.path))
-                                               for s in d.sources]
+    absolute = lambda path: os.path.abspath(os.path.expanduser(path))
+    sources = (
+        None if d.sources is None else [dataclasses.replace(s, path=absolute(s.path)) for s in d.sources]
+    )
     data = dataclasses.replace(
-        d, source=d.source if d.source == "stdlib" else absolute(d.source), sources=sources,
-        tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer))
+        d,
+        source=d.source if d.source == "stdlib" else absolute(d.source),
+        sources=sources,
+        tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer),
+    )
     init_from = None if t.init_from is None else absolute(t.init_from)
-    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(
-        t, run_dir=absolute(t.run_dir), init_from=init_from))
+    return dataclasses.replace(
+        cfg, data=data, train=dataclasses.replace(t, run_dir=absolute(t.run_dir), init_from=init_from)
+    )
 
 
 def to_dict(cfg: Config) -> dict:
@@ -629,10 +650,12 @@ def data_files(data: DataConfig) -> list[str]:
     """The files a non-stdlib source names (a path or a glob), sorted; error if there are none."""
     source = os.path.expanduser(data.source)
     if os.path.isdir(source):
+        text, jsonl = os.path.join(data.source, "*.txt"), os.path.join(data.source, "**", "*.jsonl")
         raise ConfigError(
             f"data.source='{data.source}' is a directory; name its files with a glob, e.g. "
-            f"data.source='{os.path.join(data.source, '*.txt')}' or '{os.path.join(data.source, '**', '*.jsonl')}'"
-            ", or give a directory of prepared shards (python -m jaxpar.data prepare SOURCES --out DIR)")
+            f"data.source='{text}' or '{jsonl}'"
+            ", or give a directory of prepared shards (python -m jaxpar.data prepare SOURCES --out DIR)"
+        )
     files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
     if not files:
         raise ConfigError(f"data.source='{data.source}': no such file (or nothing matches the glob)")
@@ -641,8 +664,10 @@ def data_files(data: DataConfig) -> list[str]:
 
 def source_names(data: DataConfig) -> list[str]:
     """The metrics' name of each of data.sources: its `name`, else its directory's name."""
-    return [s.name if s.name is not None else os.path.basename(os.path.normpath(s.path))
-            for s in data.sources or []]
+    return [
+        s.name if s.name is not None else os.path.basename(os.path.normpath(s.path))
+        for s in data.sources or []
+    ]
 
 
 def _prepared(path: str, key: str) -> bool:
@@ -654,7 +679,8 @@ def _prepared(path: str, key: str) -> bool:
     if os.path.isfile(os.path.join(path, "prepare.json")):
         raise ConfigError(
             f"{key}='{path}' has no manifest.json: its preparation did not finish; run the same "
-            "`python -m jaxpar.data prepare` command again, it resumes")
+            "`python -m jaxpar.data prepare` command again, it resumes"
+        )
     return False
 
 
@@ -670,31 +696,39 @@ def _validate_data(cfg: Config) -> None:
                 f"train.eval_every={t.eval_every} evaluates on a validation split, and "
                 f"data.source='{d.source}' ({what}) has none: prepare it with one (python -m "
                 "jaxpar.data prepare SOURCES --out DIR --val-fraction 0.01) and train on "
-                "data.source=DIR, or set train.eval_every=0")
+                "data.source=DIR, or set train.eval_every=0"
+            )
         return
     if d.source != "stdlib":
         raise ConfigError(
             f"data.source='{d.source}' and data.sources are both set; a run reads one of them: "
-            "put that directory into data.sources (with a weight), or remove data.sources")
+            "put that directory into data.sources (with a weight), or remove data.sources"
+        )
     if not d.sources:
-        raise ConfigError("data.sources is empty: give at least one {path: DIR, weight: W} "
-                          "(a directory from python -m jaxpar.data prepare), or remove data.sources "
-                          "to train on data.source")
+        raise ConfigError(
+            "data.sources is empty: give at least one {path: DIR, weight: W} "
+            "(a directory from python -m jaxpar.data prepare), or remove data.sources "
+            "to train on data.source"
+        )
     for i, s in enumerate(d.sources):
         key = f"data.sources[{i}]"
         if not (s.weight > 0 and math.isfinite(s.weight)):
-            raise ConfigError(f"{key}.weight={s.weight}: use a positive, finite weight (weights are "
-                              "relative: 0.7 and 0.3 draw as 7 and 3 do)")
+            raise ConfigError(
+                f"{key}.weight={s.weight}: use a positive, finite weight (weights are "
+                "relative: 0.7 and 0.3 draw as 7 and 3 do)"
+            )
         if not _prepared(s.path, f"{key}.path"):
             raise ConfigError(
                 f"{key}.path='{s.path}' is not a directory of prepared shards (no manifest.json): "
-                f"make one with python -m jaxpar.data prepare SOURCES --out {s.path}")
+                f"make one with python -m jaxpar.data prepare SOURCES --out {s.path}"
+            )
     names = source_names(d)
     for i, name in enumerate(names):
         if names.index(name) != i:
             raise ConfigError(
                 f"data.sources[{names.index(name)}] and data.sources[{i}] are both named '{name}' "
-                f"in the metrics; give one of them another name (data.sources[{i}].name)")
+                f"in the metrics; give one of them another name (data.sources[{i}].name)"
+            )
 
 
 def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
@@ -703,37 +737,46 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
         return
     if moe.num_experts < 0 or not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(
-            f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}")
+            f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}"
+        )
     if moe.every < 1 or m.n_layers % moe.every:
         raise ConfigError(
             f"model.moe.every={moe.every} must divide model.n_layers={m.n_layers} (an MoE MLP in "
-            f"every {moe.every}-th block); try every in {_divisors(m.n_layers)}")
+            f"every {moe.every}-th block); try every in {_divisors(m.n_layers)}"
+        )
     _require_divides("mesh.expert", sizes["expert"], "model.moe.num_experts", moe.num_experts)
     _require_divides("mesh.tensor", sizes["tensor"], "model.moe.d_ff", moe.d_ff or m.d_ff)
     if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-        raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor}: use a positive "
-                          "number, or null for dropless routing")
+        raise ConfigError(
+            f"model.moe.capacity_factor={moe.capacity_factor}: use a positive "
+            "number, or null for dropless routing"
+        )
     if moe.shared_experts < 0:
         raise ConfigError(f"model.moe.shared_experts={moe.shared_experts} must be 0 or more")
     if moe.dispatch == "ragged" and moe.capacity_factor is not None:
         raise ConfigError(
             f"model.moe.dispatch=ragged is dropless but model.moe.capacity_factor="
             f"{moe.capacity_factor}: set model.moe.capacity_factor=null, or use "
-            "model.moe.dispatch=padded for capacity routing")
+            "model.moe.dispatch=padded for capacity routing"
+        )
     if moe.dispatch == "ragged" and m.fp8:
-        raise ConfigError("model.moe.dispatch=ragged has no float8 grouped GEMM: with model.fp8=true "
-                          "use model.moe.dispatch=padded (or auto, which picks it)")
+        raise ConfigError(
+            "model.moe.dispatch=ragged has no float8 grouped GEMM: with model.fp8=true "
+            "use model.moe.dispatch=padded (or auto, which picks it)"
+        )
     if moe.ragged_buffer_factor is not None:
         if not moe.ragged_buffer_factor >= 1:
             raise ConfigError(
                 f"model.moe.ragged_buffer_factor={moe.ragged_buffer_factor}: use a number >= 1 "
-                "(1 = the balanced load tokens * top_k), or null for the worst case")
+                "(1 = the balanced load tokens * top_k), or null for the worst case"
+            )
         if moe.dispatch == "padded" or moe.capacity_factor is not None:
             raise ConfigError(
                 f"model.moe.ragged_buffer_factor={moe.ragged_buffer_factor} sizes the ragged "
                 f"dispatch's buffer, but model.moe.dispatch={moe.dispatch} and "
                 f"model.moe.capacity_factor={moe.capacity_factor} route padded; set it to null, "
-                "or use model.moe.dispatch=ragged (or auto on GPU) with capacity_factor=null")
+                "or use model.moe.dispatch=ragged (or auto on GPU) with capacity_factor=null"
+            )
 
 
 def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
@@ -743,8 +786,9 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     # The schedule's own rules live beside the schedules (jaxpar.parallel.schedule: plain Python,
     # importing nothing of jaxpar's).
     try:
-        validate_pipeline(par.pipeline_schedule, p, par.microbatches, par.virtual_stages,
-                          layers=cfg.model.n_layers)
+        validate_pipeline(
+            par.pipeline_schedule, p, par.microbatches, par.virtual_stages, layers=cfg.model.n_layers
+        )
     except ValueError as e:
         raise ConfigError(f"mesh.pipe={p}, parallel.pipeline_schedule={par.pipeline_schedule}: {e}") from None
     data_parallel = sizes["data"] * sizes["fsdp"] * sizes["expert"]
@@ -754,7 +798,8 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(
             f"train.batch_size={t.batch_size} must split into parallel.grad_accum={par.grad_accum} "
             f"x parallel.microbatches={par.microbatches} microbatches that each split over "
-            f"data*fsdp*expert={data_parallel}; try a multiple of {per_row}")
+            f"data*fsdp*expert={data_parallel}; try a multiple of {per_row}"
+        )
     moe, chunks = cfg.model.moe, p * par.virtual_stages
     if moe.num_experts and (cfg.model.n_layers // moe.every) % chunks:
         # The layer scan repeats groups of model.moe.every blocks (one MoE block each); a
@@ -765,11 +810,15 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
             f"model.n_layers={layers} / model.moe.every={moe.every} = {layers // moe.every} "
             f"MoE groups do not split over mesh.pipe={p} x parallel.virtual_stages="
             f"{par.virtual_stages} = {chunks} pipeline chunks (a chunk holds whole groups); "
-            f"try model.moe.every in {fits}")
+            f"try model.moe.every in {fits}"
+        )
     for key, value, why in [
-        ("model.attention=cudnn", cfg.model.attention == "cudnn",
-         "cuDNN's attention call does not compile inside the pipeline's shard_map (jax 0.12); "
-         "use auto (XLA attention when pipelined) or xla"),
+        (
+            "model.attention=cudnn",
+            cfg.model.attention == "cudnn",
+            "cuDNN's attention call does not compile inside the pipeline's shard_map (jax 0.12); "
+            "use auto (XLA attention when pipelined) or xla",
+        ),
     ]:
         if value:
             raise ConfigError(f"{key} with mesh.pipe={p}: {why}")
@@ -782,12 +831,16 @@ def validate_runtime(cfg: Config) -> None:
     """What must hold before the backend starts (`jaxpar.mesh.emulate_cpu_devices` uses it)."""
     check_types(cfg.runtime, "runtime.")
     if cfg.runtime.cpu_devices < 1:
-        raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices}: must be at least 1 "
-                          "(1 = a plain single-device run; 8 emulates the default mesh)")
+        raise ConfigError(
+            f"runtime.cpu_devices={cfg.runtime.cpu_devices}: must be at least 1 "
+            "(1 = a plain single-device run; 8 emulates the default mesh)"
+        )
     memory = cfg.runtime.host_memory_gib
     if memory is not None and not (math.isfinite(memory) and memory > 0):
-        raise ConfigError(f"runtime.host_memory_gib={memory}: give the GiB of RAM the run may take "
-                          "(a positive number, e.g. 16), or null for what the machine has available")
+        raise ConfigError(
+            f"runtime.host_memory_gib={memory}: give the GiB of RAM the run may take "
+            "(a positive number, e.g. 16), or null for what the machine has available"
+        )
 
 
 def check_writable_dir(path: str, key: str) -> None:
@@ -807,8 +860,9 @@ def check_writable_dir(path: str, key: str) -> None:
         os.remove(probe)
     except OSError as e:
         where = "" if existing == path_abs else f" (it would be created in '{existing}')"
-        raise ConfigError(f"{key}='{path}' is not writable{where}: {e.strerror}; "
-                          "choose a directory you can write") from None
+        raise ConfigError(
+            f"{key}='{path}' is not writable{where}: {e.strerror}; choose a directory you can write"
+        ) from None
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -846,11 +900,15 @@ def _validate_run(cfg: Config) -> None:
     step counter, seed, checkpoint interval, the profiler's window."""
     m, t = cfg.model, cfg.train
     if m.attention == "cudnn" and m.dtype == "float32":
-        raise ConfigError("model.attention=cudnn takes bfloat16 or float16 activations, but "
-                          "model.dtype=float32; use model.dtype=bfloat16, or attention auto or xla")
+        raise ConfigError(
+            "model.attention=cudnn takes bfloat16 or float16 activations, but "
+            "model.dtype=float32; use model.dtype=bfloat16, or attention auto or xla"
+        )
     if m.fp8 and m.param_dtype != "float32":
-        raise ConfigError(f"model.fp8 quantizes each step from float32 master weights, but "
-                          f"model.param_dtype={m.param_dtype}; use model.param_dtype=float32")
+        raise ConfigError(
+            f"model.fp8 quantizes each step from float32 master weights, but "
+            f"model.param_dtype={m.param_dtype}; use model.param_dtype=float32"
+        )
     if t.resume not in ("auto", "never") and not t.resume.isdigit():
         raise ConfigError(f"train.resume={t.resume!r}: use auto, never, or a checkpoint step number")
     if t.steps > INT32_MAX:
@@ -861,8 +919,10 @@ def _validate_run(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every}: use 0 (never) or a step count")
     window = t.profile_steps
     if window is not None and not (len(window) == 2 and 1 <= window[0] <= window[1] <= t.steps):
-        raise ConfigError(f"train.profile_steps={window}: give [first, last] with "
-                          f"1 <= first <= last <= train.steps={t.steps}, e.g. [5, 7]")
+        raise ConfigError(
+            f"train.profile_steps={window}: give [first, last] with "
+            f"1 <= first <= last <= train.steps={t.steps}, e.g. [5, 7]"
+        )
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:
@@ -886,12 +946,21 @@ def _validate_counts(cfg: Config) -> None:
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every={t.eval_every}: use 0 (no evaluation) or a step count")
     positive = {
-        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
-        "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.d_ff": m.d_ff,
-        "model.max_seq_len": m.max_seq_len, "train.steps": t.steps, "train.batch_size": t.batch_size,
-        "train.seq_len": t.seq_len, "train.log_every": t.log_every,
-        "parallel.grad_accum": p.grad_accum, "runtime.cpu_devices": cfg.runtime.cpu_devices,
-        "model.max_documents_per_row": m.max_documents_per_row, "train.eval_batches": t.eval_batches,
+        "model.vocab_size": m.vocab_size,
+        "model.d_model": m.d_model,
+        "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads,
+        "model.n_kv_heads": m.n_kv_heads,
+        "model.d_ff": m.d_ff,
+        "model.max_seq_len": m.max_seq_len,
+        "train.steps": t.steps,
+        "train.batch_size": t.batch_size,
+        "train.seq_len": t.seq_len,
+        "train.log_every": t.log_every,
+        "parallel.grad_accum": p.grad_accum,
+        "runtime.cpu_devices": cfg.runtime.cpu_devices,
+        "model.max_documents_per_row": m.max_documents_per_row,
+        "train.eval_batches": t.eval_batches,
     }
     if cfg.data.max_documents is not None:
         positive["data.max_documents"] = cfg.data.max_documents
@@ -915,13 +984,15 @@ def _validate_model(cfg: Config) -> None:
             "need an even head dimension"
         )
     rs = m.rope_scaling
-    if rs.type == "llama3" and not (rs.factor >= 1 and 0 < rs.low_freq_factor < rs.high_freq_factor
-                                    and rs.original_max_len >= 1):
+    if rs.type == "llama3" and not (
+        rs.factor >= 1 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_len >= 1
+    ):
         raise ConfigError(
             f"model.rope_scaling: factor={rs.factor}, low_freq_factor={rs.low_freq_factor}, "
             f"high_freq_factor={rs.high_freq_factor}, original_max_len={rs.original_max_len}; "
             "llama3 scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
-            "original_max_len >= 1")
+            "original_max_len >= 1"
+        )
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} is above model.max_seq_len={m.max_seq_len}; "
@@ -941,8 +1012,12 @@ def _validate_splits(cfg: Config, sizes: dict[str, int]) -> None:
             f"try a multiple of {data_parallel * p.grad_accum}"
         )
     tensor = sizes["tensor"]
-    for dim_key, dim in [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                         ("model.d_ff", m.d_ff), ("model.vocab_size", m.vocab_size)]:
+    for dim_key, dim in [
+        ("model.n_heads", m.n_heads),
+        ("model.n_kv_heads", m.n_kv_heads),
+        ("model.d_ff", m.d_ff),
+        ("model.vocab_size", m.vocab_size),
+    ]:
         _require_divides("mesh.tensor", tensor, dim_key, dim)
     if p.zero_stage > 0:
         _require_divides("mesh.fsdp", sizes["fsdp"], "model.d_model", m.d_model)
@@ -960,12 +1035,15 @@ def _validate_sequence_splits(cfg: Config, sizes: dict[str, int]) -> None:
             raise ConfigError(
                 f"train.seq_len={t.seq_len} is not divisible by {pieces}: ring attention with "
                 f"mesh.context={sizes['context']} and parallel.context_layout={p.context_layout} cuts "
-                f"the sequence into {pieces} chunks; try a multiple of {pieces}")
+                f"the sequence into {pieces} chunks; try a multiple of {pieces}"
+            )
     seq_shards = sizes["context"] * (sizes["tensor"] if p.sequence_parallel else 1)
-    if t.loss_chunks < 0 or (t.loss_chunks and (t.seq_len % t.loss_chunks
-                                                or (t.seq_len // t.loss_chunks) % seq_shards)):
+    if t.loss_chunks < 0 or (
+        t.loss_chunks and (t.seq_len % t.loss_chunks or (t.seq_len // t.loss_chunks) % seq_shards)
+    ):
         fits = [c for c in _divisors(t.seq_len) if (t.seq_len // c) % seq_shards == 0]
         raise ConfigError(
             f"train.loss_chunks={t.loss_chunks} must divide train.seq_len={t.seq_len} into pieces "
             f"that split evenly over the {seq_shards} devices holding the sequence; use 0 (auto) "
-            f"or one of {fits}")
+            f"or one of {fits}"
+        )

@@ -18,9 +18,9 @@ embeddings, rotary scaling none or `llama3`. Everything else is refused by name 
 nothing written: another architecture, a sliding window that would cut attention short, another
 rope scaling, biases jaxpar lacks, a head_dim other than hidden_size / num_attention_heads, an
 activation other than silu. The family is `jaxpar.models.llama_hf`: config.json both ways and
-one table of tensors, which `to-hf` writes with as well. The checkpoint is checked before anything is written: every tensor
-the config implies present with its shape, nothing unknown, every byte inside its file; and as
-it is read, every value finite (a NaN or infinity names the tensor, and the output is removed).
+one table of tensors, which `to-hf` writes with as well. The checkpoint is checked before anything is
+written: every tensor the config implies present with its shape, nothing unknown, every byte inside its
+file; and as it is read, every value finite (a NaN or infinity names the tensor, and the output is removed).
 
 Loading is sharded, one tensor at a time. `load_hf_params` places each parameter with
 `jax.make_array_from_callback` onto its sharding on the target mesh; for each device's shard the
@@ -58,8 +58,20 @@ SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # The model settings that decide the weights or what the network computes: taken from the
 # checkpoint, and refused when a user's setting disagrees.
-ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "moe")
+ARCHITECTURE_KEYS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "d_ff",
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+    "tie_embeddings",
+    "qkv_bias",
+    "moe",
+)
 
 
 def _np_dtype(name: str):
@@ -124,8 +136,9 @@ def read_safetensors_header(path: str, shown: str) -> dict[str, TensorInfo]:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else None
         if n is None or 8 + n > size:
-            raise ConfigError(f"{shown} is truncated or not a safetensors file ({size} bytes; "
-                              "its header does not fit)")
+            raise ConfigError(
+                f"{shown} is truncated or not a safetensors file ({size} bytes; its header does not fit)"
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
@@ -136,16 +149,20 @@ def read_safetensors_header(path: str, shown: str) -> dict[str, TensorInfo]:
             continue
         dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
         if dtype is None:
-            raise ConfigError(f"{shown}: tensor {name} has dtype {info.get('dtype')}; jaxpar reads "
-                              f"{', '.join(SAFETENSORS_DTYPES)}")
+            raise ConfigError(
+                f"{shown}: tensor {name} has dtype {info.get('dtype')}; jaxpar reads "
+                f"{', '.join(SAFETENSORS_DTYPES)}"
+            )
         start, end = info["data_offsets"]
         shape = tuple(int(d) for d in info["shape"])
         if end - start != int(np.prod(shape, dtype=np.int64)) * _np_dtype(dtype).itemsize:
-            raise ConfigError(f"{shown}: tensor {name}: {end - start} bytes do not hold shape "
-                              f"{shape} of {dtype}")
+            raise ConfigError(
+                f"{shown}: tensor {name}: {end - start} bytes do not hold shape {shape} of {dtype}"
+            )
         if 8 + n + end > size:
-            raise ConfigError(f"{shown} is truncated: tensor {name} ends at byte {8 + n + end}, "
-                              f"the file has {size}")
+            raise ConfigError(
+                f"{shown} is truncated: tensor {name} ends at byte {8 + n + end}, the file has {size}"
+            )
         tensors[name] = TensorInfo(os.path.abspath(path), dtype, shape, 8 + n + start)
     return tensors
 
@@ -166,13 +183,16 @@ def checkpoint_tensors(hf_dir: str) -> dict[str, TensorInfo]:
             listed = [n for n, fl in weight_map.items() if fl == file]
             shown = os.path.join(hf_dir, file)
             if not os.path.isfile(shown):
-                raise ConfigError(f"{shown} is missing (model.safetensors.index.json lists it for "
-                                  f"tensor {listed[0]}" + (f" and {len(listed) - 1} more)" if len(listed) > 1 else ")"))
+                raise ConfigError(
+                    f"{shown} is missing (model.safetensors.index.json lists it for "
+                    f"tensor {listed[0]}" + (f" and {len(listed) - 1} more)" if len(listed) > 1 else ")")
+                )
             in_file = read_safetensors_header(shown, shown)
             for name in listed:
                 if name not in in_file:
-                    raise ConfigError(f"{shown} has no tensor {name} (model.safetensors.index.json "
-                                      "says it is there)")
+                    raise ConfigError(
+                        f"{shown} has no tensor {name} (model.safetensors.index.json says it is there)"
+                    )
                 tensors[name] = in_file[name]
         return tensors
     if os.path.isfile(single):
@@ -190,17 +210,23 @@ def check_tensors(tensors: dict[str, TensorInfo], m: ModelConfig, hf_dir: str) -
     config = os.path.join(hf_dir, "config.json")
     for name, shape in want.items():
         if name not in tensors:
-            raise ConfigError(f"{hf_dir}: tensor {name} is missing, and {config} implies it "
-                              f"(shape {list(shape)})")
+            raise ConfigError(
+                f"{hf_dir}: tensor {name} is missing, and {config} implies it (shape {list(shape)})"
+            )
         if tensors[name].shape != shape:
-            raise ConfigError(f"{tensors[name].file}: tensor {name} has shape "
-                              f"{list(tensors[name].shape)}, but {config} implies {list(shape)}")
+            raise ConfigError(
+                f"{tensors[name].file}: tensor {name} has shape "
+                f"{list(tensors[name].shape)}, but {config} implies {list(shape)}"
+            )
     for name, info in tensors.items():
-        known = name in want or name.endswith(IGNORED_SUFFIXES) or (
-            m.tie_embeddings and name == "lm_head.weight")
+        known = (
+            name in want or name.endswith(IGNORED_SUFFIXES) or (m.tie_embeddings and name == "lm_head.weight")
+        )
         if not known:
-            raise ConfigError(f"{info.file}: tensor {name} is not part of a {'/'.join(llama_hf.ARCHITECTURES)}"
-                              " jaxpar can represent; refusing an approximate conversion")
+            raise ConfigError(
+                f"{info.file}: tensor {name} is not part of a {'/'.join(llama_hf.ARCHITECTURES)}"
+                " jaxpar can represent; refusing an approximate conversion"
+            )
 
 
 READ_BYTES = 16 << 20  # what one read takes from a file at most
@@ -226,17 +252,20 @@ def _rows_reader(info: TensorInfo, dtype: np.dtype, name: str):
                 b = min(a + step, r1)
                 raw = os.pread(fd, (b - a) * row, info.offset + a * row)
                 if len(raw) != (b - a) * row:
-                    raise ConfigError(f"{info.file} is truncated: short read of {(b - a) * row} "
-                                      f"bytes at {info.offset + a * row}")
+                    raise ConfigError(
+                        f"{info.file} is truncated: short read of {(b - a) * row} "
+                        f"bytes at {info.offset + a * row}"
+                    )
                 rows = np.frombuffer(raw, src).reshape(b - a, *rest)
-                out[a - r0:b - r0] = rows if cols is None else rows[:, cols]
-                if not (finite := np.isfinite(out[a - r0:b - r0])).all():
+                out[a - r0 : b - r0] = rows if cols is None else rows[:, cols]
+                if not (finite := np.isfinite(out[a - r0 : b - r0])).all():
                     bad = np.argwhere(~finite)[0]
                     raise ConfigError(
                         f"{info.file}: tensor {name} holds {np.count_nonzero(~finite)} non-finite "
                         f"value(s), the first {out[a - r0 + bad[0]][tuple(bad[1:])]} in row "
                         f"{a + bad[0]}: weights with NaN or infinity train and sample nothing; "
-                        "import an intact checkpoint")
+                        "import an intact checkpoint"
+                    )
         finally:
             os.close(fd)
         return out
@@ -268,8 +297,9 @@ def _unflat(flat: dict) -> dict:
     return tree
 
 
-def load_hf_params(hf_dir: str, m: ModelConfig, shapes: dict, shardings: dict,
-                   tensors: dict[str, TensorInfo] | None = None) -> dict:
+def load_hf_params(
+    hf_dir: str, m: ModelConfig, shapes: dict, shardings: dict, tensors: dict[str, TensorInfo] | None = None
+) -> dict:
     """The model's params (a nested dict like the train state's, each array on its sharding in
     `shardings`, of the dtype in `shapes`) from a Hugging Face directory, placed one parameter
     at a time and read one device shard at a time (the module docstring says how)."""
@@ -280,20 +310,22 @@ def load_hf_params(hf_dir: str, m: ModelConfig, shapes: dict, shardings: dict,
     table = llama_hf.tensor_table(m)
     flat_shapes, flat_shardings = _flat(shapes), _flat(shardings)
     if set(flat_shapes) != set(table):
-        raise ConfigError(f"the model's parameters {sorted(flat_shapes)} do not match the "
-                          f"conversion table {sorted(table)}")
+        raise ConfigError(
+            f"the model's parameters {sorted(flat_shapes)} do not match the conversion table {sorted(table)}"
+        )
     out = {}
     for path, (name, stacked, layout, _) in table.items():
         like = flat_shapes[path]
         dtype = _np_dtype(np.dtype(like.dtype).name)
         if stacked:
-            readers = [_rows_reader(tensors[name.format(l=layer)], dtype, name.format(l=layer))
-                       for layer in range(m.n_layers)]
+            readers = [
+                _rows_reader(tensors[name.format(l=layer)], dtype, name.format(l=layer))
+                for layer in range(m.n_layers)
+            ]
 
             def shard(idx, readers=readers, read=layout.read, shape=like.shape[1:]):
                 first, last = llama_hf.span(idx[0], len(readers))
-                return np.stack([read(readers[layer], idx[1:], shape)
-                                 for layer in range(first, last)])
+                return np.stack([read(readers[layer], idx[1:], shape) for layer in range(first, last)])
         else:
             reader = _rows_reader(tensors[name], dtype, name)
 
@@ -312,8 +344,9 @@ def param_targets(cfg, sizes: dict[str, int], devices) -> tuple[dict, dict]:
     from jaxpar import sharding as sharding_lib
     from jaxpar.models import Transformer
 
-    layout = sharding_lib.Layout.build(sizes, zero_stage=cfg.parallel.zero_stage,
-                                       sequence_parallel=False, devices=devices)
+    layout = sharding_lib.Layout.build(
+        sizes, zero_stage=cfg.parallel.zero_stage, sequence_parallel=False, devices=devices
+    )
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     state = nnx.split(abstract)[1]
     return nnx.to_pure_dict(state), layout.shardings(sharding_lib.logical_names(state), "params")
@@ -344,8 +377,10 @@ def merge_model(source: ModelConfig, user: ModelConfig, user_keys: dict, where: 
         theirs, mine = getattr(source, key), getattr(user, key)
         if key in user_keys and theirs != mine:
             shown = dataclasses.asdict(theirs) if dataclasses.is_dataclass(theirs) else theirs
-            raise ConfigError(f"model.{key}={_set_value(user_keys[key])!r}, but {where} has "
-                              f"model.{key}={shown!r}; leave it unset (the weights decide it)")
+            raise ConfigError(
+                f"model.{key}={_set_value(user_keys[key])!r}, but {where} has "
+                f"model.{key}={shown!r}; leave it unset (the weights decide it)"
+            )
         changes[key] = theirs
     if "max_seq_len" not in user_keys:
         changes["max_seq_len"] = source.max_seq_len
@@ -355,8 +390,10 @@ def merge_model(source: ModelConfig, user: ModelConfig, user_keys: dict, where: 
 def _tokenizer_files(hf_dir: str) -> list[str]:
     path = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(path):
-        raise ConfigError(f"{hf_dir} has no tokenizer.json (jaxpar reads Hugging Face's fast-"
-                          "tokenizer file; tokenizer.model alone is not enough)")
+        raise ConfigError(
+            f"{hf_dir} has no tokenizer.json (jaxpar reads Hugging Face's fast-"
+            "tokenizer file; tokenizer.model alone is not enough)"
+        )
     extra = os.path.join(hf_dir, "tokenizer_config.json")
     return [path] + ([extra] if os.path.isfile(extra) else [])
 
@@ -379,24 +416,31 @@ def from_hf(hf_dir: str, out: str, overrides: list[str] = ()) -> dict:
     tokenizer_files = _tokenizer_files(hf_dir)
     tokenizer = HFTokenizer(tokenizer_files[0])  # readable, with an end-of-document token
     if tokenizer.vocab_size > source.vocab_size:
-        raise ConfigError(f"{tokenizer_files[0]} has {tokenizer.vocab_size} tokens, more than "
-                          f"vocab_size={source.vocab_size} in {hf_dir}/config.json")
+        raise ConfigError(
+            f"{tokenizer_files[0]} has {tokenizer.vocab_size} tokens, more than "
+            f"vocab_size={source.vocab_size} in {hf_dir}/config.json"
+        )
     settings = config_lib.user_settings(None, list(overrides))
     user = config_lib.build_config(settings)
     model = merge_model(source, user.model, _user_model_keys(settings), f"{hf_dir}/config.json")
     if "param_dtype" not in _user_model_keys(settings):
         model = dataclasses.replace(model, param_dtype=source.param_dtype)
     cfg = dataclasses.replace(
-        user, model=model,
+        user,
+        model=model,
         data=dataclasses.replace(user.data, tokenizer=os.path.join(out, "tokenizer.json")),
-        train=dataclasses.replace(user.train, run_dir=out))
+        train=dataclasses.replace(user.train, run_dir=out),
+    )
     cfg = config_lib.resolve_paths(cfg)
 
     devices = jax.devices()
     fsdp = len(devices) if model.d_model % len(devices) == 0 else 1
     sizes = {axis: 1 for axis in config_lib.MESH_AXES} | {"fsdp": fsdp}
-    shapes, shardings = param_targets(dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=3)), sizes, devices[:fsdp])
+    shapes, shardings = param_targets(
+        dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=3)),
+        sizes,
+        devices[:fsdp],
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.converting-", dir=os.path.dirname(out))
     try:
@@ -417,8 +461,7 @@ def from_hf(hf_dir: str, out: str, overrides: list[str] = ()) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     n = sum(int(np.prod(s)) for s in expected_tensors(model).values())
-    return {"out": out, "tensors": len(expected_tensors(model)), "parameters": n,
-            "dtype": model.param_dtype}
+    return {"out": out, "tensors": len(expected_tensors(model)), "parameters": n, "dtype": model.param_dtype}
 
 
 # --- train.init_from -----------------------------------------------------------------------------
@@ -426,7 +469,8 @@ def from_hf(hf_dir: str, out: str, overrides: list[str] = ()) -> dict:
 
 def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
-        os.path.join(path, "config.yaml"))
+        os.path.join(path, "config.yaml")
+    )
 
 
 def init_source(path: str) -> tuple[ModelConfig, str]:
@@ -438,8 +482,9 @@ def init_source(path: str) -> tuple[ModelConfig, str]:
         return src.model, src.data.tokenizer
     if os.path.isfile(os.path.join(path, "config.json")):
         return hf_model_config(path), _tokenizer_files(path)[0]
-    raise ConfigError(f"{where}: neither a run directory (config.yaml) nor a Hugging Face model "
-                      "directory (config.json)")
+    raise ConfigError(
+        f"{where}: neither a run directory (config.yaml) nor a Hugging Face model directory (config.json)"
+    )
 
 
 def apply_init_from(cfg, settings: dict):
@@ -478,8 +523,13 @@ def init_state(trainer, path: str):
 
     def fresh(params):
         zero = jnp.zeros((), jnp.int32)
-        return {"params": params, "opt_state": optimizer.init(params), "step": zero,
-                "skipped_steps": zero, "first_bad_step": zero}
+        return {
+            "params": params,
+            "opt_state": optimizer.init(params),
+            "step": zero,
+            "skipped_steps": zero,
+            "first_bad_step": zero,
+        }
 
     return jax.jit(fresh, out_shardings=trainer.state_shardings, donate_argnums=0)(params)
 
@@ -490,8 +540,9 @@ def holds_imported_weights(run_dir: str, step: int) -> bool:
     from jaxpar.checkpoint import PARAMS_ITEM, REST_ITEM, checkpoint_dir
 
     step_dir = os.path.join(checkpoint_dir(run_dir), str(step))
-    return (os.path.isdir(os.path.join(step_dir, PARAMS_ITEM))
-            and not os.path.isdir(os.path.join(step_dir, REST_ITEM)))
+    return os.path.isdir(os.path.join(step_dir, PARAMS_ITEM)) and not os.path.isdir(
+        os.path.join(step_dir, REST_ITEM)
+    )
 
 
 # --- The command line ----------------------------------------------------------------------------
@@ -506,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxpar.convert",
         description="Convert Hugging Face Llama/Mistral/Qwen2 checkpoints to jaxpar runs "
-                    "(from-hf) and back (to-hf RUN_DIR --out HF_DIR).")
+        "(from-hf) and back (to-hf RUN_DIR --out HF_DIR).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("from-hf", help="a Hugging Face model directory -> a jaxpar run directory")
     p.add_argument("hf_dir", help="holds config.json, model.safetensors (or shards + index), tokenizer.json")
@@ -522,8 +574,10 @@ def _from_hf_command(args) -> int:
         if "=" not in item:
             raise ConfigError(f"argument '{item}' is not a dotted.key=value override")
     summary = from_hf(args.hf_dir, args.out, args.overrides)
-    print(f"converted {summary['tensors']} tensors ({summary['parameters']:,} parameters, "
-          f"{summary['dtype']}) -> {summary['out']}")
+    print(
+        f"converted {summary['tensors']} tensors ({summary['parameters']:,} parameters, "
+        f"{summary['dtype']}) -> {summary['out']}"
+    )
     return 0
 
 

@@ -75,14 +75,11 @@ class PackedSequences:
 
     def _getitems(self, indices) -> list[dict[str, np.ndarray]]:
         """Several sequences at once (grain's batched read; see `batch_dataset`)."""
-        window = (np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
-                  + np.arange(self.seq_len + 1))
+        window = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         docs = self.doc_ids[window]
         starts = np.zeros(docs.shape, dtype=bool)
         starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
         return split_rows(packed_rows(self.tokens[window], starts))
-
-
 
 
 def packed_sample(tokens: np.ndarray, docs: np.ndarray) -> dict[str, np.ndarray]:
@@ -104,8 +101,7 @@ def pack(documents: list[str], tokenizer, seq_len: int) -> PackedSequences:
     packed = PackedSequences(tokens, np.concatenate(ids), seq_len)
     if len(packed) == 0:
         raise ConfigError(
-            f"data: the corpus has {len(tokens)} tokens, fewer than one sequence of "
-            f"train.seq_len={seq_len}"
+            f"data: the corpus has {len(tokens)} tokens, fewer than one sequence of train.seq_len={seq_len}"
         )
     return packed
 
@@ -174,8 +170,10 @@ class Mixture:
         seed, repeated, so a small source comes round again sooner), interleaved by grain's
         MapDataset.mix. Sample k of the mixture is a pure function of k -- no state besides the
         position -- so a restored iterator, or any process's share, reads the same samples."""
-        streams = [sample_stream(source, seed=_source_seed(seed, i), shuffle=shuffle)
-                   for i, source in enumerate(self.sources)]
+        streams = [
+            sample_stream(source, seed=_source_seed(seed, i), shuffle=shuffle)
+            for i, source in enumerate(self.sources)
+        ]
         return grain.MapDataset.mix(streams, weights=list(self.proportions))
 
     def counts(self, n: int) -> dict[str, int]:
@@ -197,16 +195,25 @@ def training_source(cfg: DataConfig, tokenizer, seq_len: int):
     """What a run trains on: `packed_source` of data.source, or the Mixture of data.sources."""
     if cfg.sources is None:
         return packed_source(cfg, tokenizer, seq_len)
-    sources = [shards.PreparedSequences(os.path.expanduser(s.path), cfg.tokenizer, seq_len,
-                                        cfg.max_documents) for s in cfg.sources]
+    sources = [
+        shards.PreparedSequences(os.path.expanduser(s.path), cfg.tokenizer, seq_len, cfg.max_documents)
+        for s in cfg.sources
+    ]
     return Mixture(sources, mixture_proportions([s.weight for s in cfg.sources]), source_names(cfg))
 
 
 EVAL_SEED = 0  # the validation split's shuffle: the same eval batches whatever train.seed is
 
 
-def eval_dataset(cfg: DataConfig, seq_len: int, *, global_batch: int, batches: int,
-                 process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
+def eval_dataset(
+    cfg: DataConfig,
+    seq_len: int,
+    *,
+    global_batch: int,
+    batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.MapDataset:
     """The `batches` evaluation batches (this process's rows of each), from the val split of the
     prepared shards (`prepare --val-fraction`; of every source of a mixture, mixed in the same
     proportions): the split's sequences shuffled with a fixed seed, without repeating any. The
@@ -223,7 +230,8 @@ def eval_dataset(cfg: DataConfig, seq_len: int, *, global_batch: int, batches: i
                 f"train.eval_every evaluates on a validation split, and {key}='{directory}' has "
                 f"none ({os.path.join(directory, shards.MANIFEST)}: prepared without "
                 "--val-fraction); prepare it again with --val-fraction 0.01 (into a new directory), "
-                "or set train.eval_every=0")
+                "or set train.eval_every=0"
+            )
         vals.append(shards.PreparedSequences(directory, cfg.tokenizer, seq_len, split="val"))
     proportions = mixture_proportions([s.weight for s in cfg.sources] if cfg.sources else [1.0])
 
@@ -241,10 +249,17 @@ def eval_dataset(cfg: DataConfig, seq_len: int, *, global_batch: int, batches: i
             f"take {count} sequences of train.seq_len={seq_len} from the val split of {key}="
             f"'{val.directory}', which holds {len(val)}; "
             + (f"use train.eval_batches={most} or fewer, or " if most else "")
-            + "prepare it again with a larger --val-fraction")
+            + "prepare it again with a larger --val-fraction"
+        )
     source = vals[0] if cfg.sources is None else Mixture(vals, proportions, [v.directory for v in vals])
-    return batch_dataset(source, global_batch=global_batch, seed=EVAL_SEED, shuffle=cfg.shuffle,
-                         process_index=process_index, process_count=process_count)[:batches]
+    return batch_dataset(
+        source,
+        global_batch=global_batch,
+        seed=EVAL_SEED,
+        shuffle=cfg.shuffle,
+        process_index=process_index,
+        process_count=process_count,
+    )[:batches]
 
 
 # --- The per-process batch stream ---------------------------------------------------------
@@ -259,8 +274,15 @@ def sample_stream(packed, *, seed: int, shuffle: bool = True) -> grain.MapDatase
     return stream.repeat()
 
 
-def batch_dataset(packed, *, global_batch: int, seed: int, shuffle: bool = True,
-                  process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
+def batch_dataset(
+    packed,
+    *,
+    global_batch: int,
+    seed: int,
+    shuffle: bool = True,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.MapDataset:
     """Batches of this process's share: element s is its rows of global batch s.
 
     Row r of global batch s is global sample s*global_batch + r of the (shuffled, repeated)
@@ -319,7 +341,8 @@ def train_tokenizer(documents: list[str], vocab_size: int, out: str) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOD_TOKEN],
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(documents, trainer=trainer)
@@ -329,8 +352,11 @@ def train_tokenizer(documents: list[str], vocab_size: int, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"train-tokenizer": _train_tokenizer_command, "prepare": _prepare_command,
-                "verify": _verify_command}
+    commands = {
+        "train-tokenizer": _train_tokenizer_command,
+        "prepare": _prepare_command,
+        "verify": _verify_command,
+    }
     return cli.run(lambda: commands[args.command](args), prefix="error")
 
 
@@ -344,38 +370,66 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--source", default="stdlib", help="stdlib, or a path/glob of .txt/.jsonl")
     train.add_argument("--text-field", default="text")
     train.add_argument("--max-documents", type=int, default=None)
-    train.add_argument("--errors", default="strict", choices=["strict", "replace", "skip"],
-                       help="a document that is not text: stop, replace bad bytes, or skip it")
-    prep = sub.add_parser("prepare", help="tokenize sources into memory-mapped token shards "
-                                          "(train on them with data.source=DIR)")
-    prep.add_argument("sources", nargs="+", metavar="SOURCE",
-                      help="stdlib, or a file or glob: text (one document per file), JSONL (.jsonl/"
-                           ".json, one per line), Parquet; .gz and .zst are decompressed")
+    train.add_argument(
+        "--errors",
+        default="strict",
+        choices=["strict", "replace", "skip"],
+        help="a document that is not text: stop, replace bad bytes, or skip it",
+    )
+    prep = sub.add_parser(
+        "prepare",
+        help="tokenize sources into memory-mapped token shards (train on them with data.source=DIR)",
+    )
+    prep.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="stdlib, or a file or glob: text (one document per file), JSONL (.jsonl/"
+        ".json, one per line), Parquet; .gz and .zst are decompressed",
+    )
     prep.add_argument("--out", required=True, help="the directory of shards (resumed if unfinished)")
     prep.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json")
     prep.add_argument("--text-field", default="text", help="the JSONL field / Parquet column")
     prep.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"])
-    prep.add_argument("--errors", default="strict", choices=["strict", "replace", "skip"],
-                      help="a document that is not text: stop, replace bad bytes, or skip it")
-    prep.add_argument("--val-fraction", type=float, default=0.0,
-                      help="documents carved off into the val split (chosen by a hash of the text)")
+    prep.add_argument(
+        "--errors",
+        default="strict",
+        choices=["strict", "replace", "skip"],
+        help="a document that is not text: stop, replace bad bytes, or skip it",
+    )
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="documents carved off into the val split (chosen by a hash of the text)",
+    )
     prep.add_argument("--max-documents", type=int, default=None)
-    prep.add_argument("--shard-tokens", type=int, default=None,
-                      help="tokens per shard (cut at a document end); default 2**26")
-    check = sub.add_parser("verify", help="read prepared shards whole and check them against "
-                                          "their manifest (hashes, document index, token ids)")
+    prep.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=None,
+        help="tokens per shard (cut at a document end); default 2**26",
+    )
+    check = sub.add_parser(
+        "verify",
+        help="read prepared shards whole and check them against "
+        "their manifest (hashes, document index, token ids)",
+    )
     check.add_argument("directories", nargs="+", metavar="DIR", help="a directory of shards")
     return parser
 
 
 def _train_tokenizer_command(args) -> int:
     if args.vocab_size < 258:
-        raise ConfigError(f"--vocab-size={args.vocab_size}: a byte-level BPE needs at least 258 "
-                          "(256 bytes, the end-of-document token, one merge); e.g. 4096")
+        raise ConfigError(
+            f"--vocab-size={args.vocab_size}: a byte-level BPE needs at least 258 "
+            "(256 bytes, the end-of-document token, one merge); e.g. 4096"
+        )
     if args.max_documents is not None and args.max_documents < 1:
         raise ConfigError(f"--max-documents={args.max_documents}: must be at least 1")
-    cfg = DataConfig(source=args.source, text_field=args.text_field,
-                     max_documents=args.max_documents, errors=args.errors)
+    cfg = DataConfig(
+        source=args.source, text_field=args.text_field, max_documents=args.max_documents, errors=args.errors
+    )
     docs = read_documents(cfg)
     train_tokenizer(docs, args.vocab_size, args.out)
     print(f"wrote {args.out}: vocabulary {args.vocab_size}, trained on {len(docs)} documents")
@@ -393,21 +447,31 @@ def _prepare_command(args) -> int:
     """`prepare`: jaxpar.shards.prepare; a full disk is exit 1 and Ctrl-C 130, each one line
     saying what is kept (the same command resumes)."""
     if args.tokenizer != "byte" and not os.path.isfile(args.tokenizer):
-        raise ConfigError(f"--tokenizer={args.tokenizer} does not exist; use 'byte' or the path of "
-                          "a tokenizer.json")
+        raise ConfigError(
+            f"--tokenizer={args.tokenizer} does not exist; use 'byte' or the path of a tokenizer.json"
+        )
     try:
-        shards.prepare(args.sources, args.out, tokenizer=args.tokenizer, fmt=args.format,
-                       text_field=args.text_field, errors=args.errors,
-                       val_fraction=args.val_fraction, max_documents=args.max_documents,
-                       shard_tokens=args.shard_tokens or shards.DEFAULT_SHARD_TOKENS)
+        shards.prepare(
+            args.sources,
+            args.out,
+            tokenizer=args.tokenizer,
+            fmt=args.format,
+            text_field=args.text_field,
+            errors=args.errors,
+            val_fraction=args.val_fraction,
+            max_documents=args.max_documents,
+            shard_tokens=args.shard_tokens or shards.DEFAULT_SHARD_TOKENS,
+        )
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(f"error: {shards.no_space_message(args.out)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\ninterrupted: the complete shards in {args.out} are kept; the same command "
-              "resumes from them", file=sys.stderr)
+        print(
+            f"\ninterrupted: the complete shards in {args.out} are kept; the same command resumes from them",
+            file=sys.stderr,
+        )
         return 130
     return 0
 

@@ -63,15 +63,19 @@ class HFTokenizer:
             self._tok = Tokenizer.from_file(path)
         except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ConfigError(f"data.tokenizer='{path}' is not a readable tokenizer.json ({first}); "
-                              "give a Hugging Face tokenizer.json, or 'byte'") from None
+            raise ConfigError(
+                f"data.tokenizer='{path}' is not a readable tokenizer.json ({first}); "
+                "give a Hugging Face tokenizer.json, or 'byte'"
+            ) from None
         self.vocab_size = self._tok.get_vocab_size()
         eod = self._tok.token_to_id(EOD_TOKEN)
         if eod is None:  # an imported model's (jaxpar.convert): the eos_token it was trained with
             eod = self._tok.token_to_id(_eos_token(os.path.dirname(path)) or EOD_TOKEN)
         if eod is None:
-            raise ConfigError(f"data.tokenizer='{path}' has no '{EOD_TOKEN}' token to end documents"
-                              " (nor an eos_token in a tokenizer_config.json beside it)")
+            raise ConfigError(
+                f"data.tokenizer='{path}' has no '{EOD_TOKEN}' token to end documents"
+                " (nor an eos_token in a tokenizer_config.json beside it)"
+            )
         self.eod_id = eod
 
     def encode(self, text: str) -> np.ndarray:
@@ -107,12 +111,16 @@ class Skipped:
         self.skipped: list[str] = []
 
     def warn(self, errors: str) -> None:
-        for what, places in (("read with U+FFFD for invalid bytes", self.replaced),
-                             ("left out", self.skipped)):
+        for what, places in (
+            ("read with U+FFFD for invalid bytes", self.replaced),
+            ("left out", self.skipped),
+        ):
             if places:
                 shown = ", ".join(places[:3]) + (", ..." if len(places) > 3 else "")
-                print(f"warning: data.errors={errors}: {len(places)} document(s) {what} ({shown})",
-                      file=sys.stderr)
+                print(
+                    f"warning: data.errors={errors}: {len(places)} document(s) {what} ({shown})",
+                    file=sys.stderr,
+                )
 
 
 def _text(raw: bytes, path: str, line: int | None, errors: str, skipped: Skipped) -> str | None:
@@ -125,11 +133,13 @@ def _text(raw: bytes, path: str, line: int | None, errors: str, skipped: Skipped
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            where = f"{path}:{line if line is not None else raw[:e.start].count(b'\n') + 1}"
-            problem = f"is not valid UTF-8 (byte {raw[e.start:e.start + 1]!r})"
+            where = f"{path}:{line if line is not None else raw[: e.start].count(b'\n') + 1}"
+            problem = f"is not valid UTF-8 (byte {raw[e.start : e.start + 1]!r})"
     if errors == "strict":
-        raise ConfigError(f"{where} {problem}; fix or remove it, or set data.errors=replace "
-                          "(bad bytes become U+FFFD) or data.errors=skip (leave such documents out)")
+        raise ConfigError(
+            f"{where} {problem}; fix or remove it, or set data.errors=replace "
+            "(bad bytes become U+FFFD) or data.errors=skip (leave such documents out)"
+        )
     if errors == "skip" or b"\0" in raw:  # NUL bytes are no text to repair: left out either way
         skipped.skipped.append(where)
         return None
@@ -194,8 +204,10 @@ class _Decompressed(io.RawIOBase):
         try:
             return self._stream.readinto(buffer)
         except self._errors as e:
-            raise ConfigError(f"{self._path} is not a whole {self._kind} file ({e}): it is cut "
-                              f"short or damaged; replace it with a good copy") from None
+            raise ConfigError(
+                f"{self._path} is not a whole {self._kind} file ({e}): it is cut "
+                f"short or damaged; replace it with a good copy"
+            ) from None
 
     def close(self) -> None:
         self._stream.close()
@@ -239,8 +251,10 @@ def zstd_problem(path: str) -> str | None:
                     return cut.format(frames + 1)
                 at += 4 if checksum else 0
             elif frames:
-                return (f"{path}: byte {at}, after its {frames} whole zstd frame(s), begins no "
-                        "other: the file is damaged")
+                return (
+                    f"{path}: byte {at}, after its {frames} whole zstd frame(s), begins no "
+                    "other: the file is damaged"
+                )
             else:
                 return f"{path} is not a zstd file (its first bytes begin no zstd frame)"
             frames += 1
@@ -256,7 +270,9 @@ def open_source_file(path: str):
         try:
             import zstandard
         except ImportError:  # a dependency of jaxpar; missing only in a hand-made environment
-            raise ConfigError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from None
+            raise ConfigError(
+                f"{path}: reading .zst needs the zstandard package (pip install zstandard)"
+            ) from None
         if (problem := zstd_problem(path)) is not None:
             raise ConfigError(f"{problem}; replace it with a good copy")
         raw = _Counted(path)
@@ -270,8 +286,15 @@ def open_source_file(path: str):
     return io.BufferedReader(raw, buffer_size=1 << 20), raw
 
 
-def file_documents(path: str, kind: str, field: str, errors: str, skipped: Skipped,
-                   start: int = 0, raw_position: list | None = None):
+def file_documents(
+    path: str,
+    kind: str,
+    field: str,
+    errors: str,
+    skipped: Skipped,
+    start: int = 0,
+    raw_position: list | None = None,
+):
     """Yields (records read so far, document text) for each document of one file, in order. A
     record is the unit a preparation resumes at: the file (text), a line (JSONL), a row (Parquet);
     the first `start` records are passed over unread. `raw_position[0]`, when given, follows the
@@ -301,14 +324,21 @@ def file_documents(path: str, kind: str, field: str, errors: str, skipped: Skipp
                 yield n, text
 
 
-def iter_documents(entries: list[tuple[str, str]], field: str, errors: str, skipped: Skipped,
-                   start: tuple[int, int] = (0, 0), raw_position: list | None = None):
+def iter_documents(
+    entries: list[tuple[str, str]],
+    field: str,
+    errors: str,
+    skipped: Skipped,
+    start: tuple[int, int] = (0, 0),
+    raw_position: list | None = None,
+):
     """Yields (file index, records read in that file, text) for the documents of `entries` (see
     `source_entries`), from position `start` = (file index, records read in it)."""
     for i in range(start[0], len(entries)):
         path, kind = entries[i]
-        for records, text in file_documents(path, kind, field, errors, skipped,
-                                            start[1] if i == start[0] else 0, raw_position):
+        for records, text in file_documents(
+            path, kind, field, errors, skipped, start[1] if i == start[0] else 0, raw_position
+        ):
             yield i, records, text
 
 
@@ -330,12 +360,14 @@ def _not_a_string(value, path: str, n: int, field: str, errors: str, skipped: Sk
     if errors == "strict":
         raise ConfigError(
             f"{path}:{n}: '{field}' (data.text_field) is {json.dumps(value, default=repr)[:40]}, "
-            "not a string; fix the record, or set data.errors=skip to leave such records out")
+            "not a string; fix the record, or set data.errors=skip to leave such records out"
+        )
     skipped.skipped.append(f"{path}:{n}")
 
 
-def _jsonl_text(line_bytes: bytes, path: str, n: int, field: str, errors: str,
-                skipped: Skipped) -> str | None:
+def _jsonl_text(
+    line_bytes: bytes, path: str, n: int, field: str, errors: str, skipped: Skipped
+) -> str | None:
     """The document of JSONL line `n`, or None when data.errors leaves it out."""
     line = _text(line_bytes, path, n, errors, skipped)
     if line is None:
@@ -359,7 +391,9 @@ def parquet_file(path: str, field: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:  # a dependency of jaxpar; missing only in a hand-made environment
-        raise ConfigError(f"{path}: reading Parquet needs the pyarrow package (pip install pyarrow)") from None
+        raise ConfigError(
+            f"{path}: reading Parquet needs the pyarrow package (pip install pyarrow)"
+        ) from None
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError) for a file that is not Parquet

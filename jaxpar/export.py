@@ -49,8 +49,10 @@ def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]
     model.qkv_bias, q/k/v_proj.bias: [N, H] -> [N*H].
     """
     if model_cfg.moe.num_experts:
-        raise ConfigError("model.moe.num_experts > 0: a mixture-of-experts model has no Hugging "
-                          "Face Llama counterpart; only dense models can be exported")
+        raise ConfigError(
+            "model.moe.num_experts > 0: a mixture-of-experts model has no Hugging "
+            "Face Llama counterpart; only dense models can be exported"
+        )
     flat = {key: _to_numpy(value) for key, value in _flatten(params).items()}
     return llama_hf.hf_tensors(flat, model_cfg)
 
@@ -82,8 +84,9 @@ def shard_names(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[li
     return shards + [current] if current else shards
 
 
-def write_safetensors(tensors: dict[str, np.ndarray], out: str,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+def write_safetensors(
+    tensors: dict[str, np.ndarray], out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
     """Writes `tensors` as `save_pretrained` does; returns the file names written."""
     from safetensors.numpy import save_file
 
@@ -95,12 +98,13 @@ def write_safetensors(tensors: dict[str, np.ndarray], out: str,
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, names in zip(files, shards):
-        save_file({name: tensors[name] for name in names}, os.path.join(out, file),
-                  metadata={"format": "pt"})
+        save_file({name: tensors[name] for name in names}, os.path.join(out, file), metadata={"format": "pt"})
         weight_map.update({name: file for name in names})
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-                 "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+            "weight_map": weight_map,
+        }
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
     return files
@@ -188,36 +192,48 @@ def load_params(run_dir: str, step: int | None = None):
     checkpointer = Checkpointer(checkpoint_dir(run_dir), read_only=True)
     try:
         state, _, step = checkpointer.restore(
-            {"params": trainer.state_shape["params"]},
-            {"params": trainer.state_shardings["params"]}, step)
+            {"params": trainer.state_shape["params"]}, {"params": trainer.state_shardings["params"]}, step
+        )
     finally:
         checkpointer.close()
     return cfg, jax.tree.map(np.asarray, state["params"]), step
 
 
-def export(run_dir: str, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-           step: int | None = None) -> dict:
+def export(
+    run_dir: str, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, step: int | None = None
+) -> dict:
     """Writes the Hugging Face checkpoint of `run_dir` into `out`; returns a summary."""
     cfg, params, step = load_params(run_dir, step)
     tensors = hf_state_dict(params, cfg.model)
     files = write_safetensors(tensors, out, max_shard_bytes)
     eod_id = write_tokenizer(cfg, out)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump({**llama_hf.hf_config(cfg.model),
-                   **({} if eod_id is None else {"eos_token_id": eod_id})},
-                  f, indent=2)
-    return {"step": step, "out": out, "files": files, "tensors": len(tensors),
-            "bytes": sum(t.nbytes for t in tensors.values())}
+        json.dump(
+            {**llama_hf.hf_config(cfg.model), **({} if eod_id is None else {"eos_token_id": eod_id})},
+            f,
+            indent=2,
+        )
+    return {
+        "step": step,
+        "out": out,
+        "files": files,
+        "tensors": len(tensors),
+        "bytes": sum(t.nbytes for t in tensors.values()),
+    }
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -> int:
     parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Export a run's newest intact checkpoint as Hugging Face Llama safetensors.")
+        prog=prog, description="Export a run's newest intact checkpoint as Hugging Face Llama safetensors."
+    )
     parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
-                        help=f"largest safetensors file (default {DEFAULT_MAX_SHARD_BYTES})")
+    parser.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help=f"largest safetensors file (default {DEFAULT_MAX_SHARD_BYTES})",
+    )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
@@ -229,8 +245,10 @@ def _export_command(args) -> int:
     if args.max_shard_bytes < 1:
         raise ConfigError(f"--max-shard-bytes={args.max_shard_bytes}: must be at least 1")
     summary = export(args.run_dir, args.out, args.max_shard_bytes, args.step)
-    print(f"exported step {summary['step']}: {summary['tensors']} tensors, "
-          f"{summary['bytes'] / 1e6:.1f} MB in {len(summary['files'])} file(s) -> {summary['out']}")
+    print(
+        f"exported step {summary['step']}: {summary['tensors']} tensors, "
+        f"{summary['bytes'] / 1e6:.1f} MB in {len(summary['files'])} file(s) -> {summary['out']}"
+    )
     return 0
 
 

@@ -58,9 +58,11 @@ def _spec_parts(spec: str) -> tuple[str, str, str]:
     x, w = inputs.split(",")
     for index in set(x + w + out):
         if (index in x) + (index in w) + (index in out) < 2:
-            raise ValueError(f"fp8_einsum({spec!r}): every index must appear in at least two of "
-                             "the operands and the output (a sum over one operand alone has no "
-                             "einsum transpose here)")
+            raise ValueError(
+                f"fp8_einsum({spec!r}): every index must appear in at least two of "
+                "the operands and the output (a sum over one operand alone has no "
+                "einsum transpose here)"
+            )
     return x, w, out
 
 
@@ -106,8 +108,10 @@ def fp8_einsum(spec: str, x, w, amax_axes: tuple[str, ...] = (), out_dtype=None)
     # varies along (a weight, along the token axes) is marked varying there first, as jnp.einsum
     # does implicitly: JAX then transposes that mark into the psum of its gradient's pieces.
     both = _varying(x) | _varying(w)
-    x, w = (jax.lax.pcast(a, tuple(sorted(both - _varying(a))), to="varying")
-            if both - _varying(a) else a for a in (x, w))
+    x, w = (
+        jax.lax.pcast(a, tuple(sorted(both - _varying(a))), to="varying") if both - _varying(a) else a
+        for a in (x, w)
+    )
     return _fp8_einsum(spec, x, w, tuple(amax_axes), out_dtype)
 
 
@@ -158,10 +162,12 @@ def check_device(device) -> None:
         raise ConfigError(
             f"model.fp8=true: the {kind} (compute capability {capability}) has no float8 tensor "
             f"cores; they start at {MIN_COMPUTE_CAPABILITY} (Ada, Hopper, Blackwell). Use "
-            "model.fp8=false (bfloat16 matmuls) on this GPU")
+            "model.fp8=false (bfloat16 matmuls) on this GPU"
+        )
     raise ConfigError(
         f"model.fp8=true runs on NVIDIA GPUs of compute capability {MIN_COMPUTE_CAPABILITY}+ (and "
-        f"emulated on CPUs); this backend is {platform} ({kind}). Use model.fp8=false")
+        f"emulated on CPUs); this backend is {platform} ({kind}). Use model.fp8=false"
+    )
 
 
 def einsum(spec: str, x, w, *, fp8: bool, dtype, amax_axes: tuple[str, ...] = ()):

@@ -39,16 +39,38 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-         "collective-permute")
+KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+)
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
 }
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<op>[a-z][\w\-]*)\((?P<args>.*)$")
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<op>[a-z][\w\-]*)\((?P<args>.*)$"
+)
 _COMP = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+) \(.*\{\s*$")
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _CALLED = re.compile(r"(?:body|calls|to_apply|condition|true_computation|false_computation)=%([\w.\-]+)")
@@ -92,8 +114,11 @@ def parse(text: str) -> dict[str, Computation]:
         m = _INSTR.match(line)
         if m and current is not None:
             args = m.group("args").split("),", 1)[0]
-            current.instrs.append(Instr(m.group("name"), m.group("shape"), m.group("op"),
-                                        re.findall(r"%([\w.\-]+)", args), line))
+            current.instrs.append(
+                Instr(
+                    m.group("name"), m.group("shape"), m.group("op"), re.findall(r"%([\w.\-]+)", args), line
+                )
+            )
     return comps
 
 
@@ -102,8 +127,11 @@ def _callees(ins: Instr) -> list[str]:
     conditional branches. An async `-done` or `-update` runs none: its `-start` did."""
     if ins.op.endswith(("-done", "-update")):
         return []
-    branches = [name for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.text)
-                for name in re.findall(r"%([\w.\-]+)", group)]
+    branches = [
+        name
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.text)
+        for name in re.findall(r"%([\w.\-]+)", group)
+    ]
     return _CALLED.findall(ins.text) + branches
 
 
@@ -194,8 +222,14 @@ def _feeds_only_slices(comp: Computation, comps: dict[str, Computation], name: s
             if body is None:
                 return False
             index = user.operands.index(name)
-            param = next((i.name for i in body.instrs if i.op == "parameter"
-                          and re.search(rf"parameter\({index}\)", i.text)), None)
+            param = next(
+                (
+                    i.name
+                    for i in body.instrs
+                    if i.op == "parameter" and re.search(rf"parameter\({index}\)", i.text)
+                ),
+                None,
+            )
             if param is not None and _feeds_only_slices(body, comps, param):
                 continue
             if not (_is_pass_through(body) and _feeds_only_slices(comp, comps, user.name)):
@@ -205,8 +239,9 @@ def _feeds_only_slices(comp: Computation, comps: dict[str, Computation], name: s
     return True
 
 
-def _split_all_reduce(comp: Computation, comps: dict[str, Computation], ins: Instr,
-                      sizes: list[int]) -> dict[str, int]:
+def _split_all_reduce(
+    comp: Computation, comps: dict[str, Computation], ins: Instr, sizes: list[int]
+) -> dict[str, int]:
     """Bytes of an (optionally tuple-shaped) all-reduce that are really all-reduced, and those
     whose result is only sliced (a reduce-scatter in the partitioner's spelling)."""
     parts: dict[str, int] = defaultdict(int)
@@ -214,8 +249,11 @@ def _split_all_reduce(comp: Computation, comps: dict[str, Computation], ins: Ins
         sliced = _feeds_only_slices(comp, comps, ins.name)
         parts["reduce-scatter" if sliced else "all-reduce"] += sizes[0]
         return dict(parts)
-    elements = {int(re.search(r"index=(\d+)", i.text).group(1)): i.name for i in comp.instrs
-                if i.op == "get-tuple-element" and i.operands[:1] == [ins.name]}
+    elements = {
+        int(re.search(r"index=(\d+)", i.text).group(1)): i.name
+        for i in comp.instrs
+        if i.op == "get-tuple-element" and i.operands[:1] == [ins.name]
+    }
     for index, size in enumerate(sizes):
         sliced = index in elements and _feeds_only_slices(comp, comps, elements[index])
         parts["reduce-scatter" if sliced else "all-reduce"] += size

@@ -91,9 +91,10 @@ def _read_number(path: str) -> float | None:
 def _cgroup_room() -> float | None:
     """Bytes this process's memory cgroup has left (limit less usage), v2 then v1; None where no
     limit applies. (The cgroup of PID 1's view: /sys/fs/cgroup, as a container or Slurm job sees it.)"""
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         cap, used = _read_number(limit), _read_number(usage)
         if cap is not None and cap < 2**60:  # v1 writes a huge number for no limit
             return max(cap - (used or 0.0), 0.0)
@@ -144,47 +145,58 @@ def matmul_rate(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def forecast(cfg: Config, sizes: dict[str, int], local_devices: int,
-             rate: float | None = None) -> Forecast:
+def forecast(cfg: Config, sizes: dict[str, int], local_devices: int, rate: float | None = None) -> Forecast:
     """Predicted peak memory of this process and time per step of `cfg` on this CPU host."""
     memory = memory_bytes(cfg, sizes, local_devices)
     t = cfg.train
     flops = plan_lib.hardware_flops(cfg.model, t.seq_len, cfg.parallel.remat) * t.batch_size * t.seq_len
     rate = matmul_rate() if rate is None else rate
     available = available_bytes()
-    return Forecast(memory_bytes=memory, limit_bytes=limit_bytes(cfg, available),
-                    available_bytes=available,
-                    step_seconds=flops / (rate * STEP_EFFICIENCY), step_flops=flops,
-                    matmul_flops_per_s=rate)
+    return Forecast(
+        memory_bytes=memory,
+        limit_bytes=limit_bytes(cfg, available),
+        available_bytes=available,
+        step_seconds=flops / (rate * STEP_EFFICIENCY),
+        step_flops=flops,
+        matmul_flops_per_s=rate,
+    )
 
 
 def room(cfg: Config, limit: float, available: float | None) -> str:
     """What the limit is, in words: the setting, or a share of what is available."""
     if cfg.runtime.host_memory_gib is not None:
         return f"runtime.host_memory_gib={cfg.runtime.host_memory_gib:g} allows {limit / GIB:.1f} GiB"
-    return (f"{available / GIB:.1f} GiB is available, of which {USABLE_SHARE:.0%} "
-            f"({limit / GIB:.1f} GiB) may be taken")
+    return (
+        f"{available / GIB:.1f} GiB is available, of which {USABLE_SHARE:.0%} "
+        f"({limit / GIB:.1f} GiB) may be taken"
+    )
 
 
-ADVICE = ("use a smaller train.batch_size or train.seq_len, parallel.remat=full, a smaller model, "
-          "a GPU, or set runtime.host_memory_gib to the GiB the run may take if the estimate is wrong")
+ADVICE = (
+    "use a smaller train.batch_size or train.seq_len, parallel.remat=full, a smaller model, "
+    "a GPU, or set runtime.host_memory_gib to the GiB the run may take if the estimate is wrong"
+)
 
 
 def refusal(f: Forecast, cfg: Config) -> str:
     """The one-line message of a run that will not fit."""
-    return (f"this run needs about {f.memory_bytes / GIB:.1f} GiB of host memory on this CPU "
-            f"(train.batch_size={cfg.train.batch_size} x train.seq_len={cfg.train.seq_len}, "
-            f"{cfg.runtime.cpu_devices} emulated device(s)) and "
-            f"{room(cfg, f.limit_bytes, f.available_bytes)}; {ADVICE}")
+    return (
+        f"this run needs about {f.memory_bytes / GIB:.1f} GiB of host memory on this CPU "
+        f"(train.batch_size={cfg.train.batch_size} x train.seq_len={cfg.train.seq_len}, "
+        f"{cfg.runtime.cpu_devices} emulated device(s)) and "
+        f"{room(cfg, f.limit_bytes, f.available_bytes)}; {ADVICE}"
+    )
 
 
 def warning(f: Forecast, cfg: Config) -> str:
     """The one-line notice of a slow run: the expected time per step and for the whole run."""
-    return (f"warning: on this CPU one step is expected to take about {format_duration(f.step_seconds)} "
-            f"({f.step_flops:.2e} FLOPs at about {f.matmul_flops_per_s * STEP_EFFICIENCY / 1e9:.0f} "
-            f"GFLOP/s), {cfg.train.steps} steps about {format_duration(f.step_seconds * cfg.train.steps)}; "
-            f"memory about {f.memory_bytes / GIB:.1f} GiB. For a quick try on a CPU, a smaller model "
-            "or batch (configs/tiny.yaml, or the default job with no arguments).")
+    return (
+        f"warning: on this CPU one step is expected to take about {format_duration(f.step_seconds)} "
+        f"({f.step_flops:.2e} FLOPs at about {f.matmul_flops_per_s * STEP_EFFICIENCY / 1e9:.0f} "
+        f"GFLOP/s), {cfg.train.steps} steps about {format_duration(f.step_seconds * cfg.train.steps)}; "
+        f"memory about {f.memory_bytes / GIB:.1f} GiB. For a quick try on a CPU, a smaller model "
+        "or batch (configs/tiny.yaml, or the default job with no arguments)."
+    )
 
 
 def check(cfg: Config, sizes: dict[str, int]) -> Forecast | None:

@@ -48,11 +48,13 @@ from jaxpar.sharding import shard_bytes, zero_state_bytes
 from jaxpar.startup import load_and_validate
 from jaxpar.trainer import Trainer, build_trainer, compile_step
 
-FLOPS_NOTE = ("model_flops_per_step: (6N + 12LdT) per token x the step's tokens, all devices "
-              "together (what MFU counts); xla_flops_per_step: XLA's cost analysis of the "
-              "compiled program, per device x devices. XLA counts a while loop's body once, not "
-              "per iteration, so the layer scan and the loss chunks make it fall short of the "
-              "step's work: do not read it as the step's FLOPs.")
+FLOPS_NOTE = (
+    "model_flops_per_step: (6N + 12LdT) per token x the step's tokens, all devices "
+    "together (what MFU counts); xla_flops_per_step: XLA's cost analysis of the "
+    "compiled program, per device x devices. XLA counts a while loop's body once, not "
+    "per iteration, so the layer scan and the loss chunks make it fall short of the "
+    "step's work: do not read it as the step's FLOPs."
+)
 
 
 def _cost(compiled) -> float | None:
@@ -62,27 +64,32 @@ def _cost(compiled) -> float | None:
     return None if not cost or "flops" not in cost else float(cost["flops"])
 
 
-def zero_formula(params: int, stage: int, fsdp: int, tensor: int,
-                 optimizer_bytes: int = 8) -> dict[str, float]:
+def zero_formula(
+    params: int, stage: int, fsdp: int, tensor: int, optimizer_bytes: int = 8
+) -> dict[str, float]:
     """Bytes per device that the ZeRO paper's accounting (`sharding.zero_state_bytes`) predicts
     for jaxpar's dtypes: float32 parameters and gradients, `optimizer_bytes` of state per
     parameter (8: Adam's two float32 moments; 0: plain SGD), over `fsdp` and divided by
     `tensor`; and the paper's own mixed-precision total (2 + 2 + K, K = 12) for reference."""
     own = zero_state_bytes(params, fsdp, stage, optimizer_bytes=optimizer_bytes)
     mixed = zero_state_bytes(params, fsdp, stage, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
-    return {**{kind: own[kind] / tensor for kind in ("params", "gradients", "optimizer", "total")},
-            "paper_mixed_precision_total": mixed["total"] / tensor}
+    return {
+        **{kind: own[kind] / tensor for kind in ("params", "gradients", "optimizer", "total")},
+        "paper_mixed_precision_total": mixed["total"] / tensor,
+    }
 
 
 def batch_bytes_per_device(trainer: Trainer) -> int:
     """Bytes of one device's share of the batch (the step's other argument besides the state)."""
     shapes = trainer.batch_shape()
-    return int(sum(np.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize
-                   for s in shapes.values()))
+    return int(
+        sum(np.prod(s.sharding.shard_shape(s.shape)) * np.dtype(s.dtype).itemsize for s in shapes.values())
+    )
 
 
-def report(trainer: Trainer, compiled, compare: bool = False,
-           target: targets_lib.Target | None = None) -> dict:
+def report(
+    trainer: Trainer, compiled, compare: bool = False, target: targets_lib.Target | None = None
+) -> dict:
     """The inspect JSON for a trainer and its compiled step."""
     cfg = trainer.cfg
     shapes, shardings = trainer.state_shape, trainer.state_shardings
@@ -94,8 +101,12 @@ def report(trainer: Trainer, compiled, compare: bool = False,
         "optimizer": shard_bytes(shapes["opt_state"], shardings["opt_state"]),
         "gradients": shard_bytes(shapes["params"], trainer.grad_shardings),
         "temp": int(mem.temp_size_in_bytes),
-        "total": int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                     - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
+        "total": int(
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        ),
         "arguments": int(mem.argument_size_in_bytes),
     }
     flops_device = _cost(compiled)
@@ -108,7 +119,8 @@ def report(trainer: Trainer, compiled, compare: bool = False,
         "memory_per_device": memory,
         # Both for the whole step, all devices together; see FLOPS_NOTE.
         "model_flops_per_step": metrics_lib.flops_per_token(cfg.model, cfg.train.seq_len)
-        * cfg.train.batch_size * cfg.train.seq_len,
+        * cfg.train.batch_size
+        * cfg.train.seq_len,
         "xla_flops_per_step": None if flops_device is None else flops_device * devices,
         "xla_flops_per_device": flops_device,
         "flops_note": FLOPS_NOTE,
@@ -116,29 +128,36 @@ def report(trainer: Trainer, compiled, compare: bool = False,
         "kernels": hlo.kernels(text),
     }
     if target is not None:
-        out["target"] = {"name": target.name, "device": target.description, "count": target.count,
-                         "device_memory": target.memory_bytes, "usable_memory": target.usable_bytes,
-                         "usable_fraction": targets_lib.USABLE_FRACTION}
+        out["target"] = {
+            "name": target.name,
+            "device": target.description,
+            "count": target.count,
+            "device_memory": target.memory_bytes,
+            "usable_memory": target.usable_bytes,
+            "usable_fraction": targets_lib.USABLE_FRACTION,
+        }
         out["fits"] = memory["total"] <= target.usable_bytes
     if compare:
         # Measured by XLA, not from the shardings jaxpar declares (which agree by construction):
         # the compiled step's arguments are the train state and the batch, so the state's bytes
         # are XLA's argument bytes less the batch's (and the three int32 step counters).
         optimizer_bytes = 8 if cfg.optimizer.name == "adamw" else 0
-        predicted = zero_formula(params, cfg.parallel.zero_stage, sizes["fsdp"], sizes["tensor"],
-                                 optimizer_bytes)
+        predicted = zero_formula(
+            params, cfg.parallel.zero_stage, sizes["fsdp"], sizes["tensor"], optimizer_bytes
+        )
         state = int(mem.argument_size_in_bytes) - batch_bytes_per_device(trainer) - 3 * 4
-        out["compare"] = {"predicted": predicted,
-                          "measured": {"params_and_optimizer": state, "temp": memory["temp"]},
-                          "ratio": state / (predicted["params"] + predicted["optimizer"])}
+        out["compare"] = {
+            "predicted": predicted,
+            "measured": {"params_and_optimizer": state, "temp": memory["temp"]},
+            "ratio": state / (predicted["params"] + predicted["optimizer"]),
+        }
     return out
 
 
 def format_human(r: dict) -> str:
     mb = 1 / 2**20
     mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
-    lines = [f"devices {r['devices']}  mesh {mesh}  zero_stage {r['zero_stage']}  "
-             f"params {r['params']:,}"]
+    lines = [f"devices {r['devices']}  mesh {mesh}  zero_stage {r['zero_stage']}  params {r['params']:,}"]
     if "target" in r:
         t = r["target"]
         lines.append(f"compiled for {t['count']} x {t['device']} (nothing ran)")
@@ -148,31 +167,38 @@ def format_human(r: dict) -> str:
     if "target" in r:
         t = r["target"]
         verdict = "fits" if r["fits"] else "DOES NOT FIT"
-        lines.append(f"  {verdict}: total {r['memory_per_device']['total'] / 2**30:.2f} GiB of "
-                     f"{t['usable_memory'] / 2**30:.2f} GiB usable ({t['usable_fraction']:.0%} of "
-                     f"{t['device_memory'] / 2**30:.2f} GiB)")
+        lines.append(
+            f"  {verdict}: total {r['memory_per_device']['total'] / 2**30:.2f} GiB of "
+            f"{t['usable_memory'] / 2**30:.2f} GiB usable ({t['usable_fraction']:.0%} of "
+            f"{t['device_memory'] / 2**30:.2f} GiB)"
+        )
     if "compare" in r:
         lines.append("")
         lines.append("ZeRO formula for jaxpar's dtypes (MiB)   predicted")
         for key, value in r["compare"]["predicted"].items():
             lines.append(f"  {key:<28} {value * mb:>12.3f}")
         measured = r["compare"]["measured"]["params_and_optimizer"]
-        lines.append(f"  XLA's state arguments (params+optimizer) {measured * mb:>8.3f}"
-                     f"  (ratio to params+optimizer {r['compare']['ratio']:.3f})")
+        lines.append(
+            f"  XLA's state arguments (params+optimizer) {measured * mb:>8.3f}"
+            f"  (ratio to params+optimizer {r['compare']['ratio']:.3f})"
+        )
     lines += ["", f"{'collective':<20} {'count':>8} {'MiB':>12}  dtypes"]
     for kind, c in sorted(r["collectives"].items()):
         note = f"  ({c['as_all_reduce']} as all-reduce + dynamic-slice)" if "as_all_reduce" in c else ""
-        lines.append(f"{kind:<20} {c['count']:>8} {c['bytes'] * mb:>12.3f}  "
-                     f"{','.join(c['dtypes'])}{note}")
+        lines.append(f"{kind:<20} {c['count']:>8} {c['bytes'] * mb:>12.3f}  {','.join(c['dtypes'])}{note}")
     if r["kernels"]:
         lines += ["", f"{'kernel (custom call)':<40} {'count':>8}"]
         lines += [f"{name:<40} {count:>8}" for name, count in r["kernels"].items()]
     xla, per_device = r["xla_flops_per_step"], r["xla_flops_per_device"]
-    lines += ["", f"FLOPs per step, all {r['devices']} device(s) together",
-              f"  model (6N + 12LdT) x tokens   {r['model_flops_per_step']:.3e}",
-              f"  XLA cost analysis             {xla:.3e} ({per_device:.3e} per device; a while "
-              "loop's body counted once, not per iteration: not the step's work)" if xla else
-              "  XLA cost analysis             n/a (none for this backend)"]
+    lines += [
+        "",
+        f"FLOPs per step, all {r['devices']} device(s) together",
+        f"  model (6N + 12LdT) x tokens   {r['model_flops_per_step']:.3e}",
+        f"  XLA cost analysis             {xla:.3e} ({per_device:.3e} per device; a while "
+        "loop's body counted once, not per iteration: not the step's work)"
+        if xla
+        else "  XLA cost analysis             n/a (none for this backend)",
+    ]
     return "\n".join(lines)
 
 
@@ -198,10 +224,13 @@ def _split_flags(argv: list[str]) -> tuple[set[str], str | None, list[str]]:
             rest.append(arg)
     unknown = flags - {"--compare", "--human", "--schedule", "--help"}
     if unknown:
-        raise ConfigError(f"unknown flag(s) {sorted(unknown)}; known: --compare, --human, "
-                          "--schedule, --target NAME[:N]")
+        raise ConfigError(
+            f"unknown flag(s) {sorted(unknown)}; known: --compare, --human, --schedule, --target NAME[:N]"
+        )
     if target == "":
-        raise ConfigError(f"--target needs a GPU type, e.g. --target h100:8; known: {', '.join(targets_lib.TARGETS)}")
+        raise ConfigError(
+            f"--target needs a GPU type, e.g. --target h100:8; known: {', '.join(targets_lib.TARGETS)}"
+        )
     return flags, target, rest
 
 
@@ -225,11 +254,15 @@ def _inspect(argv: list[str]) -> int:
     if "--schedule" in flags:  # the pipeline's static timeline; nothing compiles
         p = cfg.parallel
         schedule = pipeline_lib.schedule_for_mesh(  # the control flow the step runs (zb)
-            pipeline_lib.build_schedule(p.pipeline_schedule, sizes["pipe"], p.microbatches,
-                                        p.virtual_stages),
-            sizes, row_axes=pipeline_lib.row_axes_for(cfg.model, p.zero_stage))
-        print(pipeline_lib.format_schedule(schedule) if "--human" in flags
-              else json.dumps(pipeline_lib.describe_schedule(schedule), indent=2))
+            pipeline_lib.build_schedule(p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages),
+            sizes,
+            row_axes=pipeline_lib.row_axes_for(cfg.model, p.zero_stage),
+        )
+        print(
+            pipeline_lib.format_schedule(schedule)
+            if "--human" in flags
+            else json.dumps(pipeline_lib.describe_schedule(schedule), indent=2)
+        )
         return 0
     # A ConfigError here is what the devices cannot run (model.fp8 on an older GPU).
     trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
@@ -237,11 +270,13 @@ def _inspect(argv: list[str]) -> int:
     print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))
     if target is not None and not result["fits"]:
         total, usable = result["memory_per_device"]["total"], target.usable_bytes
-        print(f"does not fit: {total / 2**30:.2f} GiB per device, {usable / 2**30:.2f} GiB usable on "
-              f"{target.description} ({targets_lib.USABLE_FRACTION:.0%} of "
-              f"{target.memory_bytes / 2**30:.2f} GiB); try more devices, a higher "
-              "parallel.zero_stage, parallel.remat=dots or full, or a smaller train.batch_size",
-              file=sys.stderr)
+        print(
+            f"does not fit: {total / 2**30:.2f} GiB per device, {usable / 2**30:.2f} GiB usable on "
+            f"{target.description} ({targets_lib.USABLE_FRACTION:.0%} of "
+            f"{target.memory_bytes / 2**30:.2f} GiB); try more devices, a higher "
+            "parallel.zero_stage, parallel.remat=dots or full, or a smaller train.batch_size",
+            file=sys.stderr,
+        )
         return 3
     return 0
 

@@ -70,9 +70,9 @@ restart never starts over from a setting: if the command says `train.resume=neve
 restarts say `train.resume=auto` instead (and the line says so), since the checkpoints now in the
 run dir are this run's. If no checkpoint was complete yet, the restart starts over with
 `train.resume=never` (what the first start did). Not restarted: exit code 2 (a configuration
-error, which would only recur) or 3 (too big for this machine's memory, likewise), a stop asked for with SIGINT/SIGTERM, and a process that is still
-running after SIGKILL. When the restarts are used up, the launcher exits with the last failure's
-code; the last line says how many restarts were used.
+error, which would only recur) or 3 (too big for this machine's memory, likewise), a stop asked for with
+SIGINT/SIGTERM, and a process that is still running after SIGKILL. When the restarts are used up, the
+launcher exits with the last failure's code; the last line says how many restarts were used.
 """
 
 from __future__ import annotations
@@ -191,8 +191,14 @@ def _child_setup(libc) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _start_children(command: list[str], nproc: int, coordinator: str,
-                    tail_lines: int, restart: int = 0, requested: list[int] = ()) -> list[Child]:
+def _start_children(
+    command: list[str],
+    nproc: int,
+    coordinator: str,
+    tail_lines: int,
+    restart: int = 0,
+    requested: list[int] = (),
+) -> list[Child]:
     """Starts the processes; a stop asked for meanwhile (a signal in `requested`) ends the
     starting there: the ones started are returned, to be stopped."""
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -200,13 +206,22 @@ def _start_children(command: list[str], nproc: int, coordinator: str,
     for index in range(nproc):  # all forks happen before any thread starts (preexec_fn)
         if requested:
             break
-        env = dict(os.environ, JAXPAR_COORDINATOR=coordinator, JAXPAR_NUM_PROCESSES=str(nproc),
-                   JAXPAR_PROCESS_ID=str(index), JAXPAR_RESTART_COUNT=str(restart),
-                   PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            JAXPAR_COORDINATOR=coordinator,
+            JAXPAR_NUM_PROCESSES=str(nproc),
+            JAXPAR_PROCESS_ID=str(index),
+            JAXPAR_RESTART_COUNT=str(restart),
+            PYTHONUNBUFFERED="1",
+        )
         proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if index == 0 else subprocess.STDOUT,
-            preexec_fn=lambda: _child_setup(libc))
+            preexec_fn=lambda: _child_setup(libc),
+        )
         children.append(Child(index, proc, collections.deque(maxlen=tail_lines)))
     for child in children:
         # Process 0 keeps stdout and stderr apart, echoed live; the others' are one stream.
@@ -224,8 +239,7 @@ def _watch_exits(children: list[Child], exits: queue.Queue) -> None:
     """One waiter thread per child puts (index, returncode) on `exits` as it dies, so the
     queue's order is the order of the deaths."""
     for child in children:
-        threading.Thread(target=lambda c=child: exits.put((c.index, c.proc.wait())),
-                         daemon=True).start()
+        threading.Thread(target=lambda c=child: exits.put((c.index, c.proc.wait())), daemon=True).start()
 
 
 # --- Restarts: where the run resumes ------------------------------------------------------
@@ -276,14 +290,21 @@ class Resumption:
             # Nothing to resume from: start over, as the first start did (train.resume=auto would
             # refuse a run dir that holds metrics but no checkpoint).
             extra = [] if resume == "never" else ["train.resume=never"]
-            return cls(None, extra, f"from step 0: no complete checkpoint in {directory} yet"
-                       + (" (train.resume=never)" if extra else ""))
+            return cls(
+                None,
+                extra,
+                f"from step 0: no complete checkpoint in {directory} yet"
+                + (" (train.resume=never)" if extra else ""),
+            )
         where = f"from step {step}, the newest complete checkpoint in {directory}"
         if resume == "auto":
             return cls(step, [], where)
-        return cls(step, ["train.resume=auto"],
-                   where + f" (train.resume=auto instead of the command's train.resume={resume}: "
-                   "a restart continues from the last checkpoint)")
+        return cls(
+            step,
+            ["train.resume=auto"],
+            where + f" (train.resume=auto instead of the command's train.resume={resume}: "
+            "a restart continues from the last checkpoint)",
+        )
 
 
 # --- Before the first fork: what the launch asks for, checked -----------------------------------
@@ -310,8 +331,7 @@ def most_processes() -> tuple[int, str]:
     memory = _machine_memory()
     if memory is not None and memory // PROCESS_BYTES < most:
         most = max(1, memory // PROCESS_BYTES)
-        why = (f"{memory / 2**30:.1f} GiB of memory, about "
-               f"{PROCESS_BYTES / 2**30:.0f} GiB a process")
+        why = f"{memory / 2**30:.1f} GiB of memory, about {PROCESS_BYTES / 2**30:.0f} GiB a process"
     return most, why
 
 
@@ -354,9 +374,11 @@ def memory_problem(nproc: int, train_args: list[str]) -> str | None:
     limit = host_lib.limit_bytes(cfg, available)
     if limit is None or need <= limit:
         return None
-    return (f"the {nproc} processes need about {need / host_lib.GIB:.1f} GiB of host memory "
-            f"together and {host_lib.room(cfg, limit, available)}; {host_lib.ADVICE}, or fewer "
-            "processes")
+    return (
+        f"the {nproc} processes need about {need / host_lib.GIB:.1f} GiB of host memory "
+        f"together and {host_lib.room(cfg, limit, available)}; {host_lib.ADVICE}, or fewer "
+        "processes"
+    )
 
 
 def _config_problem(nproc: int, train_args: list[str]) -> str | None:
@@ -375,8 +397,10 @@ def _config_problem(nproc: int, train_args: list[str]) -> str | None:
         else:  # the model's shape comes from train.init_from, which the processes read
             config_lib.resolve_mesh(cfg.mesh, devices)
     except config_lib.ConfigError as e:
-        return (f"config error: {e} (the run has --nproc {nproc} x runtime.cpu_devices="
-                f"{cfg.runtime.cpu_devices} = {devices} devices)")
+        return (
+            f"config error: {e} (the run has --nproc {nproc} x runtime.cpu_devices="
+            f"{cfg.runtime.cpu_devices} = {devices} devices)"
+        )
     return None
 
 
@@ -394,12 +418,16 @@ def launch_problem(nproc: int, train_args: list[str], port: int | None, config: 
             try:
                 s.bind(("", port))
             except OSError as e:
-                return (f"--port={port} cannot be the coordinator's ({e.strerror}); give another, "
-                        "or leave --port out for a free one")
+                return (
+                    f"--port={port} cannot be the coordinator's ({e.strerror}); give another, "
+                    "or leave --port out for a free one"
+                )
     most, why = most_processes()
     if nproc > most:
-        return (f"--nproc {nproc}: this machine holds about {most} processes ({why}); use "
-                f"--nproc {most} or fewer, with more devices each (runtime.cpu_devices) on the CPU")
+        return (
+            f"--nproc {nproc}: this machine holds about {most} processes ({why}); use "
+            f"--nproc {most} or fewer, with more devices each (runtime.cpu_devices) on the CPU"
+        )
     return _config_problem(nproc, train_args) if config else None
 
 
@@ -442,16 +470,28 @@ def _report_failure(child: Child, returncode: int, tail_lines: int) -> None:
         print(child.tail_text(), file=sys.stderr, flush=True)
 
 
-def _run_once(command: list[str], nproc: int, coordinator: str, restart: int, grace: float,
-              tail_lines: int, requested: list[int]) -> tuple[list[Child], tuple[Child, int] | None]:
+def _run_once(
+    command: list[str],
+    nproc: int,
+    coordinator: str,
+    restart: int,
+    grace: float,
+    tail_lines: int,
+    requested: list[int],
+) -> tuple[list[Child], tuple[Child, int] | None]:
     """One attempt: starts the processes, forwards the signals that arrive in `requested`, and
     stops them all at the first failure. Returns the children (all stopped, unless one survived
     SIGKILL) and the first failure (child, Popen returncode), or None when all exited 0."""
     children = _start_children(command, nproc, coordinator, tail_lines, restart, requested)
-    _say(f"{len(children)} processes, coordinator {coordinator}: "
-         + ", ".join(f"process {c.index} pid {c.proc.pid}" for c in children)
-         + (f" (a stop was requested before the other {nproc - len(children)} started)"
-            if len(children) < nproc else ""))
+    _say(
+        f"{len(children)} processes, coordinator {coordinator}: "
+        + ", ".join(f"process {c.index} pid {c.proc.pid}" for c in children)
+        + (
+            f" (a stop was requested before the other {nproc - len(children)} started)"
+            if len(children) < nproc
+            else ""
+        )
+    )
     nproc = len(children)
     exits: queue.Queue = queue.Queue()
     _watch_exits(children, exits)
@@ -473,8 +513,10 @@ def _run_once(command: list[str], nproc: int, coordinator: str, restart: int, gr
             except queue.Empty:
                 late = [c for c in children if c.running()]
                 if deadline is not None and time.monotonic() > deadline and late:
-                    _say(f"process {late[0].index} still running {grace:g} s after the first "
-                         "process stopped or a stop was requested; stopping all")
+                    _say(
+                        f"process {late[0].index} still running {grace:g} s after the first "
+                        "process stopped or a stop was requested; stopping all"
+                    )
                     _stop_all(late, 0.0)
                     failed = (late[0], late[0].proc.poll() or -signal.SIGKILL)
                     break
@@ -500,8 +542,9 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, grace: float = 30.0,
-           tail_lines: int = 40, command: list[str] | None = None, max_restarts: int = 0) -> int:
+def launch(
+    nproc: int, train_args=(), *, port=None, grace=30.0, tail_lines=40, command=None, max_restarts=0
+) -> int:
     """Runs `command + train_args` (default command: `python -m jaxpar.train`) as `nproc`
     processes of one distributed run on 127.0.0.1, restarting all of them up to `max_restarts`
     times after a failure; returns the exit code: 0 when all exit 0, else the last attempt's first
@@ -528,12 +571,15 @@ def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, g
     try:
         while True:
             coordinator = f"127.0.0.1:{port or free_port()}"
-            children, failed = _run_once(base + extra_args, nproc, coordinator, restarts, grace,
-                                         tail_lines, requested)
+            children, failed = _run_once(
+                base + extra_args, nproc, coordinator, restarts, grace, tail_lines, requested
+            )
             if failed is None:
                 if max_restarts:
-                    _say(f"all {nproc} processes finished after "
-                         f"{_plural(restarts, 'restart')} (--max-restarts {max_restarts})")
+                    _say(
+                        f"all {nproc} processes finished after "
+                        f"{_plural(restarts, 'restart')} (--max-restarts {max_restarts})"
+                    )
                 # Stopped by a Ctrl-C (each process checkpointed): 130, as jaxpar.train exits.
                 return 128 + signal.SIGINT if signal.SIGINT in received else 0
             child, returncode = failed
@@ -541,33 +587,44 @@ def launch(nproc: int, train_args: list[str] = (), *, port: int | None = None, g
             code = exit_code(returncode)
             if not max_restarts:
                 return code
-            survivors = [c for c in children if c.running()]
-            if received:
-                why_not = f"a stop was requested ({signal.Signals(received[0]).name})"
-            elif returncode in (CONFIG_ERROR, host_lib.DOES_NOT_FIT):
-                what = ("a configuration error" if returncode == CONFIG_ERROR else
-                        "a run too big for this machine's memory")
-                why_not = f"exit code {code} is {what}, which a restart would repeat"
-            elif survivors:
-                why_not = (f"process {survivors[0].index} (pid {survivors[0].proc.pid}) is still "
-                           "running after SIGKILL")
-            elif restarts >= max_restarts:
-                why_not = "no restarts are left"
-            else:
-                why_not = None
+            why_not = _no_restart(children, received, returncode, restarts, max_restarts)
             if why_not is not None:
-                _say(f"not restarting: {why_not} ({restarts} of --max-restarts {max_restarts} "
-                     f"used); exit code {code}")
+                _say(
+                    f"not restarting: {why_not} ({restarts} of --max-restarts {max_restarts} "
+                    f"used); exit code {code}"
+                )
                 return code
             restarts += 1
             plan = Resumption.plan(run_dir, resume)
             extra_args = plan.extra_args
-            _say(f"restart {restarts} of {max_restarts}: process {child.index} (pid "
-                 f"{child.proc.pid}) failed: {describe_exit(returncode)}; starting all {nproc} processes "
-                 f"again {plan.where}")
+            _say(
+                f"restart {restarts} of {max_restarts}: process {child.index} (pid "
+                f"{child.proc.pid}) failed: {describe_exit(returncode)}; starting all {nproc} processes "
+                f"again {plan.where}"
+            )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _no_restart(children, received, returncode, restarts, max_restarts) -> str | None:
+    """Why a failed attempt is not restarted (a stop was asked for, a failure a restart would
+    repeat, a process that would not die, no restarts left); None to restart."""
+    survivors = [c for c in children if c.running()]
+    if received:
+        return f"a stop was requested ({signal.Signals(received[0]).name})"
+    if returncode in (CONFIG_ERROR, host_lib.DOES_NOT_FIT):
+        what = (
+            "a configuration error"
+            if returncode == CONFIG_ERROR
+            else "a run too big for this machine's memory"
+        )
+        return f"exit code {exit_code(returncode)} is {what}, which a restart would repeat"
+    if survivors:
+        return f"process {survivors[0].index} (pid {survivors[0].proc.pid}) is still running after SIGKILL"
+    if restarts >= max_restarts:
+        return "no restarts are left"
+    return None
 
 
 USAGE_EPILOG = """examples:
@@ -580,23 +637,38 @@ USAGE_EPILOG = """examples:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxpar.launch", epilog=USAGE_EPILOG,
+        prog="python -m jaxpar.launch",
+        epilog=USAGE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Starts N local processes of `python -m jaxpar.train` as one distributed run.")
+        description="Starts N local processes of `python -m jaxpar.train` as one distributed run.",
+    )
     parser.add_argument("--nproc", type=int, required=True, help="number of processes (>= 1)")
-    parser.add_argument("--port", type=int, default=None,
-                        help="coordinator port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--grace", type=float, default=30.0,
-                        help="seconds the others get to stop once one has stopped or a stop was "
-                             "requested, before SIGKILL (default 30)")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="after a failure, restart all processes from the newest complete "
-                             "checkpoint, up to this many times (default 0: exit with the "
-                             "failure's code)")
-    parser.add_argument("--tail", type=int, default=40,
-                        help="lines of a failed process's output to print (default 40)")
-    parser.add_argument("train_args", nargs=argparse.REMAINDER,
-                        help="[CONFIG.yaml] [dotted.key=value ...], as for jaxpar.train")
+    parser.add_argument(
+        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds the others get to stop once one has stopped or a stop was "
+        "requested, before SIGKILL (default 30)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="after a failure, restart all processes from the newest complete "
+        "checkpoint, up to this many times (default 0: exit with the "
+        "failure's code)",
+    )
+    parser.add_argument(
+        "--tail", type=int, default=40, help="lines of a failed process's output to print (default 40)"
+    )
+    parser.add_argument(
+        "train_args",
+        nargs=argparse.REMAINDER,
+        help="[CONFIG.yaml] [dotted.key=value ...], as for jaxpar.train",
+    )
     args = parser.parse_args(argv)
     if args.train_args[:1] == ["--"]:
         args.train_args = args.train_args[1:]
@@ -606,15 +678,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--grace={args.grace}: need a duration >= 0")
     given = [a for a in args.train_args if a.startswith("distributed.")]
     if given:
-        parser.error(f"{' '.join(given)}: the launcher sets the distributed settings itself "
-                     "(JAXPAR_COORDINATOR, JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID); drop them")
+        parser.error(
+            f"{' '.join(given)}: the launcher sets the distributed settings itself "
+            "(JAXPAR_COORDINATOR, JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID); drop them"
+        )
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return launch(args.nproc, args.train_args, port=args.port, grace=args.grace,
-                  tail_lines=args.tail, max_restarts=args.max_restarts)
+    return launch(
+        args.nproc,
+        args.train_args,
+        port=args.port,
+        grace=args.grace,
+        tail_lines=args.tail,
+        max_restarts=args.max_restarts,
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,15 @@ def emulate_cpu_devices(runtime: RuntimeConfig) -> None:
     With the CUDA plugin installed but no NVIDIA driver (the `gpu-compile` extra on a CPU
     machine), JAX would try the plugin first, log a long cuInit traceback and fall back to the
     CPU; start on the CPU directly instead. A JAX_PLATFORMS the user set wins."""
-    no_driver = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia",
-                                                    "/dev/dxg"))  # dxg: WSL2's GPU
-    if (no_driver and not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms
-            and cuda_plugin_folders()):
+    no_driver = not any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg")
+    )  # dxg: WSL2's GPU
+    if (
+        no_driver
+        and not os.environ.get("JAX_PLATFORMS")
+        and not jax.config.jax_platforms
+        and cuda_plugin_folders()
+    ):
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", runtime.cpu_devices)
 
@@ -52,7 +57,9 @@ def distributed_settings(dist: DistributedConfig) -> DistributedConfig:
         num = None if num is None else int(num)
         pid = None if pid is None else int(pid)
     except ValueError:
-        raise ConfigError(f"JAXPAR_NUM_PROCESSES={num!r} / JAXPAR_PROCESS_ID={pid!r} must be integers") from None
+        raise ConfigError(
+            f"JAXPAR_NUM_PROCESSES={num!r} / JAXPAR_PROCESS_ID={pid!r} must be integers"
+        ) from None
     return DistributedConfig(coordinator=coordinator, num_processes=num, process_id=pid, auto=dist.auto)
 
 
@@ -65,10 +72,13 @@ def start_distributed(dist: DistributedConfig) -> bool:
     if dist.coordinator is not None and (dist.num_processes is None or dist.process_id is None):
         raise ConfigError(
             f"distributed.coordinator={dist.coordinator} needs distributed.num_processes and "
-            f"distributed.process_id (got {dist.num_processes} and {dist.process_id})")
+            f"distributed.process_id (got {dist.num_processes} and {dist.process_id})"
+        )
     if dist.num_processes is not None and not 0 <= (dist.process_id or 0) < dist.num_processes:
-        raise ConfigError(f"distributed.process_id={dist.process_id} is not in "
-                          f"[0, {dist.num_processes}) (distributed.num_processes)")
+        raise ConfigError(
+            f"distributed.process_id={dist.process_id} is not in "
+            f"[0, {dist.num_processes}) (distributed.num_processes)"
+        )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if dist.auto:
         jax.distributed.initialize()
@@ -76,11 +86,19 @@ def start_distributed(dist: DistributedConfig) -> bool:
     else:
         # Explicit settings win: without "deactivate", jax still runs its SLURM detection inside
         # srun and restricts each process to the GPU of SLURM_LOCALID.
-        jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
-                                   process_id=dist.process_id, cluster_detection_method="deactivate")
+        jax.distributed.initialize(
+            dist.coordinator,
+            num_processes=dist.num_processes,
+            process_id=dist.process_id,
+            cluster_detection_method="deactivate",
+        )
         how = f"coordinator {dist.coordinator}"
-    print(f"jaxpar: process {jax.process_index()} of {jax.process_count()} ({how}), "
-          f"{jax.local_device_count()} local devices", file=sys.stderr, flush=True)
+    print(
+        f"jaxpar: process {jax.process_index()} of {jax.process_count()} ({how}), "
+        f"{jax.local_device_count()} local devices",
+        file=sys.stderr,
+        flush=True,
+    )
     return True
 
 

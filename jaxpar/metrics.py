@@ -151,7 +151,7 @@ class MetricsWriter:
 
 
 def format_rate(tokens_per_sec: float | None, mfu_value: float | None) -> str:
-    """"12,345 tok/s | MFU 41.2%", with n/a where a number is unknown."""
+    """ "12,345 tok/s | MFU 41.2%", with n/a where a number is unknown."""
     tps = "n/a" if tokens_per_sec is None else f"{tokens_per_sec:,.0f}"
     mfu_text = "n/a" if mfu_value is None else f"{100 * mfu_value:.1f}%"
     return f"{tps} tok/s | MFU {mfu_text}"
@@ -186,9 +186,14 @@ class Progress:
             from tqdm import tqdm
 
             # tqdm's own rate and ETA are left out: they would count the compiling step.
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                             file=self._stream, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
-                                                           "[{elapsed}{postfix}]")
+            self._bar = tqdm(
+                total=total,
+                initial=initial,
+                unit="step",
+                dynamic_ncols=True,
+                file=self._stream,
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+            )
 
     def eta(self, step: int, record: dict) -> float | None:
         """Seconds left at the record's time per step; None until enough steps were timed."""
@@ -219,9 +224,11 @@ class Progress:
             return
         self._bar.write(text, file=self._stream)
         eta = self.eta(step, record)
-        self._bar.set_postfix_str(f"loss {record['loss']:.3f} | "
-                                  f"{format_rate(record['tokens_per_sec'], record['mfu'])}"
-                                  + (f" | ETA {format_duration(eta)}" if eta is not None else ""))
+        self._bar.set_postfix_str(
+            f"loss {record['loss']:.3f} | "
+            f"{format_rate(record['tokens_per_sec'], record['mfu'])}"
+            + (f" | ETA {format_duration(eta)}" if eta is not None else "")
+        )
 
     def close(self) -> None:
         if self._bar is not None:

@@ -40,11 +40,13 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: not any("norm" in str(k) for k in path), params)
+            lambda path, _: not any("norm" in str(k) for k in path), params
+        )
 
     if o.name == "sgd":
         update = optax.sgd(lr_schedule(cfg))
     else:
-        update = optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, mask=decay_mask)
+        update = optax.adamw(
+            lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask
+        )
     return optax.chain(optax.clip_by_global_norm(o.clip_norm), update) if o.clip_norm > 0 else update

@@ -111,10 +111,26 @@ def calibration_runs() -> list[CalibrationRun]:
     """Single-H100 runs measured with plain JAX (bf16 compute, float32 params, AdamW, cuDNN
     attention, a scan over layers): the first solves D_HALF, the others check it. The 1.3B's
     SwiGLU width 5464 holds the 2 x 4d weights of its GPT MLP; GPT-2 is configs/gpt2-124m.yaml."""
-    b13 = dict(vocab_size=50304, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=16,
-               d_ff=5464, tie_embeddings=True, max_seq_len=2048)
-    gpt2 = dict(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_ff=2048,
-                tie_embeddings=True, max_seq_len=1024)
+    b13 = dict(
+        vocab_size=50304,
+        d_model=2048,
+        n_layers=24,
+        n_heads=16,
+        n_kv_heads=16,
+        d_ff=5464,
+        tie_embeddings=True,
+        max_seq_len=2048,
+    )
+    gpt2 = dict(
+        vocab_size=50304,
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=12,
+        d_ff=2048,
+        tie_embeddings=True,
+        max_seq_len=1024,
+    )
     return [
         CalibrationRun("plain JAX 1.3B, batch 8, remat dots", b13, 2048, 8, "dots", False, 0.304, True),
         CalibrationRun("plain JAX 1.3B, batch 4, remat dots", b13, 2048, 4, "dots", False, 0.164, False),
@@ -143,8 +159,7 @@ def calibrated_step_s(run: CalibrationRun) -> float:
     attention = attention_flops(m, run.seq_len, run.remat) * tokens
     matmul = hardware_flops(m, run.seq_len, run.remat, run.chunked_loss) * tokens - attention
     peak = DEVICES["h100"].bf16_flops
-    return (matmul / (peak * matmul_efficiency(m.d_model))
-            + attention / (peak * ATTENTION_EFFICIENCY["cudnn"]))
+    return matmul / (peak * matmul_efficiency(m.d_model)) + attention / (peak * ATTENTION_EFFICIENCY["cudnn"])
 
 
 def matmul_efficiency(d_model: int) -> float:
@@ -170,22 +185,30 @@ def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | 
         out.append(("lm_head", (e, v), ("embed", "vocab")))
     for i in range(per_unit):
         is_moe = moe.num_experts > 0 and i == per_unit - 1
-        out += [(f"block{i}.norms", (units, 2 * e), L + ("embed",)),
-                (f"block{i}.wq", (units, e, n, h), L + ("embed", "heads", "head_dim")),
-                (f"block{i}.wkv", (units, e, 2 * k, h), L + ("embed", "kv_heads", "head_dim")),
-                (f"block{i}.wo", (units, n, h, e), L + ("heads", "head_dim", "embed"))]
+        out += [
+            (f"block{i}.norms", (units, 2 * e), L + ("embed",)),
+            (f"block{i}.wq", (units, e, n, h), L + ("embed", "heads", "head_dim")),
+            (f"block{i}.wkv", (units, e, 2 * k, h), L + ("embed", "kv_heads", "head_dim")),
+            (f"block{i}.wo", (units, n, h, e), L + ("heads", "head_dim", "embed")),
+        ]
         if not is_moe:
-            out += [(f"block{i}.w_gate_up", (units, e, 2 * f), L + ("embed", "mlp")),
-                    (f"block{i}.w_down", (units, f, e), L + ("mlp", "embed"))]
+            out += [
+                (f"block{i}.w_gate_up", (units, e, 2 * f), L + ("embed", "mlp")),
+                (f"block{i}.w_down", (units, f, e), L + ("mlp", "embed")),
+            ]
             continue
         ff, ne = moe.d_ff or f, moe.num_experts
-        out += [(f"block{i}.router", (units, e, ne), L + ("embed", None)),
-                (f"block{i}.experts_gate_up", (units, ne, e, 2 * ff), L + ("experts", "embed", "mlp")),
-                (f"block{i}.experts_down", (units, ne, ff, e), L + ("experts", "mlp", "embed"))]
+        out += [
+            (f"block{i}.router", (units, e, ne), L + ("embed", None)),
+            (f"block{i}.experts_gate_up", (units, ne, e, 2 * ff), L + ("experts", "embed", "mlp")),
+            (f"block{i}.experts_down", (units, ne, ff, e), L + ("experts", "mlp", "embed")),
+        ]
         if moe.shared_experts:
             s = moe.shared_experts * ff
-            out += [(f"block{i}.shared_gate_up", (units, e, 2 * s), L + ("embed", "mlp")),
-                    (f"block{i}.shared_down", (units, s, e), L + ("mlp", "embed"))]
+            out += [
+                (f"block{i}.shared_gate_up", (units, e, 2 * s), L + ("embed", "mlp")),
+                (f"block{i}.shared_down", (units, s, e), L + ("mlp", "embed")),
+            ]
     return out
 
 
@@ -210,8 +233,7 @@ def state_elements(m: ModelConfig, sizes: dict[str, int], zero_stage: int) -> di
     table = param_table(m)
     rules = state_rules(zero_stage, sequence_parallel=False)
     gathered = make_rules(shard_embed=False, sequence_parallel=False)
-    out = {"params": 0, "gradients": 0, "optimizer": 0, "total": 0, "blocks_local": 0,
-           "blocks_gathered": 0}
+    out = {"params": 0, "gradients": 0, "optimizer": 0, "total": 0, "blocks_local": 0, "blocks_gathered": 0}
     for name, shape, names in table:
         out["params"] += _local_elements(shape, names, sizes, rules["params"])
         out["gradients"] += _local_elements(shape, names, sizes, rules["grads"])
@@ -226,6 +248,7 @@ def state_elements(m: ModelConfig, sizes: dict[str, int], zero_stage: int) -> di
 # --- Memory ------------------------------------------------------------------------------------
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -257,8 +280,14 @@ BACKENDS = {
     # (8 emulated devices, jax 0.12.0.1): one working set (1.0) for both cases, six ring
     # arrays, and the MoE multiples from its three MoE layouts. XLA:CPU keeps a model-dtype
     # copy of every stacked weight whatever the remat policy.
-    "cpu": Backend("cpu", working_set=1.0, working_set_remat=1.0, ring_arrays=6,
-                   moe_saved=(("dots", 2.0), ("none", 10.0)), casts_in_loop=False),
+    "cpu": Backend(
+        "cpu",
+        working_set=1.0,
+        working_set_remat=1.0,
+        ring_arrays=6,
+        moe_saved=(("dots", 2.0), ("none", 10.0)),
+        casts_in_loop=False,
+    ),
     # XLA:GPU (the H100 program, compiled without a GPU) keeps the CPU's structure where it
     # is the program's own (the state, the saved residuals, the pipeline's stash, the loss
     # chunk: the un-rematerialised rows, pipelines among them, agree with the CPU numbers)
@@ -275,8 +304,14 @@ BACKENDS = {
     # The attributions are not traced buffer by buffer.
     # The three numbers are calibrated on the H100 compiles of the same 25 layouts
     # (benchmarks/results/plan_memory-h100.json), one value each for all layouts.
-    "gpu": Backend("gpu", working_set=1.0, working_set_remat=0.5, ring_arrays=3,
-                   moe_saved=(("dots", 2.0), ("none", 8.0)), casts_in_loop=True),
+    "gpu": Backend(
+        "gpu",
+        working_set=1.0,
+        working_set_remat=0.5,
+        ring_arrays=3,
+        moe_saved=(("dots", 2.0), ("none", 8.0)),
+        casts_in_loop=True,
+    ),
 }
 
 
@@ -295,8 +330,9 @@ class Shape:
     vocab: int  # per device
 
 
-def layer_residuals(m: ModelConfig, s: Shape, remat: str, kernel: str, ring: bool,
-                    stashed: bool = False, backend: str = "gpu") -> float:
+def layer_residuals(
+    m: ModelConfig, s: Shape, remat: str, kernel: str, ring: bool, stashed: bool = False, backend: str = "gpu"
+) -> float:
     """Bytes one layer keeps for its backward, per row, under `remat`. `stashed`: the
     residuals are what `jax.vjp` returns (the pipeline stashes them), which XLA cannot thin
     out: XLA attention's float32 scores before the softmax are among them."""
@@ -322,8 +358,7 @@ def layer_residuals(m: ModelConfig, s: Shape, remat: str, kernel: str, ring: boo
     return 2 * x + 2 * proj + 2 * (q + 2 * kv) - kv + attention + q + mlp["none"]
 
 
-def _moe_or_dense(m: ModelConfig, s: Shape, ff: float, proj: float,
-                  backend: Backend) -> dict[str, float]:
+def _moe_or_dense(m: ModelConfig, s: Shape, ff: float, proj: float, backend: Backend) -> dict[str, float]:
     """The MLP's saved bytes per row (averaged over the layers when MoE every n-th)."""
     dense = {"dots": 2 * ff + proj, "none": 3 * ff}
     moe = m.moe
@@ -348,18 +383,28 @@ def shape_for(cfg: Config, sizes: dict[str, int], rows: int) -> Shape:
     tensor = sizes["tensor"]
     tokens = t.seq_len // sizes["context"]
     between = tokens // (tensor if cfg.parallel.sequence_parallel else 1)
-    return Shape(rows=rows, tokens=tokens, seq=t.seq_len, between=between,
-                 heads=m.n_heads // tensor, kv_heads=m.n_kv_heads // tensor,
-                 head_dim=m.head_dim, d_ff=m.d_ff // tensor,
-                 vocab=m.vocab_size // tensor)
+    return Shape(
+        rows=rows,
+        tokens=tokens,
+        seq=t.seq_len,
+        between=between,
+        heads=m.n_heads // tensor,
+        kv_heads=m.n_kv_heads // tensor,
+        head_dim=m.head_dim,
+        d_ff=m.d_ff // tensor,
+        vocab=m.vocab_size // tensor,
+    )
 
 
 def attention_kernel(cfg: Config, sizes: dict[str, int], device: DeviceSpec | None) -> str:
     """`model.attention` made concrete as the trainer would on this device (None: a CPU)."""
     from jaxpar.models.attention import kernel_for
 
-    fake = (SimpleNamespace(platform="cpu", compute_capability=None) if device is None else
-            SimpleNamespace(platform="gpu", compute_capability=device.compute_capability))
+    fake = (
+        SimpleNamespace(platform="cpu", compute_capability=None)
+        if device is None
+        else SimpleNamespace(platform="gpu", compute_capability=device.compute_capability)
+    )
     return kernel_for(cfg.model, fake, pipelined=is_pipelined(sizes), ring=is_ring(sizes))
 
 
@@ -376,13 +421,25 @@ def executed_schedule(cfg: Config, sizes: dict[str, int]):
     p = cfg.parallel
     from jaxpar.parallel import schedule as pipeline_lib
 
-    return _executed(p.pipeline_schedule, sizes["pipe"], p.microbatches, p.virtual_stages,
-                     tuple(sorted(sizes.items())), pipeline_lib.row_axes_for(cfg.model, p.zero_stage))
+    return _executed(
+        p.pipeline_schedule,
+        sizes["pipe"],
+        p.microbatches,
+        p.virtual_stages,
+        tuple(sorted(sizes.items())),
+        pipeline_lib.row_axes_for(cfg.model, p.zero_stage),
+    )
 
 
 @functools.cache
-def _executed(kind: str, stages: int, microbatches: int, virtual: int,
-              sizes: tuple[tuple[str, int], ...], row_axes: tuple[str, ...]):
+def _executed(
+    kind: str,
+    stages: int,
+    microbatches: int,
+    virtual: int,
+    sizes: tuple[tuple[str, int], ...],
+    row_axes: tuple[str, ...],
+):
     """Many layouts share one schedule: built once (pure Python)."""
     from jaxpar.parallel import schedule as pipeline_lib
 
@@ -397,8 +454,7 @@ def _lowered(schedule):
     return pipeline_lib.lower_schedule(schedule)
 
 
-def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str,
-                   backend: str = "gpu") -> dict[str, float]:
+def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str, backend: str = "gpu") -> dict[str, float]:
     """Predicted bytes per device of the compiled train step (module doc), by kind, as the
     `backend`'s compiler ("gpu" or "cpu", `BACKENDS`) lays the program out."""
     b = BACKENDS[backend]
@@ -457,15 +513,25 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str,
     gradients = el["gradients"] * pb
     if p.grad_accum > 1:
         buffers += gradients  # the accumulator beside one microstep's (or pass's) gradients
-    out = {"params": el["params"] * pb, "gradients": gradients,
-           "optimizer": moments * el["optimizer"] * pb, "activations": activations,
-           "loss": loss, "buffers": buffers}
+    out = {
+        "params": el["params"] * pb,
+        "gradients": gradients,
+        "optimizer": moments * el["optimizer"] * pb,
+        "activations": activations,
+        "loss": loss,
+        "buffers": buffers,
+    }
     out["total"] = sum(out.values())
     return {k: float(v) for k, v in out.items()}
 
 
-def predict_memory_for(overrides: list[str], mesh: dict[str, int], kernel: str | None = None,
-                       path: str | None = None, backend: str = "cpu") -> dict[str, float]:
+def predict_memory_for(
+    overrides: list[str],
+    mesh: dict[str, int],
+    kernel: str | None = None,
+    path: str | None = None,
+    backend: str = "cpu",
+) -> dict[str, float]:
     """`predict_memory` of a config file + overrides on a mesh (unlisted axes 1), for the
     `backend`'s compiler: "cpu" (the emulated devices) or "gpu" (an H100, compiled or not);
     the attention kernel, unless given, is the one the trainer picks there."""
@@ -476,8 +542,9 @@ def predict_memory_for(overrides: list[str], mesh: dict[str, int], kernel: str |
     return predict_memory(cfg, sizes, kernel, backend)
 
 
-def compiled_memory(overrides: list[str], mesh: dict[str, int], target=None,
-                    path: str | None = None) -> dict[str, int]:
+def compiled_memory(
+    overrides: list[str], mesh: dict[str, int], target=None, path: str | None = None
+) -> dict[str, int]:
     """XLA's memory analysis of the compiled train step (never run) per device: on the first
     prod(mesh) local devices, or for a `jaxpar.targets.Target` of that many GPUs."""
     import jax
@@ -487,14 +554,18 @@ def compiled_memory(overrides: list[str], mesh: dict[str, int], target=None,
     cfg = config_lib.load_config(path, list(overrides) + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES])
     n = math.prod(mesh.values())
     sizes = config_lib.validate(cfg, n)
-    devices = jax.devices()[:n] if target is None else targets_lib.devices(
-        dataclasses.replace(target, count=n))
+    devices = (
+        jax.devices()[:n] if target is None else targets_lib.devices(dataclasses.replace(target, count=n))
+    )
     mem = compile_step(build_trainer(cfg, sizes, devices=devices)).memory_analysis()
-    out = {"arguments": int(mem.argument_size_in_bytes), "outputs": int(mem.output_size_in_bytes),
-           "aliased": int(mem.alias_size_in_bytes), "temp": int(mem.temp_size_in_bytes)}
+    out = {
+        "arguments": int(mem.argument_size_in_bytes),
+        "outputs": int(mem.output_size_in_bytes),
+        "aliased": int(mem.alias_size_in_bytes),
+        "temp": int(mem.temp_size_in_bytes),
+    }
     out["total"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temp"]
     return out
-
 
 
 def hardware_flops(m: ModelConfig, seq_len: int, remat: str, chunked_loss: bool = True) -> float:
@@ -538,8 +609,9 @@ def _span(sizes: dict[str, int], axes: tuple[str, ...]) -> int:
     return math.prod(sizes[a] for a in MESH_AXES[outer:])
 
 
-def link_bandwidth(sizes: dict[str, int], axes: tuple[str, ...], device: DeviceSpec,
-                   gpus_per_node: int) -> tuple[float, str]:
+def link_bandwidth(
+    sizes: dict[str, int], axes: tuple[str, ...], device: DeviceSpec, gpus_per_node: int
+) -> tuple[float, str]:
     """(bytes/s per GPU, "nvlink" | "network") for a collective over `axes`."""
     if _span(sizes, axes) <= gpus_per_node:
         return device.nvlink_bandwidth, "nvlink"
@@ -583,8 +655,9 @@ def _data_parallel_time(cfg: Config, sizes: dict[str, int], bandwidth) -> float:
     return dp_time
 
 
-def _model_parallel_times(cfg: Config, sizes: dict[str, int], bandwidth,
-                          attention_s: float) -> dict[str, float]:
+def _model_parallel_times(
+    cfg: Config, sizes: dict[str, int], bandwidth, attention_s: float
+) -> dict[str, float]:
     """Seconds of tensor, context, expert and pipe traffic per step (what shows: ring
     attention's passes overlap the attention core's `attention_s`)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -607,16 +680,19 @@ def _model_parallel_times(cfg: Config, sizes: dict[str, int], bandwidth,
     comm["expert"] = 0.0
     if m.moe.num_experts and expert > 1:
         routed = act * m.moe.top_k * (m.moe.capacity_factor or 1.0)
-        comm["expert"] = (moe_layers(m) // pipe * 4 * ring(routed, expert, "gather")
-                          / bandwidth(("expert",)))
+        comm["expert"] = moe_layers(m) // pipe * 4 * ring(routed, expert, "gather") / bandwidth(("expert",))
     # pipe: each microbatch's activation forward and its gradient backward, per boundary.
-    comm["pipe"] = (2 * p.microbatches * (act / max(p.microbatches, 1)) / bandwidth(("pipe",))
-                    if is_pipelined(sizes) else 0.0)
+    comm["pipe"] = (
+        2 * p.microbatches * (act / max(p.microbatches, 1)) / bandwidth(("pipe",))
+        if is_pipelined(sizes)
+        else 0.0
+    )
     return comm
 
 
-def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
-                 gpus_per_node: int) -> dict[str, float]:
+def predict_time(
+    cfg: Config, sizes: dict[str, int], device: DeviceSpec, gpus_per_node: int
+) -> dict[str, float]:
     """Predicted seconds of one optimizer step, by part (module doc), and the MFU."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = math.prod(sizes.values())
@@ -633,8 +709,10 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
     def bandwidth(axes):
         return link_bandwidth(sizes, axes, device, gpus_per_node)[0]
 
-    comm = {"data_fsdp": _data_parallel_time(cfg, sizes, bandwidth),
-            **_model_parallel_times(cfg, sizes, bandwidth, attention_s)}
+    comm = {
+        "data_fsdp": _data_parallel_time(cfg, sizes, bandwidth),
+        **_model_parallel_times(cfg, sizes, bandwidth, attention_s),
+    }
     bubble = 0.0
     if pipelined:
         bubble = schedule_bubble(executed_schedule(cfg, sizes))
@@ -648,9 +726,15 @@ def predict_time(cfg: Config, sizes: dict[str, int], device: DeviceSpec,
         # pipelined pass, after its loop, with nothing left to overlap: exposed, grad_accum times.
         exposed_dp = p.grad_accum * comm["data_fsdp"]
     step = busy + exposed_dp
-    return {"compute_s": compute, "attention_s": attention_s, "comm_s": comm, "exposed_data_fsdp_s": exposed_dp,
-            "bubble_fraction": bubble, "step_time_s": step,
-            "mfu": model_flops / (step * n * device.bf16_flops)}
+    return {
+        "compute_s": compute,
+        "attention_s": attention_s,
+        "comm_s": comm,
+        "exposed_data_fsdp_s": exposed_dp,
+        "bubble_fraction": bubble,
+        "step_time_s": step,
+        "mfu": model_flops / (step * n * device.bf16_flops),
+    }
 
 
 @functools.cache
@@ -747,8 +831,9 @@ def _settings(cfg: Config, sizes: dict[str, int]):
 
 def _with(cfg: Config, sizes: dict[str, int], settings: dict) -> Config:
     parallel = dataclasses.replace(
-        cfg.parallel, **{"pipeline_schedule": "1f1b", "microbatches": 4, "virtual_stages": 1,
-                         "grad_accum": 1, **settings})
+        cfg.parallel,
+        **{"pipeline_schedule": "1f1b", "microbatches": 4, "virtual_stages": 1, "grad_accum": 1, **settings},
+    )
     return dataclasses.replace(cfg, mesh=config_lib.MeshConfig(**sizes), parallel=parallel)
 
 
@@ -760,8 +845,14 @@ def enumerate_plans(cfg: Config, n: int, device: DeviceSpec, gpus_per_node: int)
         for settings in _settings(cfg, sizes):
             c = _with(cfg, sizes, settings)
             kernel = attention_kernel(c, sizes, device)
-            plan = Plan(c, sizes, predict_memory(c, sizes, kernel),
-                        predict_time(c, sizes, device, gpus_per_node), kernel, crosses)
+            plan = Plan(
+                c,
+                sizes,
+                predict_memory(c, sizes, kernel),
+                predict_time(c, sizes, device, gpus_per_node),
+                kernel,
+                crosses,
+            )
             plan._usable = device.usable_bytes
             plans.append(plan)
     plans.sort(key=_rank)
@@ -773,9 +864,13 @@ def _rank(plan: Plan) -> tuple[int, int]:
     simpler layout wins (fewer axes beyond data, a lower ZeRO stage, less remat, fewer
     microsteps): the same speed is not worth more machinery."""
     p, s = plan.cfg.parallel, plan.sizes
-    complexity = (sum(s[a] > 1 for a in MESH_AXES if a != "data") + p.zero_stage
-                  + ("none", "dots", "full").index(p.remat) + p.grad_accum.bit_length()
-                  + (p.microbatches.bit_length() if is_pipelined(s) else 0))
+    complexity = (
+        sum(s[a] > 1 for a in MESH_AXES if a != "data")
+        + p.zero_stage
+        + ("none", "dots", "full").index(p.remat)
+        + p.grad_accum.bit_length()
+        + (p.microbatches.bit_length() if is_pipelined(s) else 0)
+    )
     return round(math.log(plan.time["step_time_s"]) / math.log(1.005)), complexity
 
 
@@ -798,24 +893,32 @@ def _feature_tests(plan: Plan) -> list[tuple[str, callable, str]]:
     out = []
     if s["tensor"] > 1:
         where = "across nodes" if "tensor" in plan.crosses else "inside the node"
-        out.append((f"tensor={s['tensor']} {where}", lambda q: q.sizes["tensor"] == 1,
-                    "tensor parallelism"))
+        out.append((f"tensor={s['tensor']} {where}", lambda q: q.sizes["tensor"] == 1, "tensor parallelism"))
     if is_pipelined(s):
-        out.append((f"pipe={s['pipe']} ({p.pipeline_schedule}, {p.microbatches} microbatches)",
-                    lambda q: not is_pipelined(q.sizes), "pipelining"))
+        out.append(
+            (
+                f"pipe={s['pipe']} ({p.pipeline_schedule}, {p.microbatches} microbatches)",
+                lambda q: not is_pipelined(q.sizes),
+                "pipelining",
+            )
+        )
     if is_ring(s):
-        out.append((f"context={s['context']}", lambda q: not is_ring(q.sizes),
-                    "context parallelism"))
+        out.append((f"context={s['context']}", lambda q: not is_ring(q.sizes), "context parallelism"))
     if s["fsdp"] > 1:
         stage = p.zero_stage
-        out.append((f"ZeRO-{stage} over fsdp={s['fsdp']}",
-                    lambda q, st=stage: q.cfg.parallel.zero_stage < st or q.sizes["fsdp"] == 1,
-                    "a lower ZeRO stage" if stage > 1 else "ZeRO"))
+        out.append(
+            (
+                f"ZeRO-{stage} over fsdp={s['fsdp']}",
+                lambda q, st=stage: q.cfg.parallel.zero_stage < st or q.sizes["fsdp"] == 1,
+                "a lower ZeRO stage" if stage > 1 else "ZeRO",
+            )
+        )
     if p.remat != "none":
         out.append((f"remat {p.remat}", lambda q: q.cfg.parallel.remat == "none", "remat"))
     if p.grad_accum > 1:
-        out.append((f"grad_accum={p.grad_accum}", lambda q: q.cfg.parallel.grad_accum == 1,
-                    "gradient accumulation"))
+        out.append(
+            (f"grad_accum={p.grad_accum}", lambda q: q.cfg.parallel.grad_accum == 1, "gradient accumulation")
+        )
     return out
 
 
@@ -842,8 +945,10 @@ def explain(plan: Plan, plans: list[Plan], device: DeviceSpec) -> str:
             else:
                 parts.append(f"{label}: as fast as without {name}")
     if not parts:
-        parts.append(f"plain data parallelism: the model, its gradients and Adam state fit on "
-                     f"each GPU ({plan.memory['total'] / GIB:.1f} of {usable:.1f} GiB)")
+        parts.append(
+            f"plain data parallelism: the model, its gradients and Adam state fit on "
+            f"each GPU ({plan.memory['total'] / GIB:.1f} of {usable:.1f} GiB)"
+        )
     if plan.crosses:
         parts.append(f"{' and '.join(plan.crosses)} cross nodes: no layout keeping them inside a node fits")
     return "; ".join(parts)
@@ -855,12 +960,21 @@ def explain(plan: Plan, plans: list[Plan], device: DeviceSpec) -> str:
 def command(plan: Plan, path: str | None, overrides: list[str], gpus_per_node: int, n: int) -> str:
     s, p = plan.sizes, plan.cfg.parallel
     keys = {f"mesh.{a}": s[a] for a in MESH_AXES}
-    keys.update({"parallel.zero_stage": p.zero_stage, "parallel.remat": p.remat,
-                 "parallel.sequence_parallel": str(p.sequence_parallel).lower()})
+    keys.update(
+        {
+            "parallel.zero_stage": p.zero_stage,
+            "parallel.remat": p.remat,
+            "parallel.sequence_parallel": str(p.sequence_parallel).lower(),
+        }
+    )
     if is_pipelined(s):
-        keys.update({"parallel.pipeline_schedule": p.pipeline_schedule,
-                     "parallel.microbatches": p.microbatches,
-                     "parallel.virtual_stages": p.virtual_stages})
+        keys.update(
+            {
+                "parallel.pipeline_schedule": p.pipeline_schedule,
+                "parallel.microbatches": p.microbatches,
+                "parallel.virtual_stages": p.virtual_stages,
+            }
+        )
     keys["parallel.grad_accum"] = p.grad_accum
     if n > gpus_per_node:
         keys["distributed.auto"] = "true"
@@ -883,15 +997,18 @@ def to_json(plan: Plan, why: str, cmd: str) -> dict:
         "virtual_stages": p.virtual_stages if pipelined else None,
         "grad_accum": p.grad_accum,
         "attention": plan.kernel,
-        "memory_per_device": {k: int(mem[k]) for k in
-                              ("params", "gradients", "optimizer", "activations", "loss",
-                               "buffers", "total")},
+        "memory_per_device": {
+            k: int(mem[k])
+            for k in ("params", "gradients", "optimizer", "activations", "loss", "buffers", "total")
+        },
         "step_time_s": plan.time["step_time_s"],
         "mfu": plan.time["mfu"],
-        "time_breakdown_s": {"compute": plan.time["compute_s"],
-                             **{f"comm_{k}": v for k, v in plan.time["comm_s"].items()},
-                             "exposed_data_fsdp": plan.time["exposed_data_fsdp_s"],
-                             "bubble_fraction": plan.time["bubble_fraction"]},
+        "time_breakdown_s": {
+            "compute": plan.time["compute_s"],
+            **{f"comm_{k}": v for k, v in plan.time["comm_s"].items()},
+            "exposed_data_fsdp": plan.time["exposed_data_fsdp_s"],
+            "bubble_fraction": plan.time["bubble_fraction"],
+        },
         "why": why,
         "command": cmd,
     }
@@ -899,34 +1016,51 @@ def to_json(plan: Plan, why: str, cmd: str) -> dict:
 
 def format_human(result: dict) -> str:
     g = result["gpus"]
-    lines = [f"{result['model']['params'] / 1e9:.2f} B parameters, batch {result['model']['batch_size']} "
-             f"x seq {result['model']['seq_len']} on {g['count']} x {g['name']} ({g['per_node']} per "
-             f"node); {result['layouts_considered']} layouts considered, {result['layouts_fitting']} fit "
-             f"in {g['usable_gib']:.1f} GiB", ""]
-    head = (f"{'#':>2} {'pipe':>4} {'data':>4} {'fsdp':>4} {'exp':>4} {'ctx':>4} {'tp':>4} "
-            f"{'zero':>4} {'remat':>5} {'sched':>11} {'mb/acc':>6} {'GiB':>6} {'step s':>8} {'MFU':>5}")
+    lines = [
+        f"{result['model']['params'] / 1e9:.2f} B parameters, batch {result['model']['batch_size']} "
+        f"x seq {result['model']['seq_len']} on {g['count']} x {g['name']} ({g['per_node']} per "
+        f"node); {result['layouts_considered']} layouts considered, {result['layouts_fitting']} fit "
+        f"in {g['usable_gib']:.1f} GiB",
+        "",
+    ]
+    head = (
+        f"{'#':>2} {'pipe':>4} {'data':>4} {'fsdp':>4} {'exp':>4} {'ctx':>4} {'tp':>4} "
+        f"{'zero':>4} {'remat':>5} {'sched':>11} {'mb/acc':>6} {'GiB':>6} {'step s':>8} {'MFU':>5}"
+    )
     lines.append(head)
     for i, pl in enumerate(result["plans"], 1):
         m = pl["mesh"]
-        sched = f"{pl['schedule']}" + (f"x{pl['virtual_stages']}" if pl["schedule"] == "interleaved" else "") \
-            if pl["schedule"] else "-"
-        mb = pl["grad_accum"] if not pl["schedule"] else (
-            f"{pl['microbatches']}" + (f"x{pl['grad_accum']}" if pl["grad_accum"] > 1 else ""))
-        lines.append(f"{i:>2} {m['pipe']:>4} {m['data']:>4} {m['fsdp']:>4} {m['expert']:>4} "
-                     f"{m['context']:>4} {m['tensor']:>4} {pl['zero_stage']:>4} {pl['remat']:>5} "
-                     f"{sched:>11} {mb:>6} {pl['memory_per_device']['total'] / GIB:>6.2f} "
-                     f"{pl['step_time_s']:>8.3f} {pl['mfu']:>5.1%}")
+        sched = (
+            f"{pl['schedule']}" + (f"x{pl['virtual_stages']}" if pl["schedule"] == "interleaved" else "")
+            if pl["schedule"]
+            else "-"
+        )
+        mb = (
+            pl["grad_accum"]
+            if not pl["schedule"]
+            else (f"{pl['microbatches']}" + (f"x{pl['grad_accum']}" if pl["grad_accum"] > 1 else ""))
+        )
+        lines.append(
+            f"{i:>2} {m['pipe']:>4} {m['data']:>4} {m['fsdp']:>4} {m['expert']:>4} "
+            f"{m['context']:>4} {m['tensor']:>4} {pl['zero_stage']:>4} {pl['remat']:>5} "
+            f"{sched:>11} {mb:>6} {pl['memory_per_device']['total'] / GIB:>6.2f} "
+            f"{pl['step_time_s']:>8.3f} {pl['mfu']:>5.1%}"
+        )
     for i, pl in enumerate(result["plans"], 1):
         mem = pl["memory_per_device"]
-        lines += ["", f"#{i}: " + pl["why"],
-                  "    memory GiB: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.items()),
-                  "    time s: " + ", ".join(f"{k} {v:.3g}" for k, v in pl["time_breakdown_s"].items()
-                                             if v),
-                  "    " + pl["command"]]
+        lines += [
+            "",
+            f"#{i}: " + pl["why"],
+            "    memory GiB: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.items()),
+            "    time s: " + ", ".join(f"{k} {v:.3g}" for k, v in pl["time_breakdown_s"].items() if v),
+            "    " + pl["command"],
+        ]
         if "compiled_memory_per_device" in pl:
             c = pl["compiled_memory_per_device"]
-            lines.append(f"    verified: predicted {mem['total'] / GIB:.2f} GiB, compiled "
-                         f"{c / GIB:.2f} GiB ({mem['total'] / c - 1:+.1%})")
+            lines.append(
+                f"    verified: predicted {mem['total'] / GIB:.2f} GiB, compiled "
+                f"{c / GIB:.2f} GiB ({mem['total'] / c - 1:+.1%})"
+            )
     for w in result.get("warnings", []):
         lines.append("warning: " + w)
     return "\n".join(lines)
@@ -934,15 +1068,19 @@ def format_human(result: dict) -> str:
 
 # --- Command line --------------------------------------------------------------------------------
 
-USAGE = """usage: python -m jaxpar.plan [CONFIG.yaml] [dotted.key=value ...] --gpus NxTYPE
+USAGE = (
+    """usage: python -m jaxpar.plan [CONFIG.yaml] [dotted.key=value ...] --gpus NxTYPE
                               [--gpus-per-node 8] [--top 5] [--verify K] [--human]
-  --gpus 64xh100      how many GPUs of which type (known: """ + ", ".join(DEVICES) + """)
+  --gpus 64xh100      how many GPUs of which type (known: """
+    + ", ".join(DEVICES)
+    + """)
   --gpus-per-node 8   GPUs sharing NVLink in one node (default 8)
   --top 5             how many plans to print
   --verify K          compile the top K for the target without a GPU (gpu-compile extra) and
                       show predicted against compiled memory; drop a plan that does not fit
   --human             a table instead of JSON
 exit codes: 0 plans printed, 2 bad input, 3 no layout fits"""
+)
 
 
 @dataclass
@@ -960,11 +1098,12 @@ class Args:
 def parse_gpus(text: str) -> tuple[int, DeviceSpec]:
     count, sep, kind = text.lower().partition("x")
     if not sep or not count.strip().isdigit() or int(count) < 1:
-        raise ConfigError(f"--gpus {text!r}: write the count and the type, e.g. --gpus 64xh100 "
-                          f"(known types: {', '.join(DEVICES)})")
+        raise ConfigError(
+            f"--gpus {text!r}: write the count and the type, e.g. --gpus 64xh100 "
+            f"(known types: {', '.join(DEVICES)})"
+        )
     if kind.strip() not in DEVICES:
-        raise ConfigError(f"--gpus {text!r}: unknown GPU type {kind.strip()!r}; known: "
-                          f"{', '.join(DEVICES)}")
+        raise ConfigError(f"--gpus {text!r}: unknown GPU type {kind.strip()!r}; known: {', '.join(DEVICES)}")
     return int(count), DEVICES[kind.strip()]
 
 
@@ -982,8 +1121,9 @@ def parse_args(argv: list[str]) -> Args:
         elif arg == "--human":
             human = True
         elif arg.startswith("--"):
-            raise ConfigError(f"unknown flag {arg!r}; known: --gpus, --gpus-per-node, --top, "
-                              "--verify, --human")
+            raise ConfigError(
+                f"unknown flag {arg!r}; known: --gpus, --gpus-per-node, --top, --verify, --human"
+            )
         else:
             rest.append(arg)
     if flags["--gpus"] is None:
@@ -997,12 +1137,15 @@ def parse_args(argv: list[str]) -> Args:
         numbers[name] = int(value)
     per_node = numbers["--gpus-per-node"]
     if count > per_node and count % per_node:
-        raise ConfigError(f"--gpus {count} does not divide into nodes of {per_node} GPUs "
-                          f"(--gpus-per-node); use a multiple of {per_node}, e.g. "
-                          f"{count - count % per_node} or {count + per_node - count % per_node}")
+        raise ConfigError(
+            f"--gpus {count} does not divide into nodes of {per_node} GPUs "
+            f"(--gpus-per-node); use a multiple of {per_node}, e.g. "
+            f"{count - count % per_node} or {count + per_node - count % per_node}"
+        )
     path, overrides = config_lib.parse_cli(rest)
-    return Args(path, overrides, count, device, min(per_node, count), numbers["--top"],
-                numbers["--verify"], human)
+    return Args(
+        path, overrides, count, device, min(per_node, count), numbers["--top"], numbers["--verify"], human
+    )
 
 
 def missing(cfg: Config, n: int, device: DeviceSpec, per_node: int, plans: list[Plan]) -> str:
@@ -1010,9 +1153,12 @@ def missing(cfg: Config, n: int, device: DeviceSpec, per_node: int, plans: list[
     type the planner would need (up to 64 times as many)."""
     least = min((p.memory["total"] for p in plans), default=None)
     usable = device.usable_bytes / GIB
-    now = (f"no layout of {n} x {device.key} fits: the smallest needs "
-           f"{least / GIB:.1f} GiB per GPU, {usable:.1f} GiB usable of {device.memory_bytes / 1e9:.0f} GB"
-           if least is not None else f"no layout of {n} x {device.key} divides this model and batch")
+    now = (
+        f"no layout of {n} x {device.key} fits: the smallest needs "
+        f"{least / GIB:.1f} GiB per GPU, {usable:.1f} GiB usable of {device.memory_bytes / 1e9:.0f} GB"
+        if least is not None
+        else f"no layout of {n} x {device.key} divides this model and batch"
+    )
     for more in (2, 4, 8, 16, 32, 64):
         bigger = n * more
         if bigger > per_node and bigger % per_node:
@@ -1020,8 +1166,10 @@ def missing(cfg: Config, n: int, device: DeviceSpec, per_node: int, plans: list[
         fits = [p for p in enumerate_plans(cfg, bigger, device, per_node) if p.fits]
         if any(runnable(p, bigger) for p in fits[:50]):
             return f"{now}; needs >= {bigger} GPUs of {device.memory_bytes / 1e9:.0f} GB"
-    return (f"{now}; even {64 * n} GPUs do not make it fit at train.batch_size="
-            f"{cfg.train.batch_size}: lower the batch or the sequence length, or shrink the model")
+    return (
+        f"{now}; even {64 * n} GPUs do not make it fit at train.batch_size="
+        f"{cfg.train.batch_size}: lower the batch or the sequence length, or shrink the model"
+    )
 
 
 def plan_main(args: Args) -> tuple[dict, int]:
@@ -1039,8 +1187,14 @@ def plan_main(args: Args) -> tuple[dict, int]:
             break
     params = state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"]
     result = {
-        "gpus": {"count": n, "type": device.key, "name": device.name, "per_node": args.per_node,
-                 "memory_bytes": device.memory_bytes, "usable_gib": device.usable_bytes / GIB},
+        "gpus": {
+            "count": n,
+            "type": device.key,
+            "name": device.name,
+            "per_node": args.per_node,
+            "memory_bytes": device.memory_bytes,
+            "usable_gib": device.usable_bytes / GIB,
+        },
         "model": {"params": params, "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len},
         "layouts_considered": len(plans),
         "layouts_fitting": sum(p.fits for p in plans),
@@ -1051,8 +1205,9 @@ def plan_main(args: Args) -> tuple[dict, int]:
         result["error"] = missing(cfg, n, device, args.per_node, plans)
         return result, 3
     for p in chosen:
-        result["plans"].append(to_json(p, explain(p, plans, device),
-                                       command(p, args.path, args.overrides, args.per_node, n)))
+        result["plans"].append(
+            to_json(p, explain(p, plans, device), command(p, args.path, args.overrides, args.per_node, n))
+        )
     if args.verify:
         verify(result, chosen, args, device)
         if not result["plans"]:
@@ -1075,15 +1230,20 @@ def verify(result: dict, chosen: list[Plan], args: Args, device: DeviceSpec) -> 
             continue
         trainer = build_trainer(plan.cfg, plan.sizes, devices=targets_lib.devices(target))
         mem = compile_step(trainer).memory_analysis()
-        total = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                    - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+        total = int(
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        )
         entry["compiled_memory_per_device"] = total
         entry["predicted_over_compiled"] = entry["memory_per_device"]["total"] / total
         if total > target.usable_bytes:
             result["warnings"].append(
                 f"dropped {entry['command']}: compiled {total / GIB:.2f} GiB per GPU, over the "
                 f"{target.usable_bytes / GIB:.2f} GiB usable (predicted "
-                f"{entry['memory_per_device']['total'] / GIB:.2f})")
+                f"{entry['memory_per_device']['total'] / GIB:.2f})"
+            )
             continue
         kept.append(entry)
     result["plans"] = kept

@@ -52,8 +52,15 @@ EARLIER_RECORD = "config.until-step-{step}.yaml"  # the record before a resume o
 # The settings that say which sequences global batch k holds: a checkpoint's data position (a
 # count of global batches, train.batch_size and train.seq_len checked beside it) means the same
 # data only while these stay the same.
-DATA_KEYS = ("data.source", "data.sources", "data.tokenizer", "data.max_documents", "data.shuffle",
-             "data.text_field", "train.seed")
+DATA_KEYS = (
+    "data.source",
+    "data.sources",
+    "data.tokenizer",
+    "data.max_documents",
+    "data.shuffle",
+    "data.text_field",
+    "train.seed",
+)
 
 
 # --- The lock -------------------------------------------------------------------------------
@@ -95,16 +102,17 @@ class RunLock:
         self._stop = threading.Event()
 
     def _describe(self, holder: dict) -> str:
-        return (f"pid {holder.get('pid')} on host {holder.get('host')} since "
-                f"{holder.get('started', '?')}")
+        return f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('started', '?')}"
 
     def _stale(self, holder: dict | None, me: dict) -> str | None:
         """Why the lock's holder is gone (None: it may still run)."""
         if holder is None:
             return "unreadable"
         if holder.get("slurm_job_id") and holder.get("slurm_job_id") == me["slurm_job_id"]:
-            return (f"left by {self._describe(holder)}, an earlier run of this Slurm job "
-                    f"({me['slurm_job_id']}, requeued)")
+            return (
+                f"left by {self._describe(holder)}, an earlier run of this Slurm job "
+                f"({me['slurm_job_id']}, requeued)"
+            )
         if holder.get("host") == me["host"]:
             return None if _alive(holder) else f"left by {self._describe(holder)}, which no longer runs"
         try:
@@ -119,10 +127,14 @@ class RunLock:
         """Takes the lock; raises ConfigError if a live run holds it. Warns on taking over a
         stale one."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": _start_ticks(os.getpid()),
-              "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-              "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "command": " ".join(sys.argv)}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "start_ticks": _start_ticks(os.getpid()),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv),
+        }
         for attempt in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -133,12 +145,14 @@ class RunLock:
                     raise ConfigError(
                         f"train.run_dir: {self.path} is held by {self._describe(holder)}, another "
                         f"host (touched within {STALE_S:.0f} s, so that run may still be going); "
-                        f"if it has ended, delete {self.path} (or use another train.run_dir)") from None
+                        f"if it has ended, delete {self.path} (or use another train.run_dir)"
+                    ) from None
                 if stale is None:
                     raise ConfigError(
                         f"train.run_dir: another run is using this directory ({self._describe(holder)}, "
                         f"lock {self.path}); wait for it to end, stop it, or use another "
-                        f"train.run_dir") from None
+                        f"train.run_dir"
+                    ) from None
                 if attempt == 0:
                     print(f"warning: taking over the stale lock {self.path} ({stale})", file=sys.stderr)
                     # Two runs taking over the same stale lock at the same instant could both
@@ -198,8 +212,12 @@ class History:
     @property
     def used(self) -> bool:
         """Whether an earlier run left anything a new start could mix with or lose."""
-        return bool(self.metrics_last_step is not None or self.checkpoints or self.unfinished
-                    or any(f != "config.yaml" for f in self.files))
+        return bool(
+            self.metrics_last_step is not None
+            or self.checkpoints
+            or self.unfinished
+            or any(f != "config.yaml" for f in self.files)
+        )
 
     def describe(self) -> str:
         parts = []
@@ -229,11 +247,12 @@ def _last_metrics_step(path: str) -> int | None:
 def survey(run_dir: str) -> History:
     run_dir = os.path.abspath(run_dir)
     files = [f for f in HISTORY if os.path.isfile(os.path.join(run_dir, f))]
-    files += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, EARLIER_RECORD.format(step="*"))))
+    files += sorted(
+        os.path.basename(p) for p in glob.glob(os.path.join(run_dir, EARLIER_RECORD.format(step="*")))
+    )
     files += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
     committed, unfinished = checkpoint_lib.list_steps(checkpoint_lib.checkpoint_dir(run_dir))
-    return History(run_dir, files, _last_metrics_step(os.path.join(run_dir, METRICS)),
-                   committed, unfinished)
+    return History(run_dir, files, _last_metrics_step(os.path.join(run_dir, METRICS)), committed, unfinished)
 
 
 # --- Deciding ---------------------------------------------------------------------------------
@@ -259,8 +278,11 @@ def plan(resume: str, history: History, problem) -> Start:
 
     def why(step: int) -> str | None:
         if step not in history.checkpoints:
-            return ("its save never committed (the run stopped while writing it)"
-                    if step in history.unfinished else "there is no such checkpoint")
+            return (
+                "its save never committed (the run stopped while writing it)"
+                if step in history.unfinished
+                else "there is no such checkpoint"
+            )
         return problem(step)
 
     if resume == "auto":
@@ -269,25 +291,37 @@ def plan(resume: str, history: History, problem) -> Start:
             problems[step] = why(step)
             if problems[step] is None:
                 return Start(step, [], [])
-            warnings.warn(f"checkpoint step {step} in {checkpoint_lib.checkpoint_dir(history.run_dir)} "
-                          f"is unusable: {problems[step]}; falling back to the previous one",
-                          checkpoint_lib.CheckpointWarning, stacklevel=2)
-        reasons = ("; ".join(f"step {s}: {p}" for s, p in problems.items()) if problems else
-                   "no checkpoint was written (the earlier run stopped before its first save)")
+            warnings.warn(
+                f"checkpoint step {step} in {checkpoint_lib.checkpoint_dir(history.run_dir)} "
+                f"is unusable: {problems[step]}; falling back to the previous one",
+                checkpoint_lib.CheckpointWarning,
+                stacklevel=2,
+            )
+        reasons = (
+            "; ".join(f"step {s}: {p}" for s, p in problems.items())
+            if problems
+            else "no checkpoint was written (the earlier run stopped before its first save)"
+        )
         raise ConfigError(
             f"train.run_dir={history.run_dir} holds an earlier run ({history.describe()}) but "
             f"nothing to resume from: {reasons}. To start over there, set train.resume=never (the "
             f"earlier run's files are moved into {REPLACED}<time>/ inside it, nothing is deleted), "
-            f"or use another train.run_dir")
+            f"or use another train.run_dir"
+        )
     step = int(resume)
     if (reason := why(step)) is not None:
         usable = [s for s in history.checkpoints if problem(s) is None]
-        raise ConfigError(f"train.resume={step}: that checkpoint cannot be used ({reason}); "
-                          f"complete checkpoints: {usable}")
+        raise ConfigError(
+            f"train.resume={step}: that checkpoint cannot be used ({reason}); complete checkpoints: {usable}"
+        )
     later = sorted(s for s in set(history.checkpoints) | set(history.unfinished) if s > step)
     names = os.listdir(os.path.join(history.run_dir, ckpt)) if later else []
-    moved = [os.path.join(ckpt, name) for s in later for name in names
-             if name == str(s) or name.startswith(f"{s}{checkpoint_lib.TMP_SUFFIX}")]
+    moved = [
+        os.path.join(ckpt, name)
+        for s in later
+        for name in names
+        if name == str(s) or name.startswith(f"{s}{checkpoint_lib.TMP_SUFFIX}")
+    ]
     copied = [METRICS] if later and METRICS in history.files else []
     return Start(step, moved, copied)
 
@@ -329,8 +363,10 @@ def _setting(tree, key: str):
             return _ABSENT
         tree = tree[part]
     if key == "data.sources" and isinstance(tree, list):  # a source's name is only its label
-        return [{"path": _path(s.get("path")), "weight": s.get("weight")} if isinstance(s, dict)
-                else s for s in tree]
+        return [
+            {"path": _path(s.get("path")), "weight": s.get("weight")} if isinstance(s, dict) else s
+            for s in tree
+        ]
     if key in ("data.source", "data.tokenizer"):
         return _path(tree, "stdlib" if key == "data.source" else "byte")
     return tree
@@ -359,6 +395,7 @@ def data_changes(run_dir: str, settings: dict) -> list[tuple[str, object, object
 
 def data_change_error(changes, run_dir: str, step: int) -> ConfigError:
     """The refusal of a resume onto other data: both values of each changed key, what to do."""
+
     def show(value) -> str:
         return repr(value) if isinstance(value, str) else json.dumps(value)
 
@@ -369,7 +406,8 @@ def data_change_error(changes, run_dir: str, step: int) -> ConfigError:
         f"continue; resume with the recorded settings, start a new run (another train.run_dir, "
         f"or train.resume=never), or set data.allow_source_change=true to go on with the new data "
         f"({RECORD} then records it, and the earlier one is kept as "
-        f"{EARLIER_RECORD.format(step=step)})")
+        f"{EARLIER_RECORD.format(step=step)})"
+    )
 
 
 def keep_record(run_dir: str, step: int) -> str:

@@ -44,8 +44,17 @@ def sample_token(logits, key, temperature=1.0, top_k: int | None = None):
 
 
 @partial(nnx.jit, static_argnames=("max_tokens", "greedy", "top_k", "vocab_limit"))
-def _generate_ids(model: Transformer, prompt, temperature, key, *, max_tokens: int, greedy: bool,
-                  top_k: int | None, vocab_limit: int | None):
+def _generate_ids(
+    model: Transformer,
+    prompt,
+    temperature,
+    key,
+    *,
+    max_tokens: int,
+    greedy: bool,
+    top_k: int | None,
+    vocab_limit: int | None,
+):
     """prompt int32 [1, prompt_len] -> int32 [max_tokens]: prefill, then max_tokens - 1 decode
     steps of one token each, all on a cache of prompt_len + max_tokens slots."""
     prompt_len = prompt.shape[1]
@@ -75,13 +84,23 @@ def check_prompt(prompt_len: int, max_seq_len: int) -> None:
     if prompt_len == 0:
         raise ValueError("the prompt is empty; give at least one token")
     if prompt_len >= max_seq_len:
-        raise ValueError(f"the prompt has {prompt_len} tokens, too long for model.max_seq_len="
-                         f"{max_seq_len}; shorten it to at most {max_seq_len - 1} tokens")
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens, too long for model.max_seq_len="
+            f"{max_seq_len}; shorten it to at most {max_seq_len - 1} tokens"
+        )
 
 
-def generate(model: Transformer, prompt_ids, max_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, seed: int = 0, *, vocab_limit: int | None = None,
-             stop_token: int | None = None) -> list[int]:
+def generate(
+    model: Transformer,
+    prompt_ids,
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    *,
+    vocab_limit: int | None = None,
+    stop_token: int | None = None,
+) -> list[int]:
     """The token ids that follow `prompt_ids` (a non-empty sequence of ints), at most `max_tokens`
     of them: fewer when prompt + max_tokens would pass model.max_seq_len, or when `stop_token` is
     generated (it ends the list and is left out).
@@ -100,11 +119,18 @@ def generate(model: Transformer, prompt_ids, max_tokens: int, temperature: float
     max_tokens = min(max_tokens, cfg.max_seq_len - prompt.size)
     if max_tokens <= 0:
         return []
-    ids = _generate_ids(model, jnp.asarray(prompt)[None], jnp.float32(temperature),
-                        jax.random.key(seed), max_tokens=max_tokens, greedy=temperature == 0,
-                        top_k=top_k, vocab_limit=vocab_limit)
+    ids = _generate_ids(
+        model,
+        jnp.asarray(prompt)[None],
+        jnp.float32(temperature),
+        jax.random.key(seed),
+        max_tokens=max_tokens,
+        greedy=temperature == 0,
+        top_k=top_k,
+        vocab_limit=vocab_limit,
+    )
     ids = [int(i) for i in np.asarray(ids)]
-    return ids[:ids.index(stop_token)] if stop_token in ids else ids
+    return ids[: ids.index(stop_token)] if stop_token in ids else ids
 
 
 # --- The command line ------------------------------------------------------------------------
@@ -132,21 +158,26 @@ def load_model(run_dir: str, step: int | None = None):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxpar.sample",
-        description="Generate text from a run's newest intact checkpoint (KV-cache decoding).")
+        description="Generate text from a run's newest intact checkpoint (KV-cache decoding).",
+    )
     parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-tokens", type=int, default=64,
-                        help="tokens to generate (default 64)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 = greedy (default); higher = more random")
-    parser.add_argument("--top-k", type=int, default=None,
-                        help="sample from the k most likely tokens only (default: all)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, help="sample from the k most likely tokens only (default: all)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
-    return cli.run(lambda: _sample_command(args), prefix="error",
-                   failures={ValueError: cli.CONFIG_ERROR, FileNotFoundError: cli.CONFIG_ERROR})
+    return cli.run(
+        lambda: _sample_command(args),
+        prefix="error",
+        failures={ValueError: cli.CONFIG_ERROR, FileNotFoundError: cli.CONFIG_ERROR},
+    )
 
 
 def _sample_command(args) -> int:
@@ -166,10 +197,21 @@ def _sample_command(args) -> int:
     check_prompt(len(prompt_ids), max_seq_len)  # before the slower restore
     _, model, _ = load_model(args.run_dir, args.step)
     if len(prompt_ids) + args.max_tokens > max_seq_len:
-        print(f"note: generating {max_seq_len - len(prompt_ids)} tokens, not {args.max_tokens}:"
-              f" model.max_seq_len={max_seq_len}", file=sys.stderr)
-    ids = generate(model, prompt_ids, args.max_tokens, args.temperature, args.top_k,
-                   args.seed, vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eod_id)
+        print(
+            f"note: generating {max_seq_len - len(prompt_ids)} tokens, not {args.max_tokens}:"
+            f" model.max_seq_len={max_seq_len}",
+            file=sys.stderr,
+        )
+    ids = generate(
+        model,
+        prompt_ids,
+        args.max_tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        vocab_limit=tokenizer.vocab_size,
+        stop_token=tokenizer.eod_id,
+    )
     print(args.prompt + tokenizer.decode(ids))
     return 0
 

@@ -87,8 +87,7 @@ def logical_names(abstract_state: Any) -> Any:
     """The logical-name tuple of every parameter of an (abstract) nnx state, as a plain nested
     dict shaped like `nnx.to_pure_dict(state)`: what `tree_shardings` turns into shardings."""
     specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
-    return jax.tree.map(lambda spec: tuple(spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(lambda spec: tuple(spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def tree_shardings(logical_tree: Any, mesh: Mesh, rules: Rules) -> Any:
@@ -112,8 +111,9 @@ def state_rules(zero_stage: int, sequence_parallel: bool) -> dict[str, Rules]:
     }
 
 
-def zero_state_bytes(psi: float, n: int, stage: int, param_bytes: float = 4,
-                     grad_bytes: float = 4, optimizer_bytes: float = 8) -> dict[str, float]:
+def zero_state_bytes(
+    psi: float, n: int, stage: int, param_bytes: float = 4, grad_bytes: float = 4, optimizer_bytes: float = 8
+) -> dict[str, float]:
     """Model-state bytes per device of psi parameters data-parallel over n = mesh.fsdp devices
     at a ZeRO stage, as `state_rules` places each kind (split over fsdp or whole): the ZeRO
     paper's formula (Rajbhandari et al. 2020). jaxpar's own dtypes are the defaults (float32
@@ -124,9 +124,11 @@ def zero_state_bytes(psi: float, n: int, stage: int, param_bytes: float = 4,
     def per_device(kind: str, nbytes: float) -> float:
         return nbytes * psi / (n if "fsdp" in rules[kind]["embed"] else 1)
 
-    out = {"params": per_device("params", param_bytes),
-           "gradients": per_device("grads", grad_bytes),
-           "optimizer": per_device("opt_state", optimizer_bytes)}
+    out = {
+        "params": per_device("params", param_bytes),
+        "gradients": per_device("grads", grad_bytes),
+        "optimizer": per_device("opt_state", optimizer_bytes),
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -139,7 +141,8 @@ def opt_state_shardings(opt_state_shape: Any, params_logical: Any, mesh: Mesh, r
     """
     by_path = {}
     for path, names in jax.tree_util.tree_flatten_with_path(
-            params_logical, is_leaf=lambda x: isinstance(x, tuple))[0]:
+        params_logical, is_leaf=lambda x: isinstance(x, tuple)
+    )[0]:
         by_path[tuple(str(k) for k in path)] = names
 
     def pick(path, leaf):
@@ -192,8 +195,11 @@ def current_scope() -> tuple[Any, Rules] | None:
 def _free_auto_axes(mesh) -> set[str]:
     """Axes a sharding constraint may name: Auto axes of size > 1 (not Manual inside a
     shard_map, not Explicit, whose arrays carry their sharding in their type)."""
-    return {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-            if kind == AxisType.Auto and mesh.shape[name] > 1}
+    return {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types)
+        if kind == AxisType.Auto and mesh.shape[name] > 1
+    }
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -247,8 +253,13 @@ def row_axes(rules: dict[str, Rules]) -> tuple[str, ...]:
     (`jaxpar.parallel.pipeline`). Default rules: `data`, and `fsdp` below ZeRO-2 (ZeRO-2/3 split
     gradients or weights over it) -- `jaxpar.parallel.schedule.row_axes_for` for a dense model.
     The model may still couple its rows (MoE, float8): the pipeline adapter then uses none."""
-    others = {axis for kind in ("params", "grads", "activations")
-              for name, axes in rules.get(kind, {}).items() if name != "batch" for axis in axes}
+    others = {
+        axis
+        for kind in ("params", "grads", "activations")
+        for name, axes in rules.get(kind, {}).items()
+        if name != "batch"
+        for axis in axes
+    }
     return tuple(a for a in rules["activations"].get("batch", ()) if a not in others)
 
 
@@ -268,8 +279,14 @@ class Layout:
     rules: dict[str, Rules]  # params, grads, opt_state, activations (see `state_rules`)
 
     @classmethod
-    def build(cls, sizes: dict[str, int], *, zero_stage: int, sequence_parallel: bool,
-              devices: Sequence[jax.Device] | None = None) -> Layout:
+    def build(
+        cls,
+        sizes: dict[str, int],
+        *,
+        zero_stage: int,
+        sequence_parallel: bool,
+        devices: Sequence[jax.Device] | None = None,
+    ) -> Layout:
         return cls(make_mesh(sizes, devices), state_rules(zero_stage, sequence_parallel))
 
     @property
@@ -323,8 +340,10 @@ class Layout:
         rules) that `constrain`, ring attention and the MoE all-to-all read. Enter it inside the
         traced function (as `train_step` does), not around a jitted call: Flax's rules are not
         part of jit's cache key, so a cached trace would not see other rules."""
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), \
-                flax_spmd.logical_axis_rules(rule_pairs(self.rules["activations"])):
+        with (
+            jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh),
+            flax_spmd.logical_axis_rules(rule_pairs(self.rules["activations"])),
+        ):
             yield
 
 

@@ -95,10 +95,17 @@ def tokenizer_identity(spec: str, tokenizer=None) -> dict:
     """What names a tokenizer in a manifest: its spec, the SHA-256 of its file (of a fixed string
     for the byte tokenizer), its vocabulary and end-of-document id."""
     tokenizer = tokenizer or make_tokenizer(DataConfig(tokenizer=spec))
-    digest = (hashlib.sha256(b"jaxpar byte tokenizer: utf-8 bytes, end-of-document 256").hexdigest()
-              if spec == "byte" else file_sha256(spec))
-    return {"spec": spec, "sha256": digest, "vocab_size": int(tokenizer.vocab_size),
-            "eod_id": int(tokenizer.eod_id)}
+    digest = (
+        hashlib.sha256(b"jaxpar byte tokenizer: utf-8 bytes, end-of-document 256").hexdigest()
+        if spec == "byte"
+        else file_sha256(spec)
+    )
+    return {
+        "spec": spec,
+        "sha256": digest,
+        "vocab_size": int(tokenizer.vocab_size),
+        "eod_id": int(tokenizer.eod_id),
+    }
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -126,8 +133,9 @@ def _read_json(path: str) -> dict:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is not readable ({e}); prepare the corpus again "
-                          "(python -m jaxpar.data prepare)") from None
+        raise ConfigError(
+            f"{path} is not readable ({e}); prepare the corpus again (python -m jaxpar.data prepare)"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -172,8 +180,10 @@ class _SplitWriter:
 
     def _flush(self) -> None:
         if self._pieces:
-            for ext, array in (("bin", np.concatenate(self._pieces).astype(self.dtype)),
-                               ("idx", np.asarray(self._ends, dtype="<i8"))):
+            for ext, array in (
+                ("bin", np.concatenate(self._pieces).astype(self.dtype)),
+                ("idx", np.asarray(self._ends, dtype="<i8")),
+            ):
                 data = array.tobytes()
                 self.files[ext].write(data)
                 self.hashes[ext].update(data)
@@ -186,8 +196,12 @@ class _SplitWriter:
             os.fsync(f.fileno())
             f.close()
             os.replace(self.tmp[ext], self.paths[ext])
-        return {"name": self.name, "documents": self.documents, "tokens": self.tokens,
-                "sha256": {ext: h.hexdigest() for ext, h in self.hashes.items()}}
+        return {
+            "name": self.name,
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "sha256": {ext: h.hexdigest() for ext, h in self.hashes.items()},
+        }
 
     def abort(self) -> None:
         for ext, f in self.files.items():
@@ -200,8 +214,10 @@ class _SplitWriter:
 def _shard_files(directory: str, record: dict, dtype: str) -> list[tuple[str, int]]:
     """(path, expected size in bytes) of a shard's two files."""
     base = os.path.join(directory, record["name"])
-    return [(base + ".bin", record["tokens"] * np.dtype(dtype).itemsize),
-            (base + ".idx", record["documents"] * 8)]
+    return [
+        (base + ".bin", record["tokens"] * np.dtype(dtype).itemsize),
+        (base + ".idx", record["documents"] * 8),
+    ]
 
 
 def _shard_problem(directory: str, record: dict, dtype: str) -> str | None:
@@ -209,8 +225,10 @@ def _shard_problem(directory: str, record: dict, dtype: str) -> str | None:
         if not os.path.isfile(path):
             return f"{path} is missing"
         if (have := os.path.getsize(path)) != size:
-            return (f"{path} is {have} bytes, but {record['tokens']} tokens and {record['documents']} "
-                    f"documents make {size}: it is truncated or was changed")
+            return (
+                f"{path} is {have} bytes, but {record['tokens']} tokens and {record['documents']} "
+                f"documents make {size}: it is truncated or was changed"
+            )
     return None
 
 
@@ -248,13 +266,16 @@ def _index_problem(scan: _Scan, tokens: int) -> str | None:
             steps = np.diff(ends, prepend=previous)
             if (bad := np.flatnonzero(steps <= 0)).size:
                 k = int(bad[0])
-                problem = (f"{scan.path}: document {at + k} ends at token {int(ends[k])}, not after "
-                           f"the one before (at {int(ends[k] - steps[k])}): the document index does "
-                           "not rise")
+                problem = (
+                    f"{scan.path}: document {at + k} ends at token {int(ends[k])}, not after "
+                    f"the one before (at {int(ends[k] - steps[k])}): the document index does "
+                    "not rise"
+                )
             previous = int(ends[-1])
     if problem is None and previous != tokens:
-        problem = (f"{scan.path}: the last document ends at token {previous}, but the shard holds "
-                   f"{tokens} tokens")
+        problem = (
+            f"{scan.path}: the last document ends at token {previous}, but the shard holds {tokens} tokens"
+        )
     return problem
 
 
@@ -266,17 +287,21 @@ def _tokens_problem(scan: _Scan, ends: np.ndarray, vocab_size: int, eod_id: int)
         if problem is not None:
             continue
         if (over := np.flatnonzero(ids >= vocab_size)).size:
-            problem = (f"{scan.path}: token {at + int(over[0])} is id {int(ids[over[0]])}, beyond the "
-                       f"tokenizer's {vocab_size} ids ({over.size} such tokens in its {len(ids)} "
-                       f"from token {at})")
+            problem = (
+                f"{scan.path}: token {at + int(over[0])} is id {int(ids[over[0]])}, beyond the "
+                f"tokenizer's {vocab_size} ids ({over.size} such tokens in its {len(ids)} "
+                f"from token {at})"
+            )
             continue
         first, last = ends.searchsorted((at + 1, at + len(ids) + 1))  # ends in (at, at + len]
         closing = ends[first:last] - 1 - at
         if (wrong := np.flatnonzero(ids[closing] != eod_id)).size:
             k = int(wrong[0])
-            problem = (f"{scan.path}: token {at + int(closing[k])} closes document {first + k} "
-                       f"(says the .idx) but is id {int(ids[closing[k]])}, not the end-of-document "
-                       f"id {eod_id}")
+            problem = (
+                f"{scan.path}: token {at + int(closing[k])} closes document {first + k} "
+                f"(says the .idx) but is id {int(ids[closing[k]])}, not the end-of-document "
+                f"id {eod_id}"
+            )
     return problem
 
 
@@ -297,8 +322,10 @@ def verify_shard(directory: str, record: dict, dtype: str, tokenizer: dict) -> s
         return problem
     for scan, ext in ((tokens, "bin"), (index, "idx")):
         if (have := scan.digest.hexdigest()) != (want := record["sha256"][ext]):
-            return (f"{scan.path}: its SHA-256 is {have[:16]}..., but {MANIFEST} records "
-                    f"{want[:16]}...: the file changed after it was prepared")
+            return (
+                f"{scan.path}: its SHA-256 is {have[:16]}..., but {MANIFEST} records "
+                f"{want[:16]}...: the file changed after it was prepared"
+            )
     return None
 
 
@@ -322,12 +349,18 @@ def _verified_key(directory: str, record: dict, dtype: str, tokenizer: dict) -> 
     """What a verification of one shard vouches for: the manifest's record of it, the
     tokenizer's ids and the identity of both files as they were read."""
     files = [path for path, _ in _shard_files(directory, record, dtype)]
-    return {"record": record, "dtype": dtype, "vocab_size": tokenizer["vocab_size"],
-            "eod_id": tokenizer["eod_id"], "files": [_file_identity(path) for path in files]}
+    return {
+        "record": record,
+        "dtype": dtype,
+        "vocab_size": tokenizer["vocab_size"],
+        "eod_id": tokenizer["eod_id"],
+        "files": [_file_identity(path) for path in files],
+    }
 
 
-def verify_shards(directory: str, records: list[dict], dtype: str, tokenizer: dict, *,
-                  cached: bool = True, log=None) -> int:
+def verify_shards(
+    directory: str, records: list[dict], dtype: str, tokenizer: dict, *, cached: bool = True, log=None
+) -> int:
     """Verifies the shards `records` of `directory` (`verify_shard`), raising a ConfigError that
     names the file at the first problem. A shard whose files have the identity they had when they
     last passed (recorded under `cache_root()/verified/`) is not read again, unless `cached` is
@@ -361,7 +394,8 @@ def verify_shards(directory: str, records: list[dict], dtype: str, tokenizer: di
         except OSError as e:
             (log or (lambda m: print(m, file=sys.stderr)))(
                 f"warning: cannot record the verified shards in {cache_path} ({e.strerror}); "
-                "they will be hashed again at the next start")
+                "they will be hashed again at the next start"
+            )
     return read
 
 
@@ -379,18 +413,22 @@ def verify(directory: str, log=None) -> str:
         check_tokenizer(directory, manifest, tokenizer)
     else:
         tokenizer = manifest["tokenizer"]
-        log(f"warning: {os.path.join(directory, MANIFEST)} names tokenizer '{spec}', which is not "
-            "there: the token ids are checked against the vocabulary the manifest records")
+        log(
+            f"warning: {os.path.join(directory, MANIFEST)} names tokenizer '{spec}', which is not "
+            "there: the token ids are checked against the vocabulary the manifest records"
+        )
     read = shards = 0
     for split in manifest["splits"].values():
-        read += verify_shards(directory, split["shards"], manifest["dtype"], tokenizer,
-                              cached=False, log=log)
+        read += verify_shards(directory, split["shards"], manifest["dtype"], tokenizer, cached=False, log=log)
         shards += len(split["shards"])
     seconds = time.perf_counter() - clock
-    counts = ", ".join(f"{name} {split['tokens']} tokens in {split['documents']} documents"
-                       for name, split in manifest["splits"].items())
-    return (f"{directory}: {shards} shard(s) verified ({counts}); {read / 2**20:.1f} MiB read in "
-            f"{seconds:.1f} s")
+    counts = ", ".join(
+        f"{name} {split['tokens']} tokens in {split['documents']} documents"
+        for name, split in manifest["splits"].items()
+    )
+    return (
+        f"{directory}: {shards} shard(s) verified ({counts}); {read / 2**20:.1f} MiB read in {seconds:.1f} s"
+    )
 
 
 def check_tokenizer(directory: str, manifest: dict, have: dict) -> None:
@@ -403,17 +441,21 @@ def check_tokenizer(directory: str, manifest: dict, have: dict) -> None:
             f"{path}: the shards were prepared with tokenizer '{want.get('spec')}' (sha256 "
             f"{str(want.get('sha256'))[:12]}), but data.tokenizer='{have['spec']}' is another one "
             f"(sha256 {have['sha256'][:12]}); train with the tokenizer they were made with, or "
-            f"prepare them again with --tokenizer {have['spec']}")
+            f"prepare them again with --tokenizer {have['spec']}"
+        )
     for key in ("vocab_size", "eod_id"):
         if want.get(key) != have[key]:
             raise ConfigError(
                 f"{path}: tokenizer.{key} is {want.get(key)}, but the tokenizer it names "
                 f"('{have['spec']}', the same file) has {have[key]}: the manifest was changed; "
-                f"{AGAIN}")
+                f"{AGAIN}"
+            )
     if manifest.get("dtype") != token_dtype(have["vocab_size"]):
-        raise ConfigError(f"{path}: dtype is {manifest.get('dtype')!r}, but a vocabulary of "
-                          f"{have['vocab_size']} ids is stored as "
-                          f"{token_dtype(have['vocab_size'])!r}: the manifest was changed; {AGAIN}")
+        raise ConfigError(
+            f"{path}: dtype is {manifest.get('dtype')!r}, but a vocabulary of "
+            f"{have['vocab_size']} ids is stored as "
+            f"{token_dtype(have['vocab_size'])!r}: the manifest was changed; {AGAIN}"
+        )
 
 
 def _complete_parts(out: str, plan: dict) -> list[dict]:
@@ -445,13 +487,23 @@ def _is_val(text: str, fraction: float) -> bool:
     if fraction <= 0:
         return False
     h = hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(h, "little") < fraction * 2.0 ** 64
+    return int.from_bytes(h, "little") < fraction * 2.0**64
 
 
-def prepare(sources: list[str], out: str, *, tokenizer: str = "byte", fmt: str = "auto",
-            text_field: str = "text", errors: str = "strict", val_fraction: float = 0.0,
-            max_documents: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-            progress: bool | None = None, log=None) -> dict:
+def prepare(
+    sources: list[str],
+    out: str,
+    *,
+    tokenizer: str = "byte",
+    fmt: str = "auto",
+    text_field: str = "text",
+    errors: str = "strict",
+    val_fraction: float = 0.0,
+    max_documents: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: bool | None = None,
+    log=None,
+) -> dict:
     """Tokenizes `sources` (paths, globs or `stdlib`, read in the order given) into shards in
     `out` (see the module docstring); returns the manifest. Bad input is a ConfigError naming the
     file, raised before anything is written where it can be checked up front."""
@@ -471,10 +523,19 @@ def prepare(sources: list[str], out: str, *, tokenizer: str = "byte", fmt: str =
     identity = tokenizer_identity(tokenizer, tok)
     dtype = token_dtype(identity["vocab_size"])
     plan = {
-        "format": FORMAT, "version": VERSION, "tokenizer": identity, "dtype": dtype,
-        "options": {"sources": list(sources), "format": fmt, "text_field": text_field,
-                    "errors": errors, "val_fraction": val_fraction,
-                    "max_documents": max_documents, "shard_tokens": shard_tokens},
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": identity,
+        "dtype": dtype,
+        "options": {
+            "sources": list(sources),
+            "format": fmt,
+            "text_field": text_field,
+            "errors": errors,
+            "val_fraction": val_fraction,
+            "max_documents": max_documents,
+            "shard_tokens": shard_tokens,
+        },
         "sources": _describe(entries, progress),
     }
     if os.path.exists(out) and not os.path.isdir(out):
@@ -482,30 +543,9 @@ def prepare(sources: list[str], out: str, *, tokenizer: str = "byte", fmt: str =
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     with _locked(out):
-        manifest_path, plan_path = os.path.join(out, MANIFEST), os.path.join(out, PLAN)
-        if os.path.isfile(manifest_path):
-            manifest = _read_json(manifest_path)
-            old = {k: manifest.get(k) for k in plan}
-            if old == plan:
-                for split in manifest["splits"].values():
-                    for record in split["shards"]:
-                        if (problem := _shard_problem(out, record, plan["dtype"])) is not None:
-                            raise ConfigError(f"{problem}; remove {out} and prepare it again")
-                log(f"{out} is up to date ({manifest['splits']['train']['tokens']} training tokens)")
-                return manifest
-            raise ConfigError(f"{manifest_path}: {out} already holds shards prepared from other input "
-                              f"({_different(old, plan)} differ); remove it or give another --out")
-        if os.path.isfile(plan_path):
-            if (old := _read_json(plan_path)) != plan:
-                log(f"{out}: the input changed since the unfinished preparation there "
-                    f"({_different(old, plan)}); starting over")
-                for name in os.listdir(out):
-                    if name != ".lock":
-                        os.unlink(os.path.join(out, name))
-        elif any(not name.startswith(".") for name in os.listdir(out)):
-            raise ConfigError(f"--out={out} holds other files and no jaxpar preparation; give a new or "
-                              "empty directory")
-        _write_json(plan_path, plan)
+        if (manifest := _finished(out, plan, log)) is not None:
+            return manifest
+        _write_json(os.path.join(out, PLAN), plan)
         parts = _complete_parts(out, plan)
         try:
             manifest = _prepare_parts(out, plan, entries, tok, parts, progress, log, clock)
@@ -516,11 +556,49 @@ def prepare(sources: list[str], out: str, *, tokenizer: str = "byte", fmt: str =
                 if created:
                     shutil.rmtree(out, ignore_errors=True)
                 else:
-                    for name in os.listdir(out):
-                        if name != ".lock":
-                            os.unlink(os.path.join(out, name))
+                    _clear(out)
             raise
         return manifest
+
+
+def _finished(out, plan, log) -> dict | None:
+    """The manifest in `out` if it holds this `plan`'s finished, intact shards (a ConfigError if
+    it holds others); None when preparation is to run, with an unfinished preparation of other
+    input cleared first."""
+    manifest_path, plan_path = os.path.join(out, MANIFEST), os.path.join(out, PLAN)
+    if os.path.isfile(manifest_path):
+        manifest = _read_json(manifest_path)
+        old = {k: manifest.get(k) for k in plan}
+        if old == plan:
+            for split in manifest["splits"].values():
+                for record in split["shards"]:
+                    if (problem := _shard_problem(out, record, plan["dtype"])) is not None:
+                        raise ConfigError(f"{problem}; remove {out} and prepare it again")
+            log(f"{out} is up to date ({manifest['splits']['train']['tokens']} training tokens)")
+            return manifest
+        raise ConfigError(
+            f"{manifest_path}: {out} already holds shards prepared from other input "
+            f"({_different(old, plan)} differ); remove it or give another --out"
+        )
+    if os.path.isfile(plan_path):
+        if (old := _read_json(plan_path)) != plan:
+            log(
+                f"{out}: the input changed since the unfinished preparation there "
+                f"({_different(old, plan)}); starting over"
+            )
+            _clear(out)
+    elif any(not name.startswith(".") for name in os.listdir(out)):
+        raise ConfigError(
+            f"--out={out} holds other files and no jaxpar preparation; give a new or empty directory"
+        )
+    return None
+
+
+def _clear(out):
+    """Everything in `out` removed but its lock."""
+    for name in os.listdir(out):
+        if name != ".lock":
+            os.unlink(os.path.join(out, name))
 
 
 def no_space_message(out: str) -> str:
@@ -530,12 +608,20 @@ def no_space_message(out: str) -> str:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     free = shutil.disk_usage(existing).free
-    parts = len([n for n in os.listdir(out) if n.startswith("part-") and n.endswith(".json")]
-                ) if os.path.isdir(out) else 0
-    kept = (f"the {parts} complete shard(s) in {out} are kept" if parts
-            else "no shard was complete, nothing is kept")
-    return (f"no space left on the device of {out}: {free / 2**20:.1f} MiB is free; {kept}; free "
-            "some space and run the same command to resume")
+    parts = (
+        len([n for n in os.listdir(out) if n.startswith("part-") and n.endswith(".json")])
+        if os.path.isdir(out)
+        else 0
+    )
+    kept = (
+        f"the {parts} complete shard(s) in {out} are kept"
+        if parts
+        else "no shard was complete, nothing is kept"
+    )
+    return (
+        f"no space left on the device of {out}: {free / 2**20:.1f} MiB is free; {kept}; free "
+        "some space and run the same command to resume"
+    )
 
 
 def _describe(entries: list[tuple[str, str]], progress: bool | None) -> list[dict]:
@@ -544,17 +630,36 @@ def _describe(entries: list[tuple[str, str]], progress: bool | None) -> list[dic
 
     sizes = [os.path.getsize(path) for path, _ in entries]
     described = []
-    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="hash", file=sys.stderr,
-              disable=None if progress is None else not progress) as bar:
+    with tqdm(
+        total=sum(sizes),
+        unit="B",
+        unit_scale=True,
+        desc="hash",
+        file=sys.stderr,
+        disable=None if progress is None else not progress,
+    ) as bar:
         for (path, kind), size in zip(entries, sizes):
             described.append({"path": path, "kind": kind, "bytes": size, "sha256": file_sha256(path)})
             bar.update(size)
     return described
 
 
-def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict:
+def _progress_bar(total_bytes, done_bytes, progress):
+    """tqdm's bar over the sources' bytes on stderr; `progress` None: only on a terminal."""
     from tqdm import tqdm
 
+    return tqdm(
+        total=total_bytes,
+        initial=done_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=None if progress is None else not progress,
+        file=sys.stderr,
+    )
+
+
+def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict:
     options = plan["options"]
     val_fraction, shard_tokens = options["val_fraction"], options["shard_tokens"]
     max_documents = options["max_documents"]
@@ -565,8 +670,7 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
         log(f"{out}: {len(parts)} shard(s) already complete; resuming at document {total}")
     sizes = [s["bytes"] for s in plan["sources"]]
     before = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    bar = tqdm(total=before[-1], initial=before[start[0]], unit="B", unit_scale=True,
-               desc="prepare", disable=None if progress is None else not progress, file=sys.stderr)
+    bar = _progress_bar(before[-1], before[start[0]], progress)
     new_tokens = 0
     skipped = Skipped()
     raw = [0]
@@ -575,16 +679,14 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
     def chunk():
         if state["chunk"] is None:
             k = len(parts)
-            state["chunk"] = {s: _SplitWriter(out, f"{s}-{k:05d}", plan["dtype"], tok.eod_id)
-                              for s in splits}
+            state["chunk"] = {s: _SplitWriter(out, f"{s}-{k:05d}", plan["dtype"], tok.eod_id) for s in splits}
         return state["chunk"]
 
     def finish():
         k = len(parts)
         closed = {s: w.close() for s, w in state["chunk"].items()}  # failing: aborted below
         state["chunk"] = None
-        part = {"index": k, "end": list(state["end"]), "documents_total": state["total"],
-                "splits": closed}
+        part = {"index": k, "end": list(state["end"]), "documents_total": state["total"], "splits": closed}
         _write_json(os.path.join(out, f"part-{k:05d}.json"), part)
         parts.append(part)
 
@@ -606,8 +708,9 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
     batch, held, full = [], 0, max_documents is not None and total >= max_documents
     try:
         if not full:
-            for item in iter_documents(entries, options["text_field"], options["errors"], skipped,
-                                       start, raw):
+            for item in iter_documents(
+                entries, options["text_field"], options["errors"], skipped, start, raw
+            ):
                 batch.append(item)
                 held += len(item[2])
                 if held >= _BATCH_BYTES or len(batch) >= _BATCH_DOCS:
@@ -633,8 +736,9 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
     return _write_manifest(out, plan, parts, splits, new_tokens, clock, log)
 
 
-def _write_manifest(out: str, plan: dict, parts: list[dict], splits: list[str], new_tokens: int,
-                    clock: float, log) -> dict:
+def _write_manifest(
+    out: str, plan: dict, parts: list[dict], splits: list[str], new_tokens: int, clock: float, log
+) -> dict:
     """The finished preparation's manifest (the plan, and each split's shards from the part
     files), written last; the part files and the plan are removed then, and the preparation
     logged. Refused when the sources held no text."""
@@ -643,23 +747,32 @@ def _write_manifest(out: str, plan: dict, parts: list[dict], splits: list[str], 
     manifest["splits"] = {}
     for s in splits:
         shards = [p["splits"][s] for p in parts]
-        manifest["splits"][s] = {"documents": sum(r["documents"] for r in shards),
-                                 "tokens": sum(r["tokens"] for r in shards), "shards": shards}
+        manifest["splits"][s] = {
+            "documents": sum(r["documents"] for r in shards),
+            "tokens": sum(r["tokens"] for r in shards),
+            "shards": shards,
+        }
     train = manifest["splits"]["train"]
     if train["tokens"] <= train["documents"]:  # nothing but end-of-document tokens
         files = ", ".join(f"{s['path']} ({s['bytes']} bytes)" for s in plan["sources"][:5])
-        raise ConfigError(f"no text to train on in {', '.join(options['sources'])} ({files}"
-                          f"{', ...' if len(plan['sources']) > 5 else ''}): the files are empty, or "
-                          "every document was left out")
+        raise ConfigError(
+            f"no text to train on in {', '.join(options['sources'])} ({files}"
+            f"{', ...' if len(plan['sources']) > 5 else ''}): the files are empty, or "
+            "every document was left out"
+        )
     _write_json(os.path.join(out, MANIFEST), manifest)
     for k in range(len(parts)):
         os.unlink(os.path.join(out, f"part-{k:05d}.json"))
     os.unlink(os.path.join(out, PLAN))
     seconds = time.perf_counter() - clock
-    counts = "; ".join(f"{s}: {manifest['splits'][s]['documents']} documents, "
-                       f"{manifest['splits'][s]['tokens']} tokens" for s in splits)
-    log(f"prepared {out}: {counts}; {len(parts)} shard(s) of {plan['dtype'][1:]}; "
-        f"{new_tokens} tokens in {seconds:.1f} s ({new_tokens / max(seconds, 1e-9):,.0f} tokens/s)")
+    counts = "; ".join(
+        f"{s}: {manifest['splits'][s]['documents']} documents, {manifest['splits'][s]['tokens']} tokens"
+        for s in splits
+    )
+    log(
+        f"prepared {out}: {counts}; {len(parts)} shard(s) of {plan['dtype'][1:]}; "
+        f"{new_tokens} tokens in {seconds:.1f} s ({new_tokens / max(seconds, 1e-9):,.0f} tokens/s)"
+    )
     return manifest
 
 
@@ -672,14 +785,20 @@ def read_manifest(directory: str) -> dict:
         unfinished = os.path.isfile(os.path.join(directory, PLAN))
         raise ConfigError(
             f"data.source='{directory}' has no {MANIFEST}: "
-            + ("its preparation did not finish; run the same `python -m jaxpar.data prepare` "
-               "command again, it resumes" if unfinished else
-               "not a directory of prepared shards (python -m jaxpar.data prepare SOURCES --out DIR "
-               "makes one); for raw files give a glob, e.g. " + os.path.join(directory, "*.txt")))
+            + (
+                "its preparation did not finish; run the same `python -m jaxpar.data prepare` "
+                "command again, it resumes"
+                if unfinished
+                else "not a directory of prepared shards (python -m jaxpar.data prepare SOURCES --out DIR "
+                "makes one); for raw files give a glob, e.g. " + os.path.join(directory, "*.txt")
+            )
+        )
     manifest = _read_json(path)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ConfigError(f"{path} is not a {FORMAT} manifest of version {VERSION}; prepare the "
-                          "corpus again with this jaxpar")
+        raise ConfigError(
+            f"{path} is not a {FORMAT} manifest of version {VERSION}; prepare the "
+            "corpus again with this jaxpar"
+        )
     return manifest
 
 
@@ -699,8 +818,9 @@ def _read_into(fd: int, path: str, out: np.ndarray, lo: int) -> None:
     """Tokens [lo, lo + len(out)) of a shard into `out`: one positioned read (from the page
     cache, once warm)."""
     if os.preadv(fd, [out], lo * out.itemsize) != out.nbytes:
-        raise ConfigError(f"{path} is shorter than when the run opened it: a shard was changed "
-                          "under a running job")
+        raise ConfigError(
+            f"{path} is shorter than when the run opened it: a shard was changed under a running job"
+        )
 
 
 class PreparedSequences:
@@ -716,8 +836,14 @@ class PreparedSequences:
     np.memmap every batch for the same reason). The document index is 8 bytes a document. Pickled
     (for grain's worker processes), it is its arguments: the shards are opened again there."""
 
-    def __init__(self, directory: str, tokenizer: str, seq_len: int,
-                 max_documents: int | None = None, split: str = "train"):
+    def __init__(
+        self,
+        directory: str,
+        tokenizer: str,
+        seq_len: int,
+        max_documents: int | None = None,
+        split: str = "train",
+    ):
         self._args = (directory, tokenizer, seq_len, max_documents, split)
         self.directory, self.seq_len = directory, seq_len
         manifest = read_manifest(directory)
@@ -758,7 +884,8 @@ class PreparedSequences:
         if len(self) == 0:
             raise ConfigError(
                 f"data: the {'corpus' if split == 'train' else split + ' split'} in {directory} has "
-                f"{int(self.starts[-1])} tokens, fewer than one sequence of train.seq_len={seq_len}")
+                f"{int(self.starts[-1])} tokens, fewer than one sequence of train.seq_len={seq_len}"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -795,7 +922,7 @@ class PreparedSequences:
                     if hi > lo:
                         if shard not in fds:
                             fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
-                        _read_into(fds[shard], self.paths[shard], tokens[row, at:at + hi - lo], lo)
+                        _read_into(fds[shard], self.paths[shard], tokens[row, at : at + hi - lo], lo)
                         # A document starts at each end of one inside the piece, and (documents
                         # never cross shards) where a later shard's piece begins.
                         ends = self.ends[shard]
@@ -819,8 +946,10 @@ class PreparedSequences:
         self.__init__(*state["args"])
 
     def __repr__(self) -> str:
-        return (f"PreparedSequences({self.directory!r}, {self.num_documents} documents, "
-                f"{self.num_tokens} tokens, seq_len={self.seq_len})")
+        return (
+            f"PreparedSequences({self.directory!r}, {self.num_documents} documents, "
+            f"{self.num_tokens} tokens, seq_len={self.seq_len})"
+        )
 
 
 # --- The default source, prepared on first use ---------------------------------------------------
@@ -838,10 +967,16 @@ def stdlib_prepared(tokenizer: str, log=None) -> str | None:
     use; None (with a warning) where the cache cannot be written."""
     log = log or (lambda message: print(message, file=sys.stderr))
     files = stdlib_files()
-    key = hashlib.sha256(json.dumps([
-        VERSION, sys.version, tokenizer_identity(tokenizer)["sha256"],
-        [(path, (st := os.stat(path)).st_size, st.st_mtime_ns) for path in files],
-    ]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                VERSION,
+                sys.version,
+                tokenizer_identity(tokenizer)["sha256"],
+                [(path, (st := os.stat(path)).st_size, st.st_mtime_ns) for path in files],
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     out = os.path.join(cache_root(), f"stdlib-{key}")
     if os.path.isfile(os.path.join(out, MANIFEST)):
         return out
@@ -849,7 +984,9 @@ def stdlib_prepared(tokenizer: str, log=None) -> str | None:
     try:
         prepare(["stdlib"], out, tokenizer=tokenizer, log=log)
     except OSError as e:
-        log(f"warning: cannot prepare data.source=stdlib into {out} ({e}); reading it into memory "
-            "(set JAXPAR_CACHE to a writable directory)")
+        log(
+            f"warning: cannot prepare data.source=stdlib into {out} ({e}); reading it into memory "
+            "(set JAXPAR_CACHE to a writable directory)"
+        )
         return None
     return out

@@ -27,5 +27,6 @@ def block_swiglu(x, gate, up, down, *, fp8: bool, dtype):
     def project_out(hidden, w):
         return matmul("bsf,fe->bse", constrain(hidden, ("batch", "seq", "mlp")), w)
 
-    return swiglu(x, gate, up, down, project_in=functools.partial(matmul, "bse,ef->bsf"),
-                  project_out=project_out)
+    return swiglu(
+        x, gate, up, down, project_in=functools.partial(matmul, "bse,ef->bsf"), project_out=project_out
+    )

@@ -58,30 +58,59 @@ class DeviceSpec:
 
 # Every GPU type jaxpar names, by short name: what `--target` compiles for, and with datasheet
 # numbers what `python -m jaxpar.plan --gpus` plans for (DEVICES).
-GPUS = {gpu.key: gpu for gpu in (
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989.4
-    # dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions together); NVIDIA DGX
-    # H100 datasheet: 8 x ConnectX-7 400 Gb/s InfiniBand, one per GPU (50 GB/s). Memory: the
-    # device_memory_size of the CUDA plugin's "NVIDIA H100 80GB HBM3" target description.
-    DeviceSpec("h100", "NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3 (SXM)", 989.4e12,
-               85_520_809_984, 3.35e12, 450e9, 50e9, "9.0"),
-    DeviceSpec("h100-pcie", "NVIDIA H100 PCIe"),
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity, 141 GB
-    # HBM3e at 4.8 TB/s, NVLink 900 GB/s; NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s.
-    DeviceSpec("h200", "NVIDIA H200 141GB HBM3e", "NVIDIA H200 141GB HBM3e (SXM)", 989.4e12,
-               141 * 10**9, 4.8e12, 450e9, 50e9, "9.0"),
-    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, 80 GB HBM2e at
-    # 2,039 GB/s, NVLink 600 GB/s; NVIDIA DGX A100 datasheet: 8 x ConnectX-6 200 Gb/s HDR.
-    DeviceSpec("a100", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB", 312e12, 80 * 10**9,
-               2.039e12, 300e9, 25e9, "8.0"),
-    DeviceSpec("a100-40gb", "NVIDIA A100-SXM4-40GB"),
-    # NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity for 8 GPUs (2.25 PFLOPS
-    # dense each), 1.4 TB HBM3e for 8 (180 GB each) at 8 TB/s each, NVLink 1.8 TB/s per GPU;
-    # NVIDIA DGX B200 datasheet: 8 x ConnectX-7 400 Gb/s.
-    DeviceSpec("b200", "NVIDIA B200", "NVIDIA B200", 2.25e15, 180 * 10**9, 8e12, 900e9, 50e9,
-               "10.0"),
-    DeviceSpec("gb200", "NVIDIA GB200"),
-)}
+GPUS = {
+    gpu.key: gpu
+    for gpu in (
+        # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 1,979 TFLOPS with sparsity (989.4
+        # dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions together); NVIDIA DGX
+        # H100 datasheet: 8 x ConnectX-7 400 Gb/s InfiniBand, one per GPU (50 GB/s). Memory: the
+        # device_memory_size of the CUDA plugin's "NVIDIA H100 80GB HBM3" target description.
+        DeviceSpec(
+            "h100",
+            "NVIDIA H100 80GB HBM3",
+            "NVIDIA H100 80GB HBM3 (SXM)",
+            989.4e12,
+            85_520_809_984,
+            3.35e12,
+            450e9,
+            50e9,
+            "9.0",
+        ),
+        DeviceSpec("h100-pcie", "NVIDIA H100 PCIe"),
+        # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity, 141 GB
+        # HBM3e at 4.8 TB/s, NVLink 900 GB/s; NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s.
+        DeviceSpec(
+            "h200",
+            "NVIDIA H200 141GB HBM3e",
+            "NVIDIA H200 141GB HBM3e (SXM)",
+            989.4e12,
+            141 * 10**9,
+            4.8e12,
+            450e9,
+            50e9,
+            "9.0",
+        ),
+        # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense, 80 GB HBM2e at
+        # 2,039 GB/s, NVLink 600 GB/s; NVIDIA DGX A100 datasheet: 8 x ConnectX-6 200 Gb/s HDR.
+        DeviceSpec(
+            "a100",
+            "NVIDIA A100-SXM4-80GB",
+            "NVIDIA A100-SXM4-80GB",
+            312e12,
+            80 * 10**9,
+            2.039e12,
+            300e9,
+            25e9,
+            "8.0",
+        ),
+        DeviceSpec("a100-40gb", "NVIDIA A100-SXM4-40GB"),
+        # NVIDIA HGX B200 datasheet: FP16/BF16 36 PFLOPS with sparsity for 8 GPUs (2.25 PFLOPS
+        # dense each), 1.4 TB HBM3e for 8 (180 GB each) at 8 TB/s each, NVLink 1.8 TB/s per GPU;
+        # NVIDIA DGX B200 datasheet: 8 x ConnectX-7 400 Gb/s.
+        DeviceSpec("b200", "NVIDIA B200", "NVIDIA B200", 2.25e15, 180 * 10**9, 8e12, 900e9, 50e9, "10.0"),
+        DeviceSpec("gb200", "NVIDIA GB200"),
+    )
+}
 
 # Views of GPUS: short name -> the plugin's description; short name -> the GPUs with datasheet
 # numbers (what the planner plans for).
@@ -113,8 +142,10 @@ def parse_target(text: str) -> tuple[str, int]:
     name, _, count = text.partition(":")
     name = name.strip().lower()
     if name not in TARGETS:
-        raise ConfigError(f"--target {text!r}: unknown GPU type {name!r}; known: {', '.join(TARGETS)} "
-                          "(optionally with :N devices, e.g. h100:8)")
+        raise ConfigError(
+            f"--target {text!r}: unknown GPU type {name!r}; known: {', '.join(TARGETS)} "
+            "(optionally with :N devices, e.g. h100:8)"
+        )
     if count and not (count.isdigit() and int(count) >= 1):
         raise ConfigError(f"--target {text!r}: the device count after ':' must be a positive integer")
     return name, int(count) if count else 1
@@ -137,8 +168,10 @@ def embedded_specs(library: str | None = None) -> dict[str, str]:
 
     Each is a NUL-terminated string constant in the library that contains `gpu_device_info {`."""
     specs = {}
-    with open(library or plugin_library(), "rb") as f, \
-            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+    with (
+        open(library or plugin_library(), "rb") as f,
+        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data,
+    ):
         at = 0
         while (found := data.find(b"gpu_device_info {", at)) >= 0:
             start, end = data.rfind(b"\0", 0, found) + 1, data.find(b"\0", found)
@@ -163,15 +196,20 @@ def resolve(text: str) -> Target:
     spec = specs.get(TARGETS[name])
     if spec is None:
         have = [n for n, d in TARGETS.items() if d in specs]
-        raise ConfigError(f"--target {name}: the installed CUDA plugin has no description of "
-                          f"{TARGETS[name]!r}; it has {', '.join(have) or 'none'}")
+        raise ConfigError(
+            f"--target {name}: the installed CUDA plugin has no description of "
+            f"{TARGETS[name]!r}; it has {', '.join(have) or 'none'}"
+        )
     memory = re.search(r"device_memory_size: (\d+)", spec)
     if memory is None:
-        raise ConfigError(f"--target {name}: the plugin's description of {TARGETS[name]!r} "
-                          "gives no device_memory_size")
+        raise ConfigError(
+            f"--target {name}: the plugin's description of {TARGETS[name]!r} gives no device_memory_size"
+        )
     if count > 8 and count % 8:
-        raise ConfigError(f"--target {text!r}: above 8, GPUs come in hosts of 8; use a multiple "
-                          f"of 8 (e.g. {name}:{count + 8 - count % 8})")
+        raise ConfigError(
+            f"--target {text!r}: above 8, GPUs come in hosts of 8; use a multiple "
+            f"of 8 (e.g. {name}:{count + 8 - count % 8})"
+        )
     return Target(name, TARGETS[name], count, int(memory.group(1)), spec)
 
 

@@ -12,9 +12,11 @@ if __name__ == "__main__":  # a Ctrl-C while the imports below load stops quietl
     import os as _os
     import signal as _signal
 
-    _signal.signal(_signal.SIGINT, lambda *_: (_os.write(2, b"interrupted during start-up\n"),
-                                               _os._exit(130)))
+    _signal.signal(
+        _signal.SIGINT, lambda *_: (_os.write(2, b"interrupted during start-up\n"), _os._exit(130))
+    )
 
+import dataclasses
 import errno
 import functools
 import json
@@ -57,17 +59,22 @@ def _schedule_change(cfg: Config, run_dir: str, start: int) -> str | None:
         saved = config_lib.load_config(os.path.join(run_dir, "config.yaml"))
     except (ConfigError, OSError):
         return None
-    value = lambda c, key: getattr(getattr(c, key.split(".")[0]), key.split(".")[1])  # noqa: E731
-    changed = [f"{key} {value(saved, key)} -> {value(cfg, key)}" for key in SCHEDULE_KEYS
-               if value(saved, key) != value(cfg, key)]
+    value = lambda c, key: getattr(getattr(c, key.split(".")[0]), key.split(".")[1])
+    changed = [
+        f"{key} {value(saved, key)} -> {value(cfg, key)}"
+        for key in SCHEDULE_KEYS
+        if value(saved, key) != value(cfg, key)
+    ]
     if not changed or start >= cfg.train.steps:  # nothing to train: nothing to say
         return None
     before, after = float(lr_schedule(saved)(start)), float(lr_schedule(cfg)(start))
     if f"{before:.2e}" == f"{after:.2e}":
         return None
-    return (f"note: {', '.join(changed)} since the run was saved: the learning-rate schedule is "
-            f"recomputed for the new settings, so update {start + 1} runs at {after:.2e} where the "
-            f"saved schedule had {before:.2e}")
+    return (
+        f"note: {', '.join(changed)} since the run was saved: the learning-rate schedule is "
+        f"recomputed for the new settings, so update {start + 1} runs at {after:.2e} where the "
+        f"saved schedule had {before:.2e}"
+    )
 
 
 # --- The loop -------------------------------------------------------------------------------
@@ -87,8 +94,13 @@ def make_data(cfg: Config):
     # mixture (data.sources) interleaves several prepared directories.
     packed = data_lib.training_source(cfg.data, tokenizer, cfg.train.seq_len)
     return data_lib.batch_dataset(
-        packed, global_batch=cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
-        process_index=jax.process_index(), process_count=jax.process_count())
+        packed,
+        global_batch=cfg.train.batch_size,
+        seed=cfg.train.seed,
+        shuffle=cfg.data.shuffle,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
 
 
 def make_eval_data(cfg: Config):
@@ -99,9 +111,13 @@ def make_eval_data(cfg: Config):
     from jaxpar import data as data_lib
 
     return data_lib.eval_dataset(
-        cfg.data, cfg.train.seq_len, global_batch=cfg.train.batch_size,
-        batches=cfg.train.eval_batches, process_index=jax.process_index(),
-        process_count=jax.process_count())
+        cfg.data,
+        cfg.train.seq_len,
+        global_batch=cfg.train.batch_size,
+        batches=cfg.train.eval_batches,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
 
 
 class Preemption:
@@ -135,8 +151,10 @@ class Preemption:
     def _handle(self, signum, frame):
         if self.requested is not None and signum == signal.SIGINT:
             if self.exit_at_once:
-                _exit_at_once(b"\ninterrupted again: stopped at once, without a checkpoint (the "
-                              b"last complete one, if any, is intact)\n")
+                _exit_at_once(
+                    b"\ninterrupted again: stopped at once, without a checkpoint (the "
+                    b"last complete one, if any, is intact)\n"
+                )
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
 
@@ -145,8 +163,10 @@ class Preemption:
         while chunk := os.read(read_end, 64):  # b"" once __exit__ closes the write end
             interrupts += chunk.count(signal.SIGINT)
             if interrupts >= 2:
-                _exit_at_once(b"\ninterrupted again: stopped at once, without a checkpoint (the "
-                              b"last complete one, if any, is intact)\n")
+                _exit_at_once(
+                    b"\ninterrupted again: stopped at once, without a checkpoint (the "
+                    b"last complete one, if any, is intact)\n"
+                )
             if interrupts == 1 and self.expected_wait_s > self.PROMPT_S:
                 self._answer_long_wait()
         os.close(read_end)
@@ -160,10 +180,14 @@ class Preemption:
             _exit_at_once(
                 f"\nstopped at once: a step takes {wait} here and no step had run since the last "
                 "checkpoint (if any), so nothing was lost; the same command resumes from it, or "
-                "starts over with train.resume=never where there is none\n".encode())
-        os.write(2, f"\nCtrl-C: stopping after the step in flight ({wait} per step) with a "
-                    f"checkpoint of the {self.unsaved_steps} step(s) since the last one; Ctrl-C "
-                    "again stops at once and loses them\n".encode())
+                "starts over with train.resume=never where there is none\n".encode()
+            )
+        os.write(
+            2,
+            f"\nCtrl-C: stopping after the step in flight ({wait} per step) with a "
+            f"checkpoint of the {self.unsaved_steps} step(s) since the last one; Ctrl-C "
+            "again stops at once and loses them\n".encode(),
+        )
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -174,8 +198,9 @@ class Preemption:
                 os.set_blocking(write_end, False)
                 replaced = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
                 self._wakeup = (read_end, write_end, replaced)
-                threading.Thread(target=self._watch, args=(read_end,), daemon=True,
-                                 name="jaxpar-interrupt-watcher").start()
+                threading.Thread(
+                    target=self._watch, args=(read_end,), daemon=True, name="jaxpar-interrupt-watcher"
+                ).start()
         return self
 
     def __exit__(self, *exc):
@@ -230,8 +255,10 @@ class Interrupted(Exception):
     """A signal stopped the run during start-up, before its first step: nothing was trained."""
 
     def __init__(self, signame: str, before_step: int):
-        super().__init__(f"stopped by {signame} during start-up, before step {before_step}: "
-                         f"nothing trained or saved; run the same command to start again")
+        super().__init__(
+            f"stopped by {signame} during start-up, before step {before_step}: "
+            f"nothing trained or saved; run the same command to start again"
+        )
         self.signame = signame
 
 
@@ -338,7 +365,8 @@ def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> 
         raise ConfigError(
             f"the batch of step {step} has a row of {most} documents, more than "
             f"model.max_documents_per_row={limit} (cuDNN attention takes each row's documents as "
-            f"offsets); set model.max_documents_per_row={most} or more, or model.attention=xla")
+            f"offsets); set model.max_documents_per_row={most} or more, or model.attention=xla"
+        )
 
 
 def _keep_metrics_until(run_dir: str, step: int) -> None:
@@ -364,9 +392,11 @@ def _keep_metrics_until(run_dir: str, step: int) -> None:
             if keep:
                 kept.append(line if line.endswith("\n") else line + "\n")
     if garbled:
-        print(f"warning: {path}: dropped {len(garbled)} unreadable line(s) ({', '.join(map(str, garbled[:5]))}"
-              f"{', ...' if len(garbled) > 5 else ''}), e.g. a write cut short by a crash",
-              file=sys.stderr)
+        print(
+            f"warning: {path}: dropped {len(garbled)} unreadable line(s) ({', '.join(map(str, garbled[:5]))}"
+            f"{', ...' if len(garbled) > 5 else ''}), e.g. a write cut short by a crash",
+            file=sys.stderr,
+        )
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(kept)
@@ -387,14 +417,18 @@ def _check_data_position(cfg: Config, saved: dict | None, step: int) -> None:
                 f"train.{key}={now}, but checkpoint step {step} was written with train.{key}="
                 f"{was}: its data position (the first {step} global batches) would no longer name "
                 f"the same data; resume with train.{key}={was}, or start a new run (another "
-                f"train.run_dir, or train.resume=never)")
+                f"train.run_dir, or train.resume=never)"
+            )
     if changes := rundir_lib.data_changes(t.run_dir, config_lib.to_dict(cfg)):
         if not cfg.data.allow_source_change:
             raise rundir_lib.data_change_error(changes, t.run_dir, step)
         kept = rundir_lib.keep_record(t.run_dir, step)
-        print(f"data.allow_source_change: resuming step {step} on other data "
-              f"({', '.join(key for key, _, _ in changes)}); the earlier config.yaml is kept as "
-              f"{kept}", file=sys.stderr)
+        print(
+            f"data.allow_source_change: resuming step {step} on other data "
+            f"({', '.join(key for key, _, _ in changes)}); the earlier config.yaml is kept as "
+            f"{kept}",
+            file=sys.stderr,
+        )
 
 
 def _checkpoint_bytes(ckpt: checkpoint_lib.Checkpointer, state_shape) -> int:
@@ -409,17 +443,23 @@ def _checkpoint_bytes(ckpt: checkpoint_lib.Checkpointer, state_shape) -> int:
 def _disk_full(ckpt, trainer, run_dir: str, at: int | None = None) -> DiskFull:
     """The one-line report of a full disk: where, how much a checkpoint needs, what is intact."""
     if ckpt is None:
-        return DiskFull(f"no space left on the device of {run_dir}; free some space and run the "
-                        f"same command again")
+        return DiskFull(
+            f"no space left on the device of {run_dir}; free some space and run the same command again"
+        )
     needed = _checkpoint_bytes(ckpt, trainer.state_shape)
     free = shutil.disk_usage(ckpt.directory).free
     intact = ckpt.latest_intact_step()
-    kept = (f"the previous checkpoint (step {intact}) is intact" if intact is not None
-            else "no checkpoint was complete yet")
+    kept = (
+        f"the previous checkpoint (step {intact}) is intact"
+        if intact is not None
+        else "no checkpoint was complete yet"
+    )
     what = "a checkpoint" if at is None else f"checkpoint step {at}"
-    return DiskFull(f"no space left on the device of {ckpt.directory}: {what} needs about "
-                    f"{_megabytes(needed)}, {_megabytes(free)} is free; {kept}; free some space "
-                    f"and run the same command to resume")
+    return DiskFull(
+        f"no space left on the device of {ckpt.directory}: {what} needs about "
+        f"{_megabytes(needed)}, {_megabytes(free)} is free; {kept}; free some space "
+        f"and run the same command to resume"
+    )
 
 
 def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = None) -> dict:
@@ -446,14 +486,16 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
         _on_main(lock.acquire, f"train.run_dir={t.run_dir}")
         resume = _on_main(lambda: _resume_step(cfg), f"train.run_dir={t.run_dir}")
         ckpt = checkpoint_lib.Checkpointer(
-            checkpoint_lib.checkpoint_dir(t.run_dir), keep=cfg.checkpoint.keep,
-            every=cfg.checkpoint.every, verified={} if resume is None else {resume: None})
+            checkpoint_lib.checkpoint_dir(t.run_dir),
+            keep=cfg.checkpoint.keep,
+            every=cfg.checkpoint.every,
+            verified={} if resume is None else {resume: None},
+        )
         state, data_state, start = _initial_state(cfg, trainer, ckpt, resume, is_main)
         preemption.check_startup(start + 1)
         if is_main and start < t.steps:  # a run with nothing to do keeps the record it has
             config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
-        summary = _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption,
-                        eval_data)
+        summary = _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption, eval_data)
         finished = True
         return summary
     except Exception as e:
@@ -477,20 +519,34 @@ def _resume_step(cfg: Config) -> int | None:
     opening waits for every process."""
     t = cfg.train
     history = rundir_lib.survey(t.run_dir)
-    start = rundir_lib.plan(t.resume, history, lambda step: checkpoint_lib.manifest_problem(
-        os.path.join(checkpoint_lib.checkpoint_dir(t.run_dir), str(step))))
+    start = rundir_lib.plan(
+        t.resume,
+        history,
+        lambda step: checkpoint_lib.manifest_problem(
+            os.path.join(checkpoint_lib.checkpoint_dir(t.run_dir), str(step))
+        ),
+    )
     if start.step is not None:
-        _check_data_position(cfg, checkpoint_lib.Checkpointer.saved_data_state(
-            checkpoint_lib.checkpoint_dir(t.run_dir), start.step), start.step)
+        _check_data_position(
+            cfg,
+            checkpoint_lib.Checkpointer.saved_data_state(
+                checkpoint_lib.checkpoint_dir(t.run_dir), start.step
+            ),
+            start.step,
+        )
     if (aside := rundir_lib.set_aside(t.run_dir, start)) is not None:
-        what = ("the earlier run's files" if start.step is None else
-                f"the checkpoints after step {start.step} (and a copy of metrics.jsonl)")
+        what = (
+            "the earlier run's files"
+            if start.step is None
+            else f"the checkpoints after step {start.step} (and a copy of metrics.jsonl)"
+        )
         print(f"train.resume={t.resume}: moved {what} into {aside}", file=sys.stderr)
     return start.step
 
 
-def _initial_state(cfg: Config, trainer: Trainer, ckpt, resume: int | None,
-                   is_main: bool) -> tuple[Any, dict | None, int]:
+def _initial_state(
+    cfg: Config, trainer: Trainer, ckpt, resume: int | None, is_main: bool
+) -> tuple[Any, dict | None, int]:
     """(train state, saved data position, first step): checkpoint `resume` restored onto this
     run's shardings (from any mesh); else train.init_from's weights on this mesh with a fresh
     optimizer at step 0; else a fresh init."""
@@ -499,7 +555,8 @@ def _initial_state(cfg: Config, trainer: Trainer, ckpt, resume: int | None,
         raise ConfigError(
             f"train.run_dir={t.run_dir} holds imported weights (python -m jaxpar.convert "
             f"from-hf), not a run to resume; train from them in a new run directory with "
-            f"train.init_from={t.run_dir}")
+            f"train.init_from={t.run_dir}"
+        )
     if resume is not None:
         state, data_state, start = ckpt.restore(trainer.state_shape, trainer.state_shardings, step=resume)
         if is_main:
@@ -609,21 +666,28 @@ def _read_device(metrics, t, step: int, ckpt) -> tuple[float, int]:
     froze on a non-finite value since the last read."""
     loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
     if first_bad:  # the state is frozen since that step
-        what = ("the loss, a gradient or the updated weights' norm" if t.on_nan == "stop"
-                else "the updated weights' norm")
+        what = (
+            "the loss, a gradient or the updated weights' norm"
+            if t.on_nan == "stop"
+            else "the updated weights' norm"
+        )
         raise NonFiniteLoss(
             f"{what} became non-finite at step {first_bad} (train.on_nan={t.on_nan}; seen at step "
             f"{step}, the first read of the device since; no later update reached the weights); "
-            f"the last good checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}")
+            f"the last good checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}"
+        )
     return loss, int(metrics["skipped_steps"])
 
 
-def _record(step: int, loss: float, metrics, step_time: float | None, tokens_per_step: int,
-            flops_tok: float, devices) -> dict:
+def _record(
+    step: int, loss: float, metrics, step_time: float | None, tokens_per_step: int, flops_tok: float, devices
+) -> dict:
     """One metrics.jsonl line: the step's figures (the device's extra metrics included)."""
     tokens_per_sec = tokens_per_step / step_time if step_time else None
     return {
-        "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
+        "step": step,
+        "loss": loss,
+        "tokens_per_sec": tokens_per_sec,
         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
         "step_time_s": step_time,
         "memory_bytes": metrics_lib.device_memory_bytes(jax.local_devices()[0]),
@@ -643,17 +707,35 @@ def _saver(cfg: Config, trainer: Trainer, ckpt, iterator):
         # background thread (the previous checkpoint intact, but pages of tracebacks).
         if shutil.disk_usage(ckpt.directory).free < _checkpoint_bytes(ckpt, trainer.state_shape):
             raise _disk_full(ckpt, trainer, t.run_dir, at)
-        data = {"grain": iterator.get_state(), "process_count": jax.process_count(),
-                "seed": t.seed,  # training draws no random numbers: the seed fixes init and data
-                "batch_size": t.batch_size, "seq_len": t.seq_len}  # what the data position means
+        data = {
+            "grain": iterator.get_state(),
+            "process_count": jax.process_count(),
+            "seed": t.seed,  # training draws no random numbers: the seed fixes init and data
+            "batch_size": t.batch_size,
+            "seq_len": t.seq_len,
+        }  # what the data position means
         ckpt.save(at, state, data, force=force)
         return True
 
     return save
 
 
-def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state, start: int,
-          preemption: Preemption, eval_data=None) -> dict:
+@dataclasses.dataclass
+class _Outcome:
+    """What a run's loop learned, for its summary."""
+
+    step: int
+    first_loss: float | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
+    tokens_seen: dict | None = None
+    stopped_by: str | None = None
+    skipped_steps: int = 0
+
+
+def _loop(
+    cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state, start, preemption, eval_data=None
+) -> dict:
     """Steps from `start` to train.steps: log, evaluate, save, stop on a signal. Returns the
     summary."""
     from jaxpar import data as data_lib
@@ -668,13 +750,12 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
     source_counts = data_lib.source_counter(cfg.data)
     clock, save = _StepClock(), _saver(cfg, trainer, ckpt, iterator)
     profiler = _Profiler(t.profile_steps, t.run_dir)
-    first_loss = loss = eval_loss = tokens_seen = None
-    step, stopped_by, skipped_steps = start, None, 0
+    run = _Outcome(step=start)
     writer = metrics_lib.MetricsWriter(t.run_dir, purge_after=start) if is_main else None
     progress = metrics_lib.Progress(t.steps, initial=start, enabled=is_main and t.progress)
     try:
-        for step in range(start + 1, t.steps + 1):
-            local = next(iterator)
+        for run.step in range(start + 1, t.steps + 1):
+            step, local = run.step, next(iterator)
             profiler.before(step)
             if trainer.cfg.model.attention == "cudnn" and not trainer.layout.ring:
                 _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
@@ -687,7 +768,7 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
             stop = preemption.poll(step, logged or ckpt.should_save(step))
             # The host reads the device only here (logging, saving, stopping), never per step.
             if logged or ckpt.should_save(step) or stop:
-                loss, skipped_steps = _read_device(metrics, t, step, ckpt)
+                run.loss, run.skipped_steps = _read_device(metrics, t, step, ckpt)
             saved, save_s = clock.timed("save_s", save, step, state, step == t.steps or stop is not None)
             if saved:
                 preemption.unsaved_steps = 0
@@ -696,24 +777,27 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
             else:
                 step_time = clock.step_time()  # before evaluating: its time is its own figure
                 preemption.expected_wait_s = step_time or preemption.expected_wait_s
-                record = _record(step, loss, metrics, step_time, t.batch_size * t.seq_len,
-                                 flops_tok, devices)
+                record = _record(
+                    step, run.loss, metrics, step_time, t.batch_size * t.seq_len, flops_tok, devices
+                )
                 if saved:
                     record["checkpoint_time_s"] = save_s
                 if evaluated:
-                    eval_loss, record["eval_time_s"] = clock.timed(
-                        "eval_s", _evaluate, trainer, state["params"], eval_data)
-                    record["eval_loss"] = eval_loss
+                    run.eval_loss, record["eval_time_s"] = clock.timed(
+                        "eval_s", _evaluate, trainer, state["params"], eval_data
+                    )
+                    record["eval_loss"] = run.eval_loss
                 if source_counts is not None:
-                    tokens_seen = {name: count * t.seq_len
-                                   for name, count in source_counts(step * t.batch_size).items()}
-                    record["tokens_seen"] = tokens_seen
-                first_loss = loss if first_loss is None else first_loss
+                    seen = source_counts(step * t.batch_size)
+                    record["tokens_seen"] = run.tokens_seen = {
+                        name: n * t.seq_len for name, n in seen.items()
+                    }
+                run.first_loss = run.loss if run.first_loss is None else run.first_loss
                 if writer is not None:
                     writer.write(record)
                 progress.update(step, record)
             if stop:
-                stopped_by = stop
+                run.stopped_by = stop
                 break
     finally:
         clock.ended = time.perf_counter()  # the plot and the last flush are not training time
@@ -722,45 +806,58 @@ def _loop(cfg: Config, sizes, trainer: Trainer, ckpt, dataset, state, data_state
         progress.close()
         if writer is not None:
             writer.close()
-    return _summary(cfg, clock, step, start, devices, sizes, flops_tok, first_loss, loss,
-                    stopped_by, skipped_steps, eval_loss, tokens_seen)
+    return _summary(cfg, clock, run, start, devices, sizes, flops_tok)
 
 
-def _summary(cfg: Config, clock: _StepClock, step: int, start: int, devices, sizes, flops_tok,
-             first_loss, last_loss, stopped_by, skipped_steps, eval_loss, tokens_seen) -> dict:
+def _summary(cfg: Config, clock: _StepClock, run: _Outcome, start: int, devices, sizes, flops_tok) -> dict:
     t = cfg.train
     total_s = clock.ended - clock.started
-    run_steps = step - start - 1
+    run_steps = run.step - start - 1
     run_s = total_s - (clock.compile_s or 0.0) - clock.eval_s - clock.save_s
     tokens_per_sec = t.batch_size * t.seq_len * run_steps / run_s if run_steps > 0 else None
     return {
-        "steps": step, "start_step": start, "first_loss": first_loss, "final_loss": last_loss,
-        "seconds": total_s, "compile_seconds": clock.compile_s or 0.0, "tokens_per_sec": tokens_per_sec,
+        "steps": run.step,
+        "start_step": start,
+        "first_loss": run.first_loss,
+        "final_loss": run.loss,
+        "seconds": total_s,
+        "compile_seconds": clock.compile_s or 0.0,
+        "tokens_per_sec": tokens_per_sec,
         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
-        "devices": len(devices), "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
-        "run_dir": t.run_dir, "stopped_by": stopped_by, "skipped_steps": skipped_steps,
-        "eval_loss": eval_loss, "eval_seconds": clock.eval_s, "checkpoint_seconds": clock.save_s,
-        "tokens_seen": tokens_seen,
+        "devices": len(devices),
+        "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
+        "run_dir": t.run_dir,
+        "stopped_by": run.stopped_by,
+        "skipped_steps": run.skipped_steps,
+        "eval_loss": run.eval_loss,
+        "eval_seconds": clock.eval_s,
+        "checkpoint_seconds": clock.save_s,
+        "tokens_seen": run.tokens_seen,
     }
 
 
 def format_summary(s: dict) -> str:
     mesh = " ".join(f"{a}={n}" for a, n in s["mesh"].items())
     if s["stopped_by"]:
-        return (f"stopped by {s['stopped_by']} after step {s['steps']}: checkpoint written to "
-                f"{checkpoint_lib.checkpoint_dir(s['run_dir'])}; run the same command to resume")
+        return (
+            f"stopped by {s['stopped_by']} after step {s['steps']}: checkpoint written to "
+            f"{checkpoint_lib.checkpoint_dir(s['run_dir'])}; run the same command to resume"
+        )
     if s["first_loss"] is None:
         return f"nothing to do: {s['run_dir']} is already at step {s['steps']} (train.steps)"
     rate = metrics_lib.format_rate(s["tokens_per_sec"], s["mfu"])
     data = "" if s.get("eval_loss") is None else f" | eval loss {s['eval_loss']:.3f}"
     if seen := s.get("tokens_seen"):
         total = max(sum(seen.values()), 1)
-        data += " | tokens seen: " + ", ".join(f"{name} {n:,} ({100 * n / total:.0f}%)"
-                                               for name, n in seen.items())
-    return (f"done: {s['steps']} steps in {s['seconds']:.1f} s (compile {s['compile_seconds']:.1f} s)"
-            f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}{data} | {rate}"
-            f" | {s['devices']} devices ({mesh}) | {s['run_dir']}"
-            + (f" | {s['skipped_steps']} non-finite steps skipped" if s.get("skipped_steps") else ""))
+        data += " | tokens seen: " + ", ".join(
+            f"{name} {n:,} ({100 * n / total:.0f}%)" for name, n in seen.items()
+        )
+    return (
+        f"done: {s['steps']} steps in {s['seconds']:.1f} s (compile {s['compile_seconds']:.1f} s)"
+        f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}{data} | {rate}"
+        f" | {s['devices']} devices ({mesh}) | {s['run_dir']}"
+        + (f" | {s['skipped_steps']} non-finite steps skipped" if s.get("skipped_steps") else "")
+    )
 
 
 USAGE = """usage: python -m jaxpar.train [CONFIG.yaml] [dotted.key=value ...]
@@ -800,8 +897,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = functools.partial(_quiet_closed_loop, sys.unraisablehook)
     with Preemption(exit_at_once=True) as preemption:
         try:
-            return cli.run(lambda: _run(argv, preemption),
-                           failures={host_lib.DoesNotFit: 3, NonFiniteLoss: 1, DiskFull: 1})
+            return cli.run(
+                lambda: _run(argv, preemption),
+                failures={host_lib.DoesNotFit: 3, NonFiniteLoss: 1, DiskFull: 1},
+            )
         except Interrupted as e:
             print(e, file=sys.stderr)
             return 128 + signal.Signals[e.signame].value

@@ -68,19 +68,25 @@ class Trainer:
 
     def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays split over (data, fsdp, expert)."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, local_batch[k])
-                for k in BATCH_KEYS}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, local_batch[k]) for k in BATCH_KEYS
+        }
 
     def batch_shape(self) -> dict[str, jax.ShapeDtypeStruct]:
         t = self.cfg.train
         dtypes = {"loss_mask": jnp.float32}
-        return {k: jax.ShapeDtypeStruct((t.batch_size, t.seq_len), dtypes.get(k, jnp.int32),
-                                        sharding=self.batch_sharding) for k in BATCH_KEYS}
+        return {
+            k: jax.ShapeDtypeStruct(
+                (t.batch_size, t.seq_len), dtypes.get(k, jnp.int32), sharding=self.batch_sharding
+            )
+            for k in BATCH_KEYS
+        }
 
 
 def _new_model(cfg: Config, context_layout: str | None) -> Transformer:
-    return Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat,
-                       context_layout=context_layout)
+    return Transformer(
+        cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat, context_layout=context_layout
+    )
 
 
 def resolve_attention(cfg: Config, layout: sharding_lib.Layout, device) -> Config:
@@ -117,23 +123,34 @@ def summed_grads_fn(cfg: Config, layout: sharding_lib.Layout, abstract_model) ->
     parallel.microbatches microbatches (`objective_lib.pipelined_grads`), the same objective."""
     p = cfg.parallel
     if layout.pipelined:
-        schedule = schedule_lib.build_schedule(p.pipeline_schedule, layout.stages, p.microbatches,
-                                               p.virtual_stages)
+        schedule = schedule_lib.build_schedule(
+            p.pipeline_schedule, layout.stages, p.microbatches, p.virtual_stages
+        )
         rows = cfg.train.batch_size // (p.grad_accum * p.microbatches)  # one pipeline microbatch
         microstep = functools.partial(
-            objective_lib.pipelined_grads, abstract_model, schedule=schedule, mesh=layout.mesh,
-            axis_name=layout.pipe_axis, loss_chunks=loss_chunks(cfg, layout.sizes, rows=rows),
+            objective_lib.pipelined_grads,
+            abstract_model,
+            schedule=schedule,
+            mesh=layout.mesh,
+            axis_name=layout.pipe_axis,
+            loss_chunks=loss_chunks(cfg, layout.sizes, rows=rows),
             # Axes over which parameters and gradients are whole: the pipeline splits rows over
             # them itself and sums once per pass.
-            row_axes=layout.row_axes)
+            row_axes=layout.row_axes,
+        )
     else:
-        microstep = jax.grad(functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
-                                               chunks=loss_chunks(cfg, layout.sizes)), has_aux=True)
+        microstep = jax.grad(
+            functools.partial(
+                objective_lib.objective, nnx.graphdef(abstract_model), chunks=loss_chunks(cfg, layout.sizes)
+            ),
+            has_aux=True,
+        )
     return functools.partial(accumulate, microstep, microsteps=p.grad_accum)
 
 
-def summed_nll_fn(cfg: Config, layout: sharding_lib.Layout, abstract_model,
-                  summed_grads: Callable) -> Callable:
+def summed_nll_fn(
+    cfg: Config, layout: sharding_lib.Layout, abstract_model, summed_grads: Callable
+) -> Callable:
     """(params, batch) -> {"nll": summed NLL, "count": tokens} of the batch, computed as the
     step computes them (the same microsteps of the same rows), without a gradient."""
     if layout.pipelined:
@@ -143,8 +160,9 @@ def summed_nll_fn(cfg: Config, layout: sharding_lib.Layout, abstract_model,
         # configs/tiny.yaml at mesh.pipe=2 (jax 0.12.0.1) the schedule's backward branch is
         # empty and the program holds 19 dot ops, the train step 40.
         return lambda params, batch: summed_grads(params, batch)[1]
-    objective = functools.partial(objective_lib.objective, nnx.graphdef(abstract_model),
-                                  chunks=loss_chunks(cfg, layout.sizes))
+    objective = functools.partial(
+        objective_lib.objective, nnx.graphdef(abstract_model), chunks=loss_chunks(cfg, layout.sizes)
+    )
 
     def nll_and_count(params, batch):
         aux = objective(params, batch)[1]
@@ -160,8 +178,9 @@ def to_ring_layout(batch: dict, layout: sharding_lib.Layout, context_layout: str
     tokens; the batch as it is where the layout has no ring."""
     if not layout.ring:
         return batch
-    return {k: permute_to_layout(x, context=layout.ring_size, layout=context_layout)
-            for k, x in batch.items()}
+    return {
+        k: permute_to_layout(x, context=layout.ring_size, layout=context_layout) for k, x in batch.items()
+    }
 
 
 def guard_non_finite(state: dict, updated: dict, metrics: dict, on_nan: str) -> tuple[dict, dict]:
@@ -179,14 +198,21 @@ def guard_non_finite(state: dict, updated: dict, metrics: dict, on_nan: str) -> 
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
     step = state["step"] + 1
     apply = finite & (state["first_bad_step"] == 0)
-    kept = jax.tree.map(lambda new, old: jnp.where(apply, new, old), updated,
-                        {"params": state["params"], "opt_state": state["opt_state"]})
+    kept = jax.tree.map(
+        lambda new, old: jnp.where(apply, new, old),
+        updated,
+        {"params": state["params"], "opt_state": state["opt_state"]},
+    )
     weights_finite = jnp.isfinite(optax.tree.norm(kept["params"]))
     bad = ~weights_finite | (~finite if on_nan == "stop" else False)
     first_bad = jnp.where((state["first_bad_step"] == 0) & bad, step, state["first_bad_step"])
     skipped = state["skipped_steps"] + (~finite).astype(jnp.int32)
-    metrics = {**metrics, "skipped": 1.0 - finite.astype(jnp.float32), "skipped_steps": skipped,
-               "first_bad_step": first_bad}
+    metrics = {
+        **metrics,
+        "skipped": 1.0 - finite.astype(jnp.float32),
+        "skipped_steps": skipped,
+        "first_bad_step": first_bad,
+    }
     return {**kept, "step": step, "skipped_steps": skipped, "first_bad_step": first_bad}, metrics
 
 
@@ -217,17 +243,21 @@ def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, 
     grads = jax.lax.with_sharding_constraint(grads, parts.grad_shardings)
     updates, opt_state = parts.optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": aux["nll"] / count, "grad_norm": optax.tree.norm(grads),
-               # optax's count of updates
-               "lr": lr_schedule(cfg)(state["step"] - state["skipped_steps"]),
-               "tokens": count}
+    metrics = {
+        "loss": aux["nll"] / count,
+        "grad_norm": optax.tree.norm(grads),
+        # optax's count of updates
+        "lr": lr_schedule(cfg)(state["step"] - state["skipped_steps"]),
+        "tokens": count,
+    }
     if "expert_load" in aux:
         accum = cfg.parallel.grad_accum
         metrics.update({k: aux[k] / accum for k in objective_lib.MOE_MEANS})
         metrics["expert_load_min"] = jnp.min(aux["expert_load"])
         metrics["expert_load_max"] = jnp.max(aux["expert_load"])
-    new_state, metrics = guard_non_finite(state, {"params": params, "opt_state": opt_state},
-                                          metrics, cfg.train.on_nan)
+    new_state, metrics = guard_non_finite(
+        state, {"params": params, "opt_state": opt_state}, metrics, cfg.train.on_nan
+    )
     return new_state, metrics, grads
 
 
@@ -246,8 +276,12 @@ def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
     It keeps taking `(cfg, sizes)`: the command lines, tests and notebooks call it so; past
     here the trainer asks the Layout."""
     p = cfg.parallel
-    return trainer_for(cfg, sharding_lib.Layout.build(
-        sizes, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, devices=devices))
+    return trainer_for(
+        cfg,
+        sharding_lib.Layout.build(
+            sizes, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel, devices=devices
+        ),
+    )
 
 
 def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
@@ -269,41 +303,62 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
     param_shape = nnx.to_pure_dict(abstract_state)
     shardings = {kind: layout.shardings(logical, kind) for kind in ("params", "grads")}
     opt_shape = jax.eval_shape(optimizer.init, param_shape)
-    opt_shardings = sharding_lib.opt_state_shardings(opt_shape, logical, mesh,
-                                                     layout.rules["opt_state"])
+    opt_shardings = sharding_lib.opt_state_shardings(opt_shape, logical, mesh, layout.rules["opt_state"])
     replicated = NamedSharding(mesh, PartitionSpec())
     counters = ("step", "skipped_steps", "first_bad_step")
-    state_shardings = {"params": shardings["params"], "opt_state": opt_shardings,
-                       **{k: replicated for k in counters}}
-    state_shape = {"params": param_shape, "opt_state": opt_shape,
-                   **{k: jax.ShapeDtypeStruct((), jnp.int32) for k in counters}}
+    state_shardings = {
+        "params": shardings["params"],
+        "opt_state": opt_shardings,
+        **{k: replicated for k in counters},
+    }
+    state_shape = {
+        "params": param_shape,
+        "opt_state": opt_shape,
+        **{k: jax.ShapeDtypeStruct((), jnp.int32) for k in counters},
+    }
 
     def init():
         params = nnx.to_pure_dict(nnx.state(_new_model(cfg, context_layout)))
-        return {"params": params, "opt_state": optimizer.init(params),
-                **{k: jnp.zeros((), jnp.int32) for k in counters}}
+        return {
+            "params": params,
+            "opt_state": optimizer.init(params),
+            **{k: jnp.zeros((), jnp.int32) for k in counters},
+        }
 
     summed_grads = summed_grads_fn(cfg, layout, abstract_model)
-    parts = StepParts(cfg, layout, optimizer, shardings["grads"], summed_grads,
-                      summed_nll_fn(cfg, layout, abstract_model, summed_grads))
+    summed_nll = summed_nll_fn(cfg, layout, abstract_model, summed_grads)
+    parts = StepParts(cfg, layout, optimizer, shardings["grads"], summed_grads, summed_nll)
 
     def step(state, batch):
         return train_step(parts, state, batch)[:2]
 
     batch_sharding = layout.batch_sharding()
     return Trainer(
-        cfg=cfg, layout=layout, graphdef=graphdef,
-        state_shape=state_shape, state_shardings=state_shardings,
-        grad_shardings=shardings["grads"], batch_sharding=batch_sharding,
+        cfg=cfg,
+        layout=layout,
+        graphdef=graphdef,
+        state_shape=state_shape,
+        state_shardings=state_shardings,
+        grad_shardings=shardings["grads"],
+        batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
-        step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
-                     out_shardings=(state_shardings, replicated), donate_argnums=0),
+        step=jax.jit(
+            step,
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=0,
+        ),
         step_with_grads=jax.jit(
-            functools.partial(train_step, parts), in_shardings=(state_shardings, batch_sharding),
-            out_shardings=(state_shardings, replicated, shardings["grads"]), donate_argnums=0),
-        evaluate=jax.jit(functools.partial(eval_step, parts),
-                         in_shardings=(shardings["params"], batch_sharding),
-                         out_shardings=(replicated, replicated)),
+            functools.partial(train_step, parts),
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated, shardings["grads"]),
+            donate_argnums=0,
+        ),
+        evaluate=jax.jit(
+            functools.partial(eval_step, parts),
+            in_shardings=(shardings["params"], batch_sharding),
+            out_shardings=(replicated, replicated),
+        ),
     )
 
 

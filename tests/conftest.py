@@ -27,7 +27,8 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SESSION_CACHE]
 # (orbax's slicing of replicated arrays for saving, initialisation, the step), 10 s of compiling;
 # a second run with all of them cached took 7.6 s in all instead of 13.5 s (minimum 0.5 s).
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get(
-    "JAXPAR_TESTS_CACHE_MIN_COMPILE_SECS", "0")
+    "JAXPAR_TESTS_CACHE_MIN_COMPILE_SECS", "0"
+)
 # A size limit turns on jax's file lock around cache reads and writes: the session's processes
 # share the directory, and an unlocked reader could see an entry half written (a warning and a
 # recompile). Far above what one session writes, so nothing is evicted.
@@ -49,8 +50,7 @@ os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
 # presets; only empty per-fusion annotations are missing) in half the time. The CPU programs do
 # not read it.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_backend_optimization_level=0 --xla_gpu_autotune_level=0"
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_gpu_autotune_level=0"
 ).strip()
 
 import jax  # noqa: E402
@@ -70,16 +70,43 @@ jax.config.update("jax_enable_x64", False)
 # on a 2-core machine that other jobs loaded; before the -O0 flag above). Rough is fine: only
 # the order matters.
 FILE_SECONDS = {
-    "test_multiprocess.py": 135, "test_resume.py": 125, "test_notebooks.py": 110,
-    "test_train.py": 100, "test_faults.py": 100, "test_pipeline_training.py": 115,
-    "test_pipeline_grid.py": 85, "test_pipeline.py": 75, "test_layouts.py": 60,
-    "test_ring_attention.py": 60, "test_ragged_moe.py": 60, "test_moe_training.py": 58, "test_any_mesh.py": 55,
-    "test_gpu_program.py": 50, "test_convert.py": 50, "test_fp8.py": 45, "test_experts.py": 45, "test_sample.py": 45,
-    "test_gpu_memory.py": 40, "test_plan.py": 40, "test_bench.py": 38, "test_memory.py": 30,
-    "test_prepare.py": 25, "test_checkpoint.py": 22, "test_eval.py": 20, "test_loss.py": 15,
-    "test_model.py": 13, "test_attention.py": 11, "test_config.py": 9, "test_seam.py": 5,
-    "test_data.py": 5, "test_mixture.py": 2, "test_first_run.py": 50, "test_entry_points.py": 45,
-    "test_integrity.py": 30, "test_export_tokenizer.py": 20, "test_hlo.py": 20,
+    "test_multiprocess.py": 135,
+    "test_resume.py": 125,
+    "test_notebooks.py": 110,
+    "test_train.py": 100,
+    "test_faults.py": 100,
+    "test_pipeline_training.py": 115,
+    "test_pipeline_grid.py": 85,
+    "test_pipeline.py": 75,
+    "test_layouts.py": 60,
+    "test_ring_attention.py": 60,
+    "test_ragged_moe.py": 60,
+    "test_moe_training.py": 58,
+    "test_any_mesh.py": 55,
+    "test_gpu_program.py": 50,
+    "test_convert.py": 50,
+    "test_fp8.py": 45,
+    "test_experts.py": 45,
+    "test_sample.py": 45,
+    "test_gpu_memory.py": 40,
+    "test_plan.py": 40,
+    "test_bench.py": 38,
+    "test_memory.py": 30,
+    "test_prepare.py": 25,
+    "test_checkpoint.py": 22,
+    "test_eval.py": 20,
+    "test_loss.py": 15,
+    "test_model.py": 13,
+    "test_attention.py": 11,
+    "test_config.py": 9,
+    "test_seam.py": 5,
+    "test_data.py": 5,
+    "test_mixture.py": 2,
+    "test_first_run.py": 50,
+    "test_entry_points.py": 45,
+    "test_integrity.py": 30,
+    "test_export_tokenizer.py": 20,
+    "test_hlo.py": 20,
     "test_house.py": 1,
 }
 

@@ -34,34 +34,79 @@ BATCH, SEQ = 2, 24
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64)
 PROMPT = [int(t) for t in TOKENS[0, :6]]
 NEW_TOKENS = 20
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5,
-              initializer_range=0.3)  # large weights: peaked logits, greedy choices far from ties
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    initializer_range=0.3,
+)  # large weights: peaked logits, greedy choices far from ties
 
 # name -> (transformers config class, its settings, saved dtype, eos token, max shard size)
 VARIANTS = {
     # Llama 3.2 style: GQA, tied head, non-default theta, llama3 rope scaling whose band edges
     # (original_max_len 32 / 4 and / 1) fall inside the head's wavelengths; saved in bfloat16.
-    "llama3-tied-scaled": ("LlamaConfig", dict(
-        num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=dict(
-            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-            high_freq_factor=4.0, original_max_position_embeddings=32)), "bfloat16",
-        "<|endoftext|>", None),
+    "llama3-tied-scaled": (
+        "LlamaConfig",
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+        "bfloat16",
+        "<|endoftext|>",
+        None,
+    ),
     # Llama 2 / TinyLlama style: untied head, GQA, default theta, "</s>" ends documents (named
     # by tokenizer_config.json), sharded safetensors with an index; float32.
-    "llama2-gqa-sharded": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False),
-                           "float32", "</s>", 60_000),
+    "llama2-gqa-sharded": (
+        "LlamaConfig",
+        dict(num_key_value_heads=2, tie_word_embeddings=False),
+        "float32",
+        "</s>",
+        60_000,
+    ),
     # Mistral: multi-head (kv heads = heads), theta 1e6, no sliding window; float16.
-    "mistral": ("MistralConfig", dict(num_key_value_heads=4, sliding_window=None,
-                                      rope_parameters=dict(rope_type="default", rope_theta=1e6),
-                                      tie_word_embeddings=False), "float16", "<|endoftext|>", None),
+    "mistral": (
+        "MistralConfig",
+        dict(
+            num_key_value_heads=4,
+            sliding_window=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+            tie_word_embeddings=False,
+        ),
+        "float16",
+        "<|endoftext|>",
+        None,
+    ),
     # Qwen2: q/k/v biases, tied head, GQA, theta 1e6; float32.
-    "qwen2-bias-tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True,
-                                            rope_parameters=dict(rope_type="default", rope_theta=1e6)),
-                        "float32", "<|endoftext|>", None),
+    "qwen2-bias-tied": (
+        "Qwen2Config",
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
+        "float32",
+        "<|endoftext|>",
+        None,
+    ),
 }
-MODELS = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
-          "Qwen2Config": "Qwen2ForCausalLM"}
+MODELS = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "MistralConfig": "MistralForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+}
 
 
 def make_tokenizer(eos: str):
@@ -71,8 +116,12 @@ def make_tokenizer(eos: str):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[eos], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=[eos],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     text = ["the quick brown fox jumps over the lazy dog", "def main():\n    return 0\n"] * 50
     tok.train_from_iterator(text, trainer)
     assert tok.get_vocab_size() <= VOCAB
@@ -95,8 +144,7 @@ def build(out: str) -> None:
                 elif pname.endswith(".bias"):
                     p.copy_(0.3 * torch.randn_like(p))
         where = os.path.join(out, name)
-        model.to(getattr(torch, dtype)).save_pretrained(
-            where, **({"max_shard_size": shard} if shard else {}))
+        model.to(getattr(torch, dtype)).save_pretrained(where, **({"max_shard_size": shard} if shard else {}))
         make_tokenizer(eos).save(os.path.join(where, "tokenizer.json"))
         if eos != "<|endoftext|>":
             with open(os.path.join(where, "tokenizer_config.json"), "w") as f:
@@ -105,15 +153,21 @@ def build(out: str) -> None:
         model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
         with torch.no_grad():
             results[f"{name}/logits"] = model(torch.tensor(TOKENS)).logits.float().numpy()
-            gen = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            gen = model.generate(
+                torch.tensor([PROMPT]),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
         scores = torch.stack(gen.scores)[:, 0].float()
         top2 = scores.topk(2, dim=-1).values
-        results[f"{name}/greedy"] = gen.sequences[0, len(PROMPT):].numpy()
+        results[f"{name}/greedy"] = gen.sequences[0, len(PROMPT) :].numpy()
         results[f"{name}/margin"] = np.float32((top2[:, 0] - top2[:, 1]).min())
-    np.savez(os.path.join(out, "reference.npz"), tokens=TOKENS, prompt=np.array(PROMPT),
-             **results)
+    np.savez(os.path.join(out, "reference.npz"), tokens=TOKENS, prompt=np.array(PROMPT), **results)
 
 
 def logits(out: str, pairs: list[str]) -> None:
@@ -161,5 +215,8 @@ def tokenizer(where: str, cases_path: str, out: str) -> None:
 
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
-    {"build": lambda: build(args[0]), "logits": lambda: logits(args[0], args[1:]),
-     "tokenizer": lambda: tokenizer(*args)}[command]()
+    {
+        "build": lambda: build(args[0]),
+        "logits": lambda: logits(args[0], args[1:]),
+        "tokenizer": lambda: tokenizer(*args),
+    }[command]()

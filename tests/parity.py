@@ -31,8 +31,13 @@ STEPS = 3
 RTOL = 1e-5  # float32: the layouts only reorder sums
 # Plain SGD at a constant rate: the loss moves visibly in STEPS steps, and a gradient error of any
 # scale shows in the losses too (Adam's update is nearly scale-free; clipping rescales everything).
-SGD = ["optimizer.name=sgd", "optimizer.clip_norm=0", "optimizer.warmup_steps=0",
-       "optimizer.lr=1.0", "optimizer.min_lr_ratio=1.0"]
+SGD = [
+    "optimizer.name=sgd",
+    "optimizer.clip_norm=0",
+    "optimizer.warmup_steps=0",
+    "optimizer.lr=1.0",
+    "optimizer.min_lr_ratio=1.0",
+]
 
 
 def tiny_config(overrides: list[str] = ()) -> config_lib.Config:
@@ -67,10 +72,13 @@ def random_batches(cfg, steps: int = STEPS, seed: int = 0):
     for _ in range(steps):
         tokens = rng.choice(257, size=(batch, seq + 1), p=weights / weights.sum()).astype(np.int32)
         cut = rng.integers(1, seq, batch)[:, None]
-        yield {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-               "positions": np.where(index < cut, index, index - cut).astype(np.int32),
-               "segment_ids": np.where(index < cut, 1, 2).astype(np.int32),
-               "loss_mask": np.where(index == cut - 1, 0.0, 1.0).astype(np.float32)}
+        yield {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "positions": np.where(index < cut, index, index - cut).astype(np.int32),
+            "segment_ids": np.where(index < cut, 1, 2).astype(np.int32),
+            "loss_mask": np.where(index == cut - 1, 0.0, 1.0).astype(np.float32),
+        }
 
 
 def run_steps(trainer, compiled, batches) -> list[dict[str, float]]:
@@ -113,8 +121,7 @@ def run_parity(trainer, compiled, batches, init=None) -> Run:
 
 def _leaves(tree) -> dict[str, np.ndarray]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(leaf)
-            for path, leaf in flat}
+    return {jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(leaf) for path, leaf in flat}
 
 
 def relative_errors(got, want) -> dict[str, float]:
@@ -139,8 +146,10 @@ def assert_grads_match(got, want, rtol: float = RTOL) -> None:
     """Per leaf, ||got - want|| / ||want|| <= rtol; the message names every leaf that is off."""
     errors = relative_errors(got, want)
     bad = {name: e for name, e in errors.items() if not e <= rtol}
-    assert not bad, (f"{len(bad)} of {len(errors)} gradient leaves differ by more than {rtol:g} "
-                     "(relative): " + ", ".join(f"{n}: {e:.3g}" for n, e in sorted(bad.items())))
+    assert not bad, (
+        f"{len(bad)} of {len(errors)} gradient leaves differ by more than {rtol:g} "
+        "(relative): " + ", ".join(f"{n}: {e:.3g}" for n, e in sorted(bad.items()))
+    )
 
 
 def assert_parity(got: Run, want: Run, rtol: float = RTOL) -> None:
@@ -151,5 +160,9 @@ def assert_parity(got: Run, want: Run, rtol: float = RTOL) -> None:
     assert want.losses[-1] < want.losses[0] - 0.05, f"the reference loss barely moves: {want.losses}"
     assert_grads_match(got.grads, want.grads, rtol)
     for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in want.history],
-                                   rtol=rtol, err_msg=f"{key} per step")
+        np.testing.assert_allclose(
+            [h[key] for h in got.history],
+            [h[key] for h in want.history],
+            rtol=rtol,
+            err_msg=f"{key} per step",
+        )

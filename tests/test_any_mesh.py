@@ -55,9 +55,11 @@ def make_mesh(name, axis_type):
 
 def put(mesh, x, *spec):
     """x on `mesh` with `spec`, mesh axes the mesh lacks dropped from it."""
+
     def keep(dim):
         names = tuple(a for a in ((dim,) if isinstance(dim, str) else dim or ()) if a in mesh.shape)
         return names or None
+
     return jax.device_put(x, NamedSharding(mesh, P(*map(keep, spec))))
 
 
@@ -82,8 +84,7 @@ def assert_close(got, want, tolerance=TOLERANCE):
 def assert_explicit_layout(got, like):
     """On Explicit axes every gradient carries its primal's sharding."""
     for g, x in zip(got, like):
-        assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec, (jax.typeof(g),
-                                                                           jax.typeof(x))
+        assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec, (jax.typeof(g), jax.typeof(x))
 
 
 # ----------------------------------------------------------------------------- ring attention
@@ -95,7 +96,7 @@ BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 2, 16, 4, 2, 8
 def attention_problem():
     """q, k, v, segment_ids (three packed documents), a cotangent; float32."""
     rng = np.random.default_rng(0)
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     q, cotangent = normal(BATCH, SEQ, HEADS, HEAD_DIM), normal(BATCH, SEQ, HEADS, HEAD_DIM)
     k, v = normal(BATCH, SEQ, KV_HEADS, HEAD_DIM), normal(BATCH, SEQ, KV_HEADS, HEAD_DIM)
     segment_ids = jnp.asarray(np.sort(rng.integers(0, 3, size=(BATCH, SEQ)), axis=1), jnp.int32)
@@ -104,9 +105,11 @@ def attention_problem():
 
 def attention_grads(attention, q, k, v, segment_ids, cotangent):
     """(out, dq, dk, dv) of sum(attention(q, k, v, segment_ids) * cotangent)."""
+
     def loss(q, k, v):
         out = attention(q, k, v, segment_ids)
         return jnp.sum(out * cotangent), out
+
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
     return out, *grads
 
@@ -116,23 +119,27 @@ def attention_reference(packed):
     q, k, v, segment_ids, cotangent = attention_problem()
 
     def attention(q, k, v, segment_ids):
-        mask = None if segment_ids is None else (
-            segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        mask = (
+            None if segment_ids is None else (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+        )
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
     return jax.jit(attention_grads, static_argnums=0)(
-        attention, q, k, v, segment_ids if packed else None, cotangent)
+        attention, q, k, v, segment_ids if packed else None, cotangent
+    )
 
 
 def permuted_entry_point(q, k, v, segment_ids, *, layout, **options):
     """ring_attention_permuted between permute_to_layout and permute_from_layout."""
     mesh = options["mesh"] if "mesh" in options else jax.sharding.get_abstract_mesh()
-    to_layout, from_layout = (functools.partial(permute, context=mesh.shape["context"],
-                                                layout=layout)
-                              for permute in (permute_to_layout, permute_from_layout))
+    to_layout, from_layout = (
+        functools.partial(permute, context=mesh.shape["context"], layout=layout)
+        for permute in (permute_to_layout, permute_from_layout)
+    )
     segment_ids = None if segment_ids is None else to_layout(segment_ids)
-    out = ring_attention_permuted(*map(to_layout, (q, k, v)), segment_ids=segment_ids,
-                                  layout=layout, **options)
+    out = ring_attention_permuted(
+        *map(to_layout, (q, k, v)), segment_ids=segment_ids, layout=layout, **options
+    )
     return from_layout(out)
 
 
@@ -150,10 +157,8 @@ RING_CASES = [
 SET_MESH_MESSAGE = "Please enter your `jit` into a mesh context via `jax.set_mesh`"
 
 
-@pytest.mark.parametrize("mesh_name,axis_type,spec,jit,from_context,layout,packed,entry",
-                         RING_CASES)
-def test_ring_attention_on_any_mesh(mesh_name, axis_type, spec, jit, from_context, layout,
-                                    packed, entry):
+@pytest.mark.parametrize("mesh_name,axis_type,spec,jit,from_context,layout,packed,entry", RING_CASES)
+def test_ring_attention_on_any_mesh(mesh_name, axis_type, spec, jit, from_context, layout, packed, entry):
     mesh = make_mesh(mesh_name, axis_type)
     q, k, v, segment_ids, cotangent = attention_problem()
     if spec is not None:
@@ -161,16 +166,14 @@ def test_ring_attention_on_any_mesh(mesh_name, axis_type, spec, jit, from_contex
         segment_ids = put(mesh, segment_ids, *spec[:2])
     options = dict(layout=layout) if from_context else dict(layout=layout, mesh=mesh)
     attention = {"ring": ring_attention, "permuted": permuted_entry_point}[entry]
-    fn = functools.partial(attention_grads,
-                           lambda q, k, v, s: attention(q, k, v, segment_ids=s, **options))
+    fn = functools.partial(attention_grads, lambda q, k, v, s: attention(q, k, v, segment_ids=s, **options))
     args = (q, k, v, segment_ids if packed else None, cotangent)
     if axis_type == EXPLICIT and not jit and not from_context:
         # JAX's rule for any explicitly sharded result (see the next test), not ring
         # attention's: outside jit, jax.grad needs jax.set_mesh.
         with pytest.raises(ValueError, match=SET_MESH_MESSAGE):
             fn(*args)
-    got = call(fn, args, mesh=mesh, jit=jit,
-               set_mesh=from_context or (axis_type == EXPLICIT and not jit))
+    got = call(fn, args, mesh=mesh, jit=jit, set_mesh=from_context or (axis_type == EXPLICIT and not jit))
     assert_close(got, attention_reference(packed))
     if axis_type == EXPLICIT and spec is not None:
         assert_explicit_layout(got[1:], (q, k, v))
@@ -204,8 +207,11 @@ def test_permute_layouts_keep_any_sharding(axis_type):
         permuted = permute_to_layout(x, context=4, layout="zigzag")
         return permuted, permute_from_layout(permuted, context=4, layout="zigzag")
 
-    for spec, jit in [(("data",), False), (("data", "context"), True),
-                      ((None, ("context", "tensor")), False)]:
+    for spec, jit in [
+        (("data",), False),
+        (("data", "context"), True),
+        ((None, ("context", "tensor")), False),
+    ]:
         placed = put(mesh, x, *spec)
         permuted, back = call(round_trip, (placed,), mesh=mesh, jit=jit, set_mesh=False)
         np.testing.assert_array_equal(permuted, x[:, order])
@@ -222,12 +228,14 @@ TOKENS_BATCH, TOKENS_SEQ, EMBED, MLP, EXPERTS = 8, 4, 8, 16, 4
 @functools.cache
 def moe_problem():
     rng = np.random.default_rng(1)
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     x = normal(TOKENS_BATCH, TOKENS_SEQ, EMBED)
-    params = {"router": 0.5 * normal(EMBED, EXPERTS),
-              "gate": normal(EXPERTS, EMBED, MLP) / np.sqrt(EMBED),
-              "up": normal(EXPERTS, EMBED, MLP) / np.sqrt(EMBED),
-              "down": normal(EXPERTS, MLP, EMBED) / np.sqrt(MLP)}
+    params = {
+        "router": 0.5 * normal(EMBED, EXPERTS),
+        "gate": normal(EXPERTS, EMBED, MLP) / np.sqrt(EMBED),
+        "up": normal(EXPERTS, EMBED, MLP) / np.sqrt(EMBED),
+        "down": normal(EXPERTS, MLP, EMBED) / np.sqrt(MLP),
+    }
     return x, params, normal(*x.shape)
 
 
@@ -239,25 +247,27 @@ def dense_moe(x, params, top_k):
     top_probs, top_index = jax.lax.top_k(probs, top_k)
     weights = top_probs / top_probs.sum(-1, keepdims=True) if top_k > 1 else top_probs
     weight = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(top_index, EXPERTS))  # [T, E]
-    hidden = (jax.nn.silu(jnp.einsum("td,edm->tem", tokens, params["gate"]))
-              * jnp.einsum("td,edm->tem", tokens, params["up"]))
+    hidden = jax.nn.silu(jnp.einsum("td,edm->tem", tokens, params["gate"])) * jnp.einsum(
+        "td,edm->tem", tokens, params["up"]
+    )
     y = jnp.einsum("te,tem,emd->td", weight, hidden, params["down"])
     return y.reshape(x.shape)
 
 
 def moe_grads(layer, x, params, cotangent):
     """(y, dx, dparams) of sum(layer(x, params) * cotangent): no aux or z loss."""
+
     def loss(x, params):
         y = layer(x, params)
         return jnp.sum(y * cotangent), y
+
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
     return y, grads
 
 
 @functools.cache
 def moe_reference(top_k):
-    return jax.jit(moe_grads, static_argnums=0)(
-        functools.partial(dense_moe, top_k=top_k), *moe_problem())
+    return jax.jit(moe_grads, static_argnums=0)(functools.partial(dense_moe, top_k=top_k), *moe_problem())
 
 
 # mesh, axis type, inputs sharded (tokens over data/expert/context, experts over expert, mlp over
@@ -277,18 +287,25 @@ def test_moe_mlp_on_any_mesh(mesh_name, axis_type, sharded, jit, from_context):
     x, params, cotangent = moe_problem()
     if sharded:
         x = put(mesh, x, ("data", "expert"), "context")
-        params = {"router": params["router"],
-                  "gate": put(mesh, params["gate"], "expert", None, "tensor"),
-                  "up": put(mesh, params["up"], "expert", None, "tensor"),
-                  "down": put(mesh, params["down"], "expert", "tensor")}
+        params = {
+            "router": params["router"],
+            "gate": put(mesh, params["gate"], "expert", None, "tensor"),
+            "up": put(mesh, params["up"], "expert", None, "tensor"),
+            "down": put(mesh, params["down"], "expert", "tensor"),
+        }
     options = {} if from_context else {"mesh": mesh}
-    layer = lambda x, p: moe_mlp(x, p, top_k=2, **options)[0]  # noqa: E731
+    layer = lambda x, p: moe_mlp(x, p, top_k=2, **options)[0]
     fn = functools.partial(moe_grads, layer)
     if axis_type == EXPLICIT and not jit and not from_context:  # JAX's rule, as for the ring
         with pytest.raises(ValueError, match=SET_MESH_MESSAGE):
             fn(x, params, cotangent)
-    got = call(fn, (x, params, cotangent), mesh=mesh, jit=jit,
-               set_mesh=from_context or (axis_type == EXPLICIT and not jit))
+    got = call(
+        fn,
+        (x, params, cotangent),
+        mesh=mesh,
+        jit=jit,
+        set_mesh=from_context or (axis_type == EXPLICIT and not jit),
+    )
     assert_close(got, moe_reference(top_k=2))
     if axis_type == EXPLICIT:  # y laid out like x, and dx too where x was on the mesh
         assert_explicit_layout([got[0], got[1][0]] if sharded else [got[0]], [x, x])
@@ -296,7 +313,7 @@ def test_moe_mlp_on_any_mesh(mesh_name, axis_type, sharded, jit, from_context):
 
 def test_moe_mlp_without_a_mesh_runs_on_one_device():
     x, params, cotangent = moe_problem()
-    layer = lambda x, p: moe_mlp(x, p, top_k=2)[0]  # noqa: E731
+    layer = lambda x, p: moe_mlp(x, p, top_k=2)[0]
     assert_close(moe_grads(layer, x, params, cotangent), moe_reference(top_k=2))
 
 
@@ -311,7 +328,7 @@ def test_top1_router_gets_the_output_gradient():
     np.testing.assert_allclose(routing.expert_weight[:, 0], probs.max(-1), rtol=1e-6)
 
     mesh = make_mesh("data2-expert4", AUTO)
-    layer = lambda x, p: moe_mlp(x, p, mesh=mesh, top_k=1)[0]  # noqa: E731
+    layer = lambda x, p: moe_mlp(x, p, mesh=mesh, top_k=1)[0]
     got = jax.jit(moe_grads, static_argnums=0)(layer, x, params, cotangent)
     want = moe_reference(top_k=1)
     router_grad = np.asarray(got[1][1]["router"])
@@ -336,16 +353,20 @@ def toy_head(head_params, h, targets):
 def pipeline_problem():
     """Layers, head, x, y as numpy arrays (laid out with numpy: no eager JAX op to compile)."""
     rng = np.random.default_rng(2)
-    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
-    return (normal(LAYERS, WIDTH, WIDTH) / np.sqrt(WIDTH), normal(WIDTH, 2),
-            normal(MICROBATCHES * ROWS, WIDTH), normal(MICROBATCHES * ROWS, 2))
+    normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    return (
+        normal(LAYERS, WIDTH, WIDTH) / np.sqrt(WIDTH),
+        normal(WIDTH, 2),
+        normal(MICROBATCHES * ROWS, WIDTH),
+        normal(MICROBATCHES * ROWS, 2),
+    )
 
 
 @functools.cache
 def pipeline_reference():
     """The unpipelined loss and gradients, laid out like the pipeline's outputs."""
     layers, head, x, y = pipeline_problem()
-    plain = lambda layers, head, x: toy_head(head, toy_stage(layers, x), y)  # noqa: E731
+    plain = lambda layers, head, x: toy_head(head, toy_stage(layers, x), y)
     loss, grads = jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(layers, head, x)
     d_layers, d_head, dx = map(np.asarray, grads)
     return loss, (stack_stages(d_layers, STAGES), d_head, split_microbatches(dx, MICROBATCHES))
@@ -364,13 +385,26 @@ PIPELINE_CASES = [
 def test_pipeline_value_and_grad_on_any_mesh(mesh_name, axis_type, sharded, jit, set_mesh):
     mesh = make_mesh(mesh_name, axis_type)
     layers, head, x, y = pipeline_problem()
-    args = (stack_stages(layers, STAGES), head, split_microbatches(x, MICROBATCHES),
-            split_microbatches(y, MICROBATCHES))
+    args = (
+        stack_stages(layers, STAGES),
+        head,
+        split_microbatches(x, MICROBATCHES),
+        split_microbatches(y, MICROBATCHES),
+    )
     if sharded:
-        args = (put(mesh, args[0], "pipe"), head, put(mesh, args[2], None, "data"),
-                put(mesh, args[3], None, "data"))
-    run = functools.partial(pipeline_value_and_grad, toy_stage, toy_head,
-                            schedule=build_schedule("1f1b", STAGES, MICROBATCHES), mesh=mesh)
+        args = (
+            put(mesh, args[0], "pipe"),
+            head,
+            put(mesh, args[2], None, "data"),
+            put(mesh, args[3], None, "data"),
+        )
+    run = functools.partial(
+        pipeline_value_and_grad,
+        toy_stage,
+        toy_head,
+        schedule=build_schedule("1f1b", STAGES, MICROBATCHES),
+        mesh=mesh,
+    )
     got = call(run, args, mesh=mesh, jit=jit, set_mesh=set_mesh)
     assert_close(got, pipeline_reference())
     if axis_type == EXPLICIT and sharded:  # input gradients laid out like the inputs

@@ -62,7 +62,7 @@ def mask_from_offsets(offsets, lengths, seq):
     for b in range(offsets.shape[0]):
         for j in range(lengths.shape[1]):
             if lengths[b, j] >= 0:
-                doc[b, offsets[b, j]: offsets[b, j] + lengths[b, j]] = j
+                doc[b, offsets[b, j] : offsets[b, j] + lengths[b, j]] = j
     assert (doc >= 0).all(), "a token is in no described document"
     same = doc[:, :, None] == doc[:, None, :]
     return (same & (pos[None, None, :] <= pos[None, :, None]))[:, None]
@@ -86,12 +86,15 @@ def reference_attention(q, k, v, segment_ids):
 # --- Segment offsets ------------------------------------------------------------------------
 
 
-EDGE_ROWS = np.array([
-    [1] * 16,  # one document
-    list(range(1, 17)),  # sixteen documents of one token: the most a row can hold
-    [1] + [2] * 14 + [3],  # one-token documents at both ends
-    [7] * 5 + [3] * 5 + [9] * 6,  # ids need not start at 1 or increase
-], np.int32)
+EDGE_ROWS = np.array(
+    [
+        [1] * 16,  # one document
+        list(range(1, 17)),  # sixteen documents of one token: the most a row can hold
+        [1] + [2] * 14 + [3],  # one-token documents at both ends
+        [7] * 5 + [3] * 5 + [9] * 6,  # ids need not start at 1 or increase
+    ],
+    np.int32,
+)
 
 
 @pytest.mark.parametrize("max_segments", [16, 5, 1])
@@ -113,8 +116,13 @@ def test_offsets_rebuild_the_dense_mask_exactly():
     in either would move a token into a neighbouring document."""
     rng = np.random.default_rng(1)
     seq = 64
-    ids = np.concatenate([random_segment_ids(rng, 30, seq, 12),
-                          np.ones((1, seq), np.int32), np.arange(seq, dtype=np.int32)[None]])
+    ids = np.concatenate(
+        [
+            random_segment_ids(rng, 30, seq, 12),
+            np.ones((1, seq), np.int32),
+            np.arange(seq, dtype=np.int32)[None],
+        ]
+    )
     offsets, lengths = segment_offsets(jnp.asarray(ids), seq)
     rebuilt = mask_from_offsets(np.asarray(offsets), np.asarray(lengths), seq)
     np.testing.assert_array_equal(rebuilt, np.asarray(attention_mask(jnp.asarray(ids))))
@@ -135,8 +143,9 @@ def test_rows_with_too_many_documents_are_poisoned():
 def test_xla_path_matches_reference(packed):
     rng = np.random.default_rng(2)
     b, t, n, kv, h = 3, 32, 4, 2, 16
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in
-               [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)])
+    q, k, v = (
+        rng.standard_normal(s).astype(np.float32) for s in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
+    )
     ids = random_segment_ids(rng, b, t, 6) if packed else None
     out = jax.jit(lambda q, k, v, s: attend(q, k, v, s, implementation="xla"))(q, k, v, ids)
     np.testing.assert_allclose(out, reference_attention(q, k, v, ids), atol=1e-5, rtol=1e-5)
@@ -162,6 +171,7 @@ def test_packed_cudnn_refuses_offsets_past_int32():
 
 # --- The cuDNN path, compiled for H100s ------------------------------------------------------
 
+
 def _h100_devices(count):
     """`count` compile-only H100 devices (jaxpar.targets), or a skip without the CUDA plugin."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
@@ -179,12 +189,15 @@ def _compile_grad(mesh, shapes, specs, segmented, max_segments):
 
     def loss(q, k, v, ids):
         with layout.scope():
-            out = attend(q, k, v, ids if segmented else None, implementation="cudnn",
-                         max_segments=max_segments)
+            out = attend(
+                q, k, v, ids if segmented else None, implementation="cudnn", max_segments=max_segments
+            )
         return out.astype(jnp.float32).sum()
 
-    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p))
-            for s, d, p in zip(shapes, [jnp.bfloat16] * 3 + [jnp.int32], specs)]
+    args = [
+        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p))
+        for s, d, p in zip(shapes, [jnp.bfloat16] * 3 + [jnp.int32], specs)
+    ]
     with assume_compute_capability("9.0"):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)
     return lowered.compile().as_text()
@@ -218,8 +231,14 @@ def test_packed_cudnn_compiles_to_flash_attention_without_a_mask():
     assert set(calls) == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}
     # q, k, v (GQA: k, v keep their K heads), lengths [B, M] twice, offsets [B, M+1] twice
     assert calls["__cudnn$fmhaSoftmax"] == [
-        f"bf16[{B},{T},{N},{H}]", f"bf16[{B},{T},{K},{H}]", f"bf16[{B},{T},{K},{H}]",
-        f"s32[{B},{M}]", f"s32[{B},{M}]", f"s32[{B},{M + 1}]", f"s32[{B},{M + 1}]"]
+        f"bf16[{B},{T},{N},{H}]",
+        f"bf16[{B},{T},{K},{H}]",
+        f"bf16[{B},{T},{K},{H}]",
+        f"s32[{B},{M}]",
+        f"s32[{B},{M}]",
+        f"s32[{B},{M + 1}]",
+        f"s32[{B},{M + 1}]",
+    ]
     # ... plus the softmax statistics [B*M, N, T], the output and its cotangent
     assert calls["__cudnn$fmhaSoftmaxBackward"][3] == f"f32[{B * M},{N},{T}]"
     assert calls["__cudnn$fmhaSoftmaxBackward"][-4:] == calls["__cudnn$fmhaSoftmax"][-4:]
@@ -238,8 +257,9 @@ def test_one_document_per_row_is_plain_causal_cudnn():
     assert _no_square_buffers(hlo, T)
 
 
-@pytest.mark.parametrize("ids_spec", [PartitionSpec("data", None), PartitionSpec()],
-                         ids=["ids-batch-split", "ids-replicated"])
+@pytest.mark.parametrize(
+    "ids_spec", [PartitionSpec("data", None), PartitionSpec()], ids=["ids-batch-split", "ids-replicated"]
+)
 def test_packed_cudnn_partitions_over_batch_and_heads(ids_spec):
     """4 H100s as data=2 x tensor=2: every device runs the call on its own rows and heads, with
     the offsets of its own rows -- even when the segment ids arrive replicated -- and nothing is
@@ -252,9 +272,14 @@ def test_packed_cudnn_partitions_over_batch_and_heads(ids_spec):
     calls = dict(_custom_calls(hlo))
     local = batch // 2
     assert calls["__cudnn$fmhaSoftmax"] == [
-        f"bf16[{local},{T},{N // 2},{H}]", f"bf16[{local},{T},{K // 2},{H}]",
-        f"bf16[{local},{T},{K // 2},{H}]", f"s32[{local},{M}]", f"s32[{local},{M}]",
-        f"s32[{local},{M + 1}]", f"s32[{local},{M + 1}]"]
+        f"bf16[{local},{T},{N // 2},{H}]",
+        f"bf16[{local},{T},{K // 2},{H}]",
+        f"bf16[{local},{T},{K // 2},{H}]",
+        f"s32[{local},{M}]",
+        f"s32[{local},{M}]",
+        f"s32[{local},{M + 1}]",
+        f"s32[{local},{M + 1}]",
+    ]
     assert calls["__cudnn$fmhaSoftmaxBackward"][-4:] == calls["__cudnn$fmhaSoftmax"][-4:]
     assert not re.search(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute)", hlo)
     assert _no_square_buffers(hlo, T)
@@ -278,25 +303,35 @@ def test_cudnn_matches_xla_on_a_gpu(packed):
     gpu = _gpus()[0]
     rng = np.random.default_rng(3)
     b, t, n, kv, h, m = 4, 256, 8, 2, 64, 8
-    q, k, v, cot = (jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.bfloat16), gpu)
-                    for s in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h), (b, t, n, h)])
-    ids = np.concatenate([random_segment_ids(rng, b - 2, t, m), np.ones((1, t), np.int32),
-                          np.repeat(np.arange(m, dtype=np.int32), t // m)[None]])
+    q, k, v, cot = (
+        jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.bfloat16), gpu)
+        for s in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h), (b, t, n, h)]
+    )
+    ids = np.concatenate(
+        [
+            random_segment_ids(rng, b - 2, t, m),
+            np.ones((1, t), np.int32),
+            np.repeat(np.arange(m, dtype=np.int32), t // m)[None],
+        ]
+    )
     ids = jax.device_put(ids, gpu) if packed else None
 
     def run(impl):
         def loss(q, k, v):
             out = attend(q, k, v, ids, implementation=impl, max_segments=m)
             return (out.astype(jnp.float32) * cot.astype(jnp.float32)).sum(), out
+
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return [np.asarray(a, np.float32) for a in (out, *grads)]
 
     for got, want in zip(run("cudnn"), run("xla")):
         np.testing.assert_allclose(got, want, atol=5e-2, rtol=5e-2)
     if packed:  # one document more than described: that row is NaN, the others are not
-        over = np.concatenate([np.asarray(ids)[:-1], np.arange(m + 1, dtype=np.int32).repeat(
-            -(-t // (m + 1)))[None, :t]])
-        out = jax.jit(lambda q, k, v, s: attend(q, k, v, s, implementation="cudnn",
-                                                max_segments=m))(q, k, v, jax.device_put(over, gpu))
+        over = np.concatenate(
+            [np.asarray(ids)[:-1], np.arange(m + 1, dtype=np.int32).repeat(-(-t // (m + 1)))[None, :t]]
+        )
+        out = jax.jit(lambda q, k, v, s: attend(q, k, v, s, implementation="cudnn", max_segments=m))(
+            q, k, v, jax.device_put(over, gpu)
+        )
         out = np.asarray(out, np.float32)
         assert np.isnan(out[-1]).all() and np.isfinite(out[:-1]).all()

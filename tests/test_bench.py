@@ -14,8 +14,15 @@ from jaxpar import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # configs/tiny.yaml in bfloat16 (the default dtype), 4 rows, data parallel over 2 CPU devices.
-TINY = [os.path.join(ROOT, "configs", "tiny.yaml"), "model.dtype=bfloat16", "train.batch_size=4",
-        "runtime.cpu_devices=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
+TINY = [
+    os.path.join(ROOT, "configs", "tiny.yaml"),
+    "model.dtype=bfloat16",
+    "train.batch_size=4",
+    "runtime.cpu_devices=2",
+    "mesh.data=2",
+    "mesh.fsdp=1",
+    "mesh.tensor=1",
+]
 
 # As on the GPU machine, `import grain` fails; afterwards, report whether jaxpar.data was imported.
 WITHOUT_GRAIN = textwrap.dedent("""
@@ -33,10 +40,28 @@ def test_bench_runs_without_grain_and_writes_sane_json(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the bench records the flags in force: here only its own
     proc = subprocess.run(
-        [sys.executable, "-c", WITHOUT_GRAIN, *TINY, "--steps", "3", "--warmup", "1",
-         "--json", str(out), "--tag", "smoke", "--xla-flag=--xla_cpu_enable_fast_math=false",
-         "--compare-reference"],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_GRAIN,
+            *TINY,
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+            "--tag",
+            "smoke",
+            "--xla-flag=--xla_cpu_enable_fast_math=false",
+            "--compare-reference",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"data_module_ran": False}
     assert "tokens/s" in proc.stdout and "none for this config" in proc.stdout
@@ -83,7 +108,9 @@ def test_default_json_path_names_config_device_and_tag():
 
     h100 = {"kind": "NVIDIA H100 80GB HBM3", "count": 1}
     cpus = {"kind": "cpu", "count": 8}
-    assert default_json_path("configs/gpt2-124m.yaml", h100, "").name == "gpt2-124m-nvidia-h100-80gb-hbm3.json"
+    assert (
+        default_json_path("configs/gpt2-124m.yaml", h100, "").name == "gpt2-124m-nvidia-h100-80gb-hbm3.json"
+    )
     assert default_json_path(None, cpus, "remat dots") == RESULTS_DIR / "default-cpu-x8-remat-dots.json"
 
 

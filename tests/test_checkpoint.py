@@ -39,8 +39,9 @@ DATA8 = ({"data": 8}, ["parallel.zero_stage=0"])
 def make_trainer(mesh: dict, extra=()):
     """A Trainer on the first prod(mesh) devices (nothing is compiled)."""
     devices = math.prod(mesh.values())
-    cfg = config_lib.load_config(TINY_YAML, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
-                                 + list(extra))
+    cfg = config_lib.load_config(
+        TINY_YAML, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES] + list(extra)
+    )
     return build_trainer(cfg, config_lib.validate(cfg, devices), devices=jax.devices()[:devices])
 
 
@@ -87,7 +88,8 @@ def test_round_trip_is_bit_exact(saved):
     assert checkpointer.latest_valid_step() == 20
     for step in (None, 10):
         state, data_state, restored_step = checkpointer.restore(
-            trainer.state_shape, trainer.state_shardings, step=step)
+            trainer.state_shape, trainer.state_shardings, step=step
+        )
         want = step or 20
         assert restored_step == want and data_state == {"next_index": 8 * want}
         assert_equal_trees(state, host[want])
@@ -96,14 +98,15 @@ def test_round_trip_is_bit_exact(saved):
     checkpointer.close()
 
 
-@pytest.mark.parametrize("mesh", [{"fsdp": 4, "tensor": 2}, {"fsdp": 2, "tensor": 2}],
-                         ids=["fsdp4_tensor2", "4_devices"])
+@pytest.mark.parametrize(
+    "mesh", [{"fsdp": 4, "tensor": 2}, {"fsdp": 2, "tensor": 2}], ids=["fsdp4_tensor2", "4_devices"]
+)
 def test_restore_onto_another_mesh(saved, mesh):
     directory, _, host = saved
     trainer = make_trainer(mesh, ["parallel.zero_stage=3"])
     state, _, _ = Checkpointer(directory).restore(trainer.state_shape, trainer.state_shardings)
     assert_equal_trees(state, host[20])
-    devices = set(jax.devices()[:math.prod(mesh.values())])
+    devices = set(jax.devices()[: math.prod(mesh.values())])
     for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(trainer.state_shardings)):
         assert leaf.sharding == sharding and leaf.sharding.device_set == devices
     wq = state["params"]["blocks"]["attn"]["wq"]  # [layers, embed/fsdp, heads/tensor, head_dim]
@@ -149,10 +152,16 @@ def _uncommitted(step_dir):  # what a run killed mid-save leaves: orbax's tempor
     os.rename(step_dir, step_dir + ".orbax-checkpoint-tmp")
 
 
-@pytest.mark.parametrize("corrupt, reason", [
-    (_delete, "is missing"), (_truncate, "bytes but"), (_garble, "checksum"),
-    (_uncommitted, "never committed"),
-], ids=["deleted_file", "truncated_file", "garbled_file", "left_uncommitted"])
+@pytest.mark.parametrize(
+    "corrupt, reason",
+    [
+        (_delete, "is missing"),
+        (_truncate, "bytes but"),
+        (_garble, "checksum"),
+        (_uncommitted, "never committed"),
+    ],
+    ids=["deleted_file", "truncated_file", "garbled_file", "left_uncommitted"],
+)
 def test_corrupted_latest_falls_back_to_the_previous(saved, tmp_path, corrupt, reason):
     directory, trainer, host = saved
     copy = str(tmp_path / "checkpoints")
@@ -195,8 +204,9 @@ def test_run_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     directory = str(tmp_path / "checkpoints")
     script = KILLED_MID_SAVE.replace("DIRECTORY", repr(directory))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, timeout=120,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], env=env, timeout=120, capture_output=True, text=True
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL
     assert "2.orbax-checkpoint-tmp" in " ".join(os.listdir(directory))
     checkpointer = Checkpointer(directory)
@@ -210,12 +220,22 @@ def test_run_killed_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
     checkpointer.close()
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["model.d_model=32"], r"params\.blocks\.attn\.wq: checkpoint has shape \(2, 64, 4, 16\), "
-                           r"the model has shape \(2, 32, 4, 8\)"),
-    (["model.tie_embeddings=true"], r"params\.lm_head: the checkpoint has shape \(64, 264\), "
-                                    r"the model has no such parameter"),
-], ids=["d_model", "tied_embeddings"])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["model.d_model=32"],
+            r"params\.blocks\.attn\.wq: checkpoint has shape \(2, 64, 4, 16\), "
+            r"the model has shape \(2, 32, 4, 8\)",
+        ),
+        (
+            ["model.tie_embeddings=true"],
+            r"params\.lm_head: the checkpoint has shape \(64, 264\), "
+            r"the model has no such parameter",
+        ),
+    ],
+    ids=["d_model", "tied_embeddings"],
+)
 def test_model_of_another_shape_is_a_clear_error(saved, extra, message):
     directory, _, _ = saved
     trainer = make_trainer(DATA8[0], DATA8[1] + extra)
@@ -228,11 +248,20 @@ def test_model_of_another_shape_is_a_clear_error(saved, extra, message):
 
 
 def llama_keys(n_layers: int, tied: bool) -> set[str]:
-    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                 "post_attention_layernorm"]
+    per_layer = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    ]
     keys = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{layer}.{name}.weight" for layer in range(n_layers) for name in per_layer}
+        f"model.layers.{layer}.{name}.weight" for layer in range(n_layers) for name in per_layer
+    }
     return keys if tied else keys | {"lm_head.weight"}
 
 
@@ -260,6 +289,7 @@ def test_hf_weights_compute_the_same_projections(saved):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
     for layer in range(2):
+
         def linear(name, v):
             return v @ hf[f"model.layers.{layer}.{name}.weight"].T
 
@@ -270,10 +300,12 @@ def test_hf_weights_compute_the_same_projections(saved):
         close(linear("mlp.gate_proj", x), x @ mlp["w_gate"][layer])
         close(linear("mlp.up_proj", x), x @ mlp["w_up"][layer])
         close(linear("mlp.down_proj", h), h @ mlp["w_down"][layer])
-        assert np.array_equal(hf[f"model.layers.{layer}.input_layernorm.weight"],
-                              blocks["attn_norm"]["scale"][layer])
-        assert np.array_equal(hf[f"model.layers.{layer}.post_attention_layernorm.weight"],
-                              blocks["mlp_norm"]["scale"][layer])
+        assert np.array_equal(
+            hf[f"model.layers.{layer}.input_layernorm.weight"], blocks["attn_norm"]["scale"][layer]
+        )
+        assert np.array_equal(
+            hf[f"model.layers.{layer}.post_attention_layernorm.weight"], blocks["mlp_norm"]["scale"][layer]
+        )
     close(x @ hf["lm_head.weight"].T, x @ p["lm_head"])
     assert np.array_equal(hf["model.embed_tokens.weight"], p["embedding"])
     assert np.array_equal(hf["model.norm.weight"], p["final_norm"]["scale"])
@@ -305,10 +337,18 @@ def test_export_cli_writes_sharded_safetensors(saved, tmp_path):
 
     config = json.load(open(out / "config.json"))
     assert config["architectures"] == ["LlamaForCausalLM"]
-    want_config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 264,
-                   "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-                   "max_position_embeddings": 2048}
+    want_config = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 264,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+    }
     assert {key: config[key] for key in want_config} == want_config
 
 
@@ -326,16 +366,14 @@ def test_a_checkpoint_without_the_guard_counters_restores_them_as_zero(tmp_path)
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    old = {"params": {"w": jnp.arange(4.0)}, "opt_state": {"m": jnp.ones(4)},
-           "step": jnp.int32(7)}
+    old = {"params": {"w": jnp.arange(4.0)}, "opt_state": {"m": jnp.ones(4)}, "step": jnp.int32(7)}
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(7, old, {"position": 7}, force=True)
     ckpt.close()
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     shape = {**jax.eval_shape(lambda: old), "skipped_steps": scalar, "first_bad_step": scalar}
     replicated = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",)), PartitionSpec())
-    state, data, step = Checkpointer(str(tmp_path)).restore(
-        shape, jax.tree.map(lambda _: replicated, shape))
+    state, data, step = Checkpointer(str(tmp_path)).restore(shape, jax.tree.map(lambda _: replicated, shape))
     assert step == 7 and data == {"position": 7} and int(state["step"]) == 7
     assert int(state["skipped_steps"]) == 0 and int(state["first_bad_step"]) == 0
     np.testing.assert_array_equal(state["params"]["w"], np.arange(4.0))

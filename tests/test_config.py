@@ -191,9 +191,18 @@ LITERALS = literal_settings()
 
 def test_the_fixed_choice_settings_are_literals():
     """The walk finds them (so the tests below, generated from it, cover them)."""
-    expected = {"model.dtype", "model.param_dtype", "model.attention", "parallel.remat",
-                "parallel.context_layout", "parallel.pipeline_schedule", "parallel.zero_stage",
-                "data.format", "optimizer.name", "train.on_nan"}
+    expected = {
+        "model.dtype",
+        "model.param_dtype",
+        "model.attention",
+        "parallel.remat",
+        "parallel.context_layout",
+        "parallel.pipeline_schedule",
+        "parallel.zero_stage",
+        "data.format",
+        "optimizer.name",
+        "train.on_nan",
+    }
     assert expected <= set(LITERALS), expected - set(LITERALS)
 
 
@@ -206,8 +215,7 @@ def test_a_value_outside_a_literal_names_the_key_the_value_and_the_choices(key):
     choices = LITERALS[key]
     bad = not_a_choice(choices)
     message = error_of(load, f"{key}={bad}")
-    assert_names_all(message, (f"{key}={bad!r}", "choose one of",
-                               ", ".join(str(c) for c in choices)))
+    assert_names_all(message, (f"{key}={bad!r}", "choose one of", ", ".join(str(c) for c in choices)))
 
 
 @pytest.mark.parametrize("key", sorted(LITERALS))
@@ -229,16 +237,22 @@ def test_every_literal_choice_loads(key, choice):
     assert value == choice and type(value) is type(choice)
 
 
-@pytest.mark.parametrize("override", ["parallel.zero_stage=true", "parallel.zero_stage=1.0",
-                                      "parallel.zero_stage='1'"])
+@pytest.mark.parametrize(
+    "override", ["parallel.zero_stage=true", "parallel.zero_stage=1.0", "parallel.zero_stage='1'"]
+)
 def test_zero_stage_takes_only_the_integers(override):
     """True == 1 and 1.0 == 1 in Python; neither is the stage 1."""
     assert "parallel.zero_stage=" in error_of(load, override)
 
 
-@pytest.mark.parametrize("section, key, value", [
-    ("model", "attention", "flash"), ("parallel", "zero_stage", 5), ("train", "on_nan", "ignore"),
-])
+@pytest.mark.parametrize(
+    "section, key, value",
+    [
+        ("model", "attention", "flash"),
+        ("parallel", "zero_stage", 5),
+        ("train", "on_nan", "ignore"),
+    ],
+)
 def test_validate_checks_the_literals_of_a_config_built_in_python(section, key, value):
     cfg = Config()
     setattr(getattr(cfg, section), key, value)
@@ -262,14 +276,19 @@ def test_every_setting_has_a_comment_on_its_line():
     """Each field of each config dataclass, read from config.py's source: its line (all of its
     lines, if it spans several) carries a `#` comment."""
     source = Path(config.__file__).read_text()
-    commented = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                 if tok.type == tokenize.COMMENT}
-    classes = {node.name: node for node in ast.walk(ast.parse(source))
-               if isinstance(node, ast.ClassDef)}
+    commented = {
+        tok.start[0]
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    classes = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef)}
     checked, missing = 0, []
     for prefix, cls in sections():
-        lines = {stmt.target.id: range(stmt.lineno, stmt.end_lineno + 1)
-                 for stmt in classes[cls.__name__].body if isinstance(stmt, ast.AnnAssign)}
+        lines = {
+            stmt.target.id: range(stmt.lineno, stmt.end_lineno + 1)
+            for stmt in classes[cls.__name__].body
+            if isinstance(stmt, ast.AnnAssign)
+        }
         for f in dataclasses.fields(cls):
             checked += 1
             if not commented.intersection(lines[f.name]):
@@ -318,9 +337,10 @@ def test_mesh_axis_sizes_are_positive_or_minus_one(size):
     assert f"mesh.data={size}" in validation_error(f"mesh.data={size}")
 
 
-@pytest.mark.parametrize("devices, expected", [(8, MeshConfig()),
-                                               (1, MeshConfig(data=1, fsdp=1, tensor=1)),
-                                               (4, MeshConfig(data=4, fsdp=1, tensor=1))])
+@pytest.mark.parametrize(
+    "devices, expected",
+    [(8, MeshConfig()), (1, MeshConfig(data=1, fsdp=1, tensor=1)), (4, MeshConfig(data=4, fsdp=1, tensor=1))],
+)
 def test_default_mesh_fits_any_device_count(devices, expected):
     mesh = config.fit_default_mesh(devices)
     assert mesh == expected
@@ -333,26 +353,36 @@ def test_default_mesh_fits_any_device_count(devices, expected):
 @pytest.mark.parametrize(
     "overrides, fragments",
     [
-        (("model.n_kv_heads=3",),
-         ("model.n_heads=4", "not divisible by model.n_kv_heads=3", "[1, 2, 4]")),
-        (("train.batch_size=6",),
-         ("train.batch_size=6", "data-parallel size", "data*fsdp*expert=4", "multiple of 4")),
-        (("train.batch_size=8", "parallel.grad_accum=4"),
-         ("train.batch_size=8", "parallel.grad_accum=4", "multiple of 16")),
-        (("train.seq_len=4096",),
-         ("train.seq_len=4096", "model.max_seq_len=2048")),
-        (("model.d_model=130",),
-         ("model.n_heads=4 does not divide model.d_model=130",)),
-        (("model.n_heads=2", "model.n_kv_heads=2", "model.d_model=6", "mesh.tensor=1",
-          "mesh.data=4"),
-         ("model.d_model/model.n_heads = 3", "even")),
-        (("parallel.remat=sometimes",),
-         ("parallel.remat='sometimes'", "none, dots, full")),
+        (("model.n_kv_heads=3",), ("model.n_heads=4", "not divisible by model.n_kv_heads=3", "[1, 2, 4]")),
+        (
+            ("train.batch_size=6",),
+            ("train.batch_size=6", "data-parallel size", "data*fsdp*expert=4", "multiple of 4"),
+        ),
+        (
+            ("train.batch_size=8", "parallel.grad_accum=4"),
+            ("train.batch_size=8", "parallel.grad_accum=4", "multiple of 16"),
+        ),
+        (("train.seq_len=4096",), ("train.seq_len=4096", "model.max_seq_len=2048")),
+        (("model.d_model=130",), ("model.n_heads=4 does not divide model.d_model=130",)),
+        (
+            ("model.n_heads=2", "model.n_kv_heads=2", "model.d_model=6", "mesh.tensor=1", "mesh.data=4"),
+            ("model.d_model/model.n_heads = 3", "even"),
+        ),
+        (("parallel.remat=sometimes",), ("parallel.remat='sometimes'", "none, dots, full")),
         (("parallel.zero_stage=4",), ("parallel.zero_stage=4", "0, 1, 2, 3")),
         (("train.steps=0",), ("train.steps=0", "at least 1")),
     ],
-    ids=["heads-kv", "batch-dp", "batch-accum", "seq-len", "heads-d_model",
-         "odd-head-dim", "remat", "zero-stage", "steps"],
+    ids=[
+        "heads-kv",
+        "batch-dp",
+        "batch-accum",
+        "seq-len",
+        "heads-d_model",
+        "odd-head-dim",
+        "remat",
+        "zero-stage",
+        "steps",
+    ],
 )
 def test_model_and_batch_checks_name_the_keys_and_numbers(overrides, fragments):
     assert_names_all(validation_error(*overrides), fragments)
@@ -361,14 +391,19 @@ def test_model_and_batch_checks_name_the_keys_and_numbers(overrides, fragments):
 @pytest.mark.parametrize(
     "overrides, fragments",
     [
-        (("mesh.tensor=4", "mesh.fsdp=1", "model.n_heads=2", "model.n_kv_heads=2"),
-         ("mesh.tensor=4 does not divide model.n_heads=2", "try tensor in [1, 2]")),
-        (("mesh.tensor=4", "mesh.fsdp=1"),
-         ("mesh.tensor=4 does not divide model.n_kv_heads=2", "try tensor in [1, 2]")),
-        (("model.d_ff=385",),
-         ("mesh.tensor=2 does not divide model.d_ff=385", "[1, 5, 7, 11, 35, 55, 77, 385]")),
-        (("model.vocab_size=257",),
-         ("mesh.tensor=2 does not divide model.vocab_size=257", "[1, 257]")),
+        (
+            ("mesh.tensor=4", "mesh.fsdp=1", "model.n_heads=2", "model.n_kv_heads=2"),
+            ("mesh.tensor=4 does not divide model.n_heads=2", "try tensor in [1, 2]"),
+        ),
+        (
+            ("mesh.tensor=4", "mesh.fsdp=1"),
+            ("mesh.tensor=4 does not divide model.n_kv_heads=2", "try tensor in [1, 2]"),
+        ),
+        (
+            ("model.d_ff=385",),
+            ("mesh.tensor=2 does not divide model.d_ff=385", "[1, 5, 7, 11, 35, 55, 77, 385]"),
+        ),
+        (("model.vocab_size=257",), ("mesh.tensor=2 does not divide model.vocab_size=257", "[1, 257]")),
     ],
     ids=["n_heads", "n_kv_heads", "d_ff", "vocab_size"],
 )
@@ -377,15 +412,22 @@ def test_tensor_must_divide_the_dimensions_it_splits(overrides, fragments):
 
 
 # d_model=20 with 2 heads (head_dim 10), all 8 devices on fsdp: 8 does not divide 20.
-FSDP_8_D_MODEL_20 = ("mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1",
-                     "model.n_heads=2", "model.n_kv_heads=2", "model.d_model=20")
+FSDP_8_D_MODEL_20 = (
+    "mesh.data=1",
+    "mesh.fsdp=8",
+    "mesh.tensor=1",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.d_model=20",
+)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_fsdp_must_divide_d_model_when_zero_shards_state(zero_stage):
     message = validation_error(*FSDP_8_D_MODEL_20, f"parallel.zero_stage={zero_stage}")
-    assert_names_all(message, ("mesh.fsdp=8 does not divide model.d_model=20",
-                               "try fsdp in [1, 2, 4, 5, 10, 20]"))
+    assert_names_all(
+        message, ("mesh.fsdp=8 does not divide model.d_model=20", "try fsdp in [1, 2, 4, 5, 10, 20]")
+    )
 
 
 def test_fsdp_need_not_divide_d_model_without_zero():
@@ -416,8 +458,14 @@ def test_missing_tokenizer_file_is_named():
 
 def run_train_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "jaxpar.train", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxpar.train", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_config_error_exits_2_with_one_line_and_no_traceback():
@@ -443,13 +491,16 @@ def test_parse_cli_takes_only_the_first_argument_as_a_file():
     assert "other.yaml" in error_of(config.parse_cli, ["run.yaml", "other.yaml"])
 
 
-@pytest.mark.parametrize("override, want", [
-    ("optimizer.lr=0", "a positive, finite learning rate"),
-    ("optimizer.warmup_steps=-1", "0 or more steps"),
-    ("optimizer.min_lr_ratio=1.5", "a ratio in [0, 1]"),
-    ("optimizer.b1=1.0", "a decay in [0, 1)"),
-    ("optimizer.b2=-0.1", "a decay in [0, 1)"),
-    ("optimizer.clip_norm=-1", "0 (off) or a positive norm"),
-])
+@pytest.mark.parametrize(
+    "override, want",
+    [
+        ("optimizer.lr=0", "a positive, finite learning rate"),
+        ("optimizer.warmup_steps=-1", "0 or more steps"),
+        ("optimizer.min_lr_ratio=1.5", "a ratio in [0, 1]"),
+        ("optimizer.b1=1.0", "a decay in [0, 1)"),
+        ("optimizer.b2=-0.1", "a decay in [0, 1)"),
+        ("optimizer.clip_norm=-1", "0 (off) or a positive norm"),
+    ],
+)
 def test_optimizer_numbers_out_of_range_are_refused(override, want):
     assert_names_all(validation_error(override), (override, want))

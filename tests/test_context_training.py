@@ -20,11 +20,14 @@ def single_device():
     return run({})[0]
 
 
-@pytest.mark.parametrize("mesh, extra, own_init", [
-    ({"context": 4, "data": 2}, [], False),
-    ({"data": 2, "context": 2, "tensor": 2}, [], True),
-    ({"context": 8}, ["parallel.context_layout=contiguous"], False),
-])
+@pytest.mark.parametrize(
+    "mesh, extra, own_init",
+    [
+        ({"context": 4, "data": 2}, [], False),
+        ({"data": 2, "context": 2, "tensor": 2}, [], True),
+        ({"context": 8}, ["parallel.context_layout=contiguous"], False),
+    ],
+)
 def test_context_parallel_training_matches_single_device(mesh, extra, own_init, single_device):
     # own_init: the layout's born-sharded init; else the single-device one (one compile fewer).
     got, r = run(mesh, extra, init=None if own_init else single_device.init)

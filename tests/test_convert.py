@@ -45,8 +45,13 @@ ATOL = 1e-4
 
 
 def _hf(*args: str) -> None:
-    proc = subprocess.run([HF_PYTHON, REFERENCE, *args], capture_output=True, cwd=ROOT,
-                          timeout=300, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    proc = subprocess.run(
+        [HF_PYTHON, REFERENCE, *args],
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
 
 
@@ -65,17 +70,25 @@ def hf(tmp_path_factory):
 
 def _config(hf_dir, overrides=()) -> config_lib.Config:
     """A float32 run config with the model of `hf_dir` (as train.init_from=hf_dir gives it)."""
-    settings = config_lib.user_settings(None, ["model.dtype=float32", "model.param_dtype=float32",
-                                               "parallel.zero_stage=3", *overrides,
-                                               f"train.init_from={hf_dir}"])
+    settings = config_lib.user_settings(
+        None,
+        [
+            "model.dtype=float32",
+            "model.param_dtype=float32",
+            "parallel.zero_stage=3",
+            *overrides,
+            f"train.init_from={hf_dir}",
+        ],
+    )
     return convert.apply_init_from(config_lib.build_config(settings), settings)
 
 
 def _on_mesh(cfg, mesh: dict[str, int]):
     sizes = {a: mesh.get(a, 1) for a in config_lib.MESH_AXES}
-    devices = jax.devices()[:int(np.prod(list(sizes.values())))]
-    layout = sharding_lib.Layout.build(sizes, zero_stage=cfg.parallel.zero_stage,
-                                       sequence_parallel=False, devices=devices)
+    devices = jax.devices()[: int(np.prod(list(sizes.values())))]
+    layout = sharding_lib.Layout.build(
+        sizes, zero_stage=cfg.parallel.zero_stage, sequence_parallel=False, devices=devices
+    )
     shapes, shardings = convert.param_targets(cfg, sizes, devices)
     return layout, shapes, shardings
 
@@ -114,22 +127,29 @@ def test_logits_match_transformers_on_an_fsdp_x_tensor_mesh(hf, variant):
     n, h = cfg.model.n_heads, cfg.model.head_dim
     interleave = np.concatenate([np.arange(0, h, 2), np.arange(1, h, 2)])  # rotate-half <-> pairs
     wrong = {
-        "q/k in the interleaved rotary layout": {"wq": attn["wq"][..., interleave],
-                                                 "wk": attn["wk"][..., interleave]},
+        "q/k in the interleaved rotary layout": {
+            "wq": attn["wq"][..., interleave],
+            "wk": attn["wk"][..., interleave],
+        },
         "q heads in the wrong order (a reshape of N*H as H*N)": {
-            "wq": attn["wq"].reshape(*attn["wq"].shape[:2], h, n).swapaxes(-1, -2)},
+            "wq": attn["wq"].reshape(*attn["wq"].shape[:2], h, n).swapaxes(-1, -2)
+        },
     }
     if cfg.model.qkv_bias:
         wrong["q/k/v biases dropped"] = {b: jnp.zeros_like(attn[b]) for b in ("bq", "bk", "bv")}
     for what, change in wrong.items():
         bad = {**params, "blocks": {**params["blocks"], "attn": {**attn, **change}}}
         assert _max_diff(forward(bad, tokens), want) > 100 * ATOL, what
-    swapped = {**params["blocks"], "attn_norm": params["blocks"]["mlp_norm"],
-               "mlp_norm": params["blocks"]["attn_norm"]}
+    swapped = {
+        **params["blocks"],
+        "attn_norm": params["blocks"]["mlp_norm"],
+        "mlp_norm": params["blocks"]["attn_norm"],
+    }
     assert _max_diff(forward({**params, "blocks": swapped}, tokens), want) > 100 * ATOL
     if cfg.model.rope_scaling.type != "none":
-        plain = dataclasses.replace(cfg, model=dataclasses.replace(
-            cfg.model, rope_scaling=config_lib.RopeScalingConfig()))
+        plain = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, rope_scaling=config_lib.RopeScalingConfig())
+        )
         assert _max_diff(_forward(plain, layout)(params, tokens), want) > 100 * ATOL
 
 
@@ -161,8 +181,7 @@ def imported(hf, tmp_path_factory):
     root, _ = hf
     work = tmp_path_factory.mktemp("converted")
     for variant in VARIANTS:
-        summary = convert.from_hf(str(root / variant), str(work / variant / "run"),
-                                  ["model.dtype=float32"])
+        summary = convert.from_hf(str(root / variant), str(work / variant / "run"), ["model.dtype=float32"])
         assert summary["dtype"] == json.load(open(root / variant / "config.json"))["dtype"]
         export_lib.export(str(work / variant / "run"), str(work / variant / "hf"))
     return work
@@ -176,8 +195,7 @@ def test_round_trip_is_bit_identical_and_transformers_loads_the_export(hf, impor
         for name in source:
             assert back[name] == source[name], f"{variant}: {name}"
         assert os.path.isfile(imported / variant / "hf" / "tokenizer.json")
-    _hf("logits", str(tmp_path / "exported.npz"),
-        *[f"{v}={imported / v / 'hf'}" for v in VARIANTS])
+    _hf("logits", str(tmp_path / "exported.npz"), *[f"{v}={imported / v / 'hf'}" for v in VARIANTS])
     exported = np.load(tmp_path / "exported.npz")
     for variant in VARIANTS:
         want = "Qwen2ForCausalLM" if variant.startswith("qwen2") else "LlamaForCausalLM"
@@ -191,9 +209,12 @@ def test_sample_cli_generates_from_an_imported_model(imported):
     run = imported / "llama2-gqa-sharded" / "run"  # its tokenizer ends documents with </s>
     cfg = config_lib.load_config(str(run / "config.yaml"))
     assert cfg.data.tokenizer == str(run / "tokenizer.json")
-    proc = subprocess.run([sys.executable, "-m", "jaxpar.sample", str(run), "--prompt",
-                           "the quick", "--max-tokens", "12"], capture_output=True, cwd=ROOT,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpar.sample", str(run), "--prompt", "the quick", "--max-tokens", "12"],
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     tokenizer = HFTokenizer(cfg.data.tokenizer)
     assert tokenizer.eod_id == tokenizer._tok.token_to_id("</s>")
@@ -201,8 +222,13 @@ def test_sample_cli_generates_from_an_imported_model(imported):
 
     _, model, step = load_model(str(run))
     assert step == 0
-    ids = generate(model, tokenizer.encode("the quick"), 12, vocab_limit=tokenizer.vocab_size,
-                   stop_token=tokenizer.eod_id)
+    ids = generate(
+        model,
+        tokenizer.encode("the quick"),
+        12,
+        vocab_limit=tokenizer.vocab_size,
+        stop_token=tokenizer.eod_id,
+    )
     assert proc.stdout.decode() == "the quick" + tokenizer.decode(ids) + "\n"
 
 
@@ -213,11 +239,25 @@ def test_init_from_starts_a_new_run_on_a_mesh_from_the_imported_weights(imported
     source = imported / "llama3-tied-scaled" / "run"  # bfloat16 weights, llama3 rope scaling
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
-    settings = config_lib.user_settings(os.path.join(ROOT, "configs", "finetune.yaml"), [
-        f"train.init_from={source}", f"train.run_dir={tmp_path / 'run'}", f"data.source={text}",
-        "train.steps=2", "train.batch_size=4", "train.seq_len=32", "checkpoint.every=2",
-        "optimizer.lr=1e-6", "optimizer.warmup_steps=0", "train.progress=false",
-        "model.dtype=float32", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+    settings = config_lib.user_settings(
+        os.path.join(ROOT, "configs", "finetune.yaml"),
+        [
+            f"train.init_from={source}",
+            f"train.run_dir={tmp_path / 'run'}",
+            f"data.source={text}",
+            "train.steps=2",
+            "train.batch_size=4",
+            "train.seq_len=32",
+            "checkpoint.every=2",
+            "optimizer.lr=1e-6",
+            "optimizer.warmup_steps=0",
+            "train.progress=false",
+            "model.dtype=float32",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+        ],
+    )
     cfg = convert.apply_init_from(config_lib.build_config(settings), settings)
     assert cfg.model.rope_scaling.type == "llama3" and cfg.model.tie_embeddings
     assert cfg.model.param_dtype == "float32"  # the run's own: the bfloat16 import is upcast
@@ -234,8 +274,9 @@ def test_init_from_starts_a_new_run_on_a_mesh_from_the_imported_weights(imported
             ckpt.close()
 
     before, after = params_of(source, cfg), params_of(tmp_path / "run", cfg)
-    for path, (a, b) in convert._flat(jax.tree.map(lambda *x: x, before, after,
-                                                   is_leaf=lambda x: hasattr(x, "shape"))).items():
+    for path, (a, b) in convert._flat(
+        jax.tree.map(lambda *x: x, before, after, is_leaf=lambda x: hasattr(x, "shape"))
+    ).items():
         # Two AdamW steps at lr 1e-6 move each weight by about 2e-6; a fresh init would differ by O(0.3).
         assert _max_diff(a, b) < 1e-4, path
 
@@ -269,28 +310,54 @@ def _put_nan(directory, name: str = "model.layers.1.mlp.down_proj.weight", at: i
 
 
 BAD = {  # case -> (variant, how to break the copy, what the message must name)
-    "NaN in a tensor": ("llama2-gqa-sharded", _put_nan,
-                        [("tensor model.layers.1.mlp.down_proj.weight holds 1 non-finite value(s), "
-                          "the first nan in row 0"), "import an intact checkpoint"]),
-    "missing shard": ("llama2-gqa-sharded",
-                      lambda d: os.remove(d / "model-00003-of-00007.safetensors"),
-                      ["model-00003-of-00007.safetensors is missing", "tensor model."]),
-    "truncated file": ("mistral", lambda d: _truncate(d / "model.safetensors"),
-                       ["model.safetensors is truncated: tensor ", "ends at byte"]),
-    "shape vs config.json": ("qwen2-bias-tied",
-                             lambda d: _edit_json(d / "config.json", intermediate_size=128),
-                             ["model.safetensors: tensor model.layers.0.mlp.", "has shape [96, 64]",
-                              "config.json implies [128, 64]"]),
-    "missing tokenizer": ("mistral", lambda d: os.remove(d / "tokenizer.json"),
-                          ["has no tokenizer.json"]),
-    "unsupported architecture": ("mistral", lambda d: _edit_json(
-        d / "config.json", architectures=["GemmaForCausalLM"]),
-        ["config.json: architectures=['GemmaForCausalLM'] is not supported"]),
-    "sliding window": ("mistral", lambda d: _edit_json(d / "config.json", sliding_window=16),
-                       ["sliding_window=16 < max_position_embeddings=128"]),
-    "unknown rope scaling": ("llama3-tied-scaled", lambda d: _edit_json(
-        d / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-        ["rope scaling 'yarn'"]),
+    "NaN in a tensor": (
+        "llama2-gqa-sharded",
+        _put_nan,
+        [
+            (
+                "tensor model.layers.1.mlp.down_proj.weight holds 1 non-finite value(s), "
+                "the first nan in row 0"
+            ),
+            "import an intact checkpoint",
+        ],
+    ),
+    "missing shard": (
+        "llama2-gqa-sharded",
+        lambda d: os.remove(d / "model-00003-of-00007.safetensors"),
+        ["model-00003-of-00007.safetensors is missing", "tensor model."],
+    ),
+    "truncated file": (
+        "mistral",
+        lambda d: _truncate(d / "model.safetensors"),
+        ["model.safetensors is truncated: tensor ", "ends at byte"],
+    ),
+    "shape vs config.json": (
+        "qwen2-bias-tied",
+        lambda d: _edit_json(d / "config.json", intermediate_size=128),
+        [
+            "model.safetensors: tensor model.layers.0.mlp.",
+            "has shape [96, 64]",
+            "config.json implies [128, 64]",
+        ],
+    ),
+    "missing tokenizer": ("mistral", lambda d: os.remove(d / "tokenizer.json"), ["has no tokenizer.json"]),
+    "unsupported architecture": (
+        "mistral",
+        lambda d: _edit_json(d / "config.json", architectures=["GemmaForCausalLM"]),
+        ["config.json: architectures=['GemmaForCausalLM'] is not supported"],
+    ),
+    "sliding window": (
+        "mistral",
+        lambda d: _edit_json(d / "config.json", sliding_window=16),
+        ["sliding_window=16 < max_position_embeddings=128"],
+    ),
+    "unknown rope scaling": (
+        "llama3-tied-scaled",
+        lambda d: _edit_json(
+            d / "config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+        ),
+        ["rope scaling 'yarn'"],
+    ),
 }
 
 
@@ -313,8 +380,12 @@ def test_bad_input_exits_2_naming_file_and_tensor_and_writes_nothing(hf, tmp_pat
 
 FAMILY_CASES = {  # ModelConfig changes covering every branch of the family's table and config
     "llama-gqa-untied": {},
-    "llama3-tied-scaled": {"tie_embeddings": True, "rope_theta": 5e5, "param_dtype": "bfloat16",
-                           "rope_scaling": config_lib.RopeScalingConfig(type="llama3", factor=32.0)},
+    "llama3-tied-scaled": {
+        "tie_embeddings": True,
+        "rope_theta": 5e5,
+        "param_dtype": "bfloat16",
+        "rope_scaling": config_lib.RopeScalingConfig(type="llama3", factor=32.0),
+    },
     "qwen2-bias": {"qkv_bias": True, "n_kv_heads": 4, "norm_eps": 1e-6, "init_std": 0.01},
 }
 
@@ -333,8 +404,9 @@ def test_the_family_reads_back_what_it_writes(case):
 
     shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))))
     rng = np.random.default_rng(0)
-    params = {path: rng.standard_normal(s.shape).astype(np.float32)
-              for path, s in convert._flat(shapes).items()}
+    params = {
+        path: rng.standard_normal(s.shape).astype(np.float32) for path, s in convert._flat(shapes).items()
+    }
     tensors = llama_hf.hf_tensors(params, m)
     assert {name: t.shape for name, t in tensors.items()} == convert.expected_tensors(m)
     for path, t in llama_hf.tensor_table(m).items():

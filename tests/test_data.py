@@ -39,8 +39,10 @@ def reference_stream(documents: list[str]) -> tuple[np.ndarray, np.ndarray]:
 def random_documents(count: int, seed: int = 0) -> list[str]:
     """Documents of random lowercase letters: no two 8-token windows coincide in practice."""
     rng = np.random.default_rng(seed)
-    return ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(5, 40)))
-            for _ in range(count)]
+    return [
+        "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(5, 40)))
+        for _ in range(count)
+    ]
 
 
 def take(dataset, steps: int, state=None) -> list[dict]:
@@ -63,13 +65,28 @@ def test_packing_a_hand_written_example():
     packed = pack(["abc", "d", "efgh"], ByteTokenizer(), seq_len=3)
     a, b, c, d, e, f, g, h = (ord(ch) for ch in "abcdefgh")
     expected = [
-        {"inputs": [a, b, c], "targets": [b, c, EOD], "segment_ids": [1, 1, 1],
-         "positions": [0, 1, 2], "loss_mask": [1, 1, 1]},
+        {
+            "inputs": [a, b, c],
+            "targets": [b, c, EOD],
+            "segment_ids": [1, 1, 1],
+            "positions": [0, 1, 2],
+            "loss_mask": [1, 1, 1],
+        },
         # <eod> of "abc" carries on from the last sequence; "d" is a whole document here.
-        {"inputs": [EOD, d, EOD], "targets": [d, EOD, e], "segment_ids": [1, 2, 2],
-         "positions": [0, 0, 1], "loss_mask": [0, 1, 0]},
-        {"inputs": [e, f, g], "targets": [f, g, h], "segment_ids": [1, 1, 1],
-         "positions": [0, 1, 2], "loss_mask": [1, 1, 1]},
+        {
+            "inputs": [EOD, d, EOD],
+            "targets": [d, EOD, e],
+            "segment_ids": [1, 2, 2],
+            "positions": [0, 0, 1],
+            "loss_mask": [0, 1, 0],
+        },
+        {
+            "inputs": [e, f, g],
+            "targets": [f, g, h],
+            "segment_ids": [1, 1, 1],
+            "positions": [0, 1, 2],
+            "loss_mask": [1, 1, 1],
+        },
     ]
     assert len(packed) == 3
     for index, want in enumerate(expected):
@@ -95,7 +112,7 @@ def test_segment_ids_change_exactly_at_document_boundaries(seq_len):
     _, owners = reference_stream(DOCUMENTS)
     packed = pack(DOCUMENTS, ByteTokenizer(), seq_len)
     for i in range(len(packed)):
-        docs = owners[i * seq_len:(i + 1) * seq_len]
+        docs = owners[i * seq_len : (i + 1) * seq_len]
         segments = packed[i]["segment_ids"]
         assert segments[0] == 1
         np.testing.assert_array_equal(np.diff(segments) != 0, np.diff(docs) != 0)
@@ -107,7 +124,7 @@ def test_positions_restart_at_each_document_start_and_at_the_sequence_start(seq_
     _, owners = reference_stream(DOCUMENTS)
     packed = pack(DOCUMENTS, ByteTokenizer(), seq_len)
     for i in range(len(packed)):
-        docs = owners[i * seq_len:(i + 1) * seq_len]
+        docs = owners[i * seq_len : (i + 1) * seq_len]
         expected, position = [], 0
         for j in range(seq_len):
             position = 0 if j == 0 or docs[j] != docs[j - 1] else position + 1
@@ -121,8 +138,8 @@ def test_loss_mask_is_zero_exactly_where_the_target_is_from_another_document(seq
     packed = pack(DOCUMENTS, ByteTokenizer(), seq_len)
     masked = 0
     for i in range(len(packed)):
-        docs = owners[i * seq_len:(i + 1) * seq_len]
-        target_docs = owners[i * seq_len + 1:(i + 1) * seq_len + 1]
+        docs = owners[i * seq_len : (i + 1) * seq_len]
+        target_docs = owners[i * seq_len + 1 : (i + 1) * seq_len + 1]
         mask = packed[i]["loss_mask"]
         np.testing.assert_array_equal(mask, (docs == target_docs).astype(np.float32))
         # ...which is where the input is an end-of-document token (predicting the next doc).
@@ -134,8 +151,12 @@ def test_loss_mask_is_zero_exactly_where_the_target_is_from_another_document(seq
 def test_packed_arrays_have_the_model_dtypes():
     sample = pack(DOCUMENTS, ByteTokenizer(), seq_len=4)[0]
     assert {k: sample[k].dtype for k in KEYS} == {
-        "inputs": np.int32, "targets": np.int32, "positions": np.int32,
-        "segment_ids": np.int32, "loss_mask": np.float32}
+        "inputs": np.int32,
+        "targets": np.int32,
+        "positions": np.int32,
+        "segment_ids": np.int32,
+        "loss_mask": np.float32,
+    }
     assert all(sample[k].shape == (4,) for k in KEYS)
 
 
@@ -168,10 +189,9 @@ def test_unshuffled_batch_s_holds_samples_s_times_b_to_s_plus_one_times_b(packed
 def test_every_epoch_is_a_fresh_permutation_of_all_sequences(packed):
     n = len(packed)
     steps = -(-2 * n // 4)  # enough batches of 4 to cover two epochs
-    rows = np.concatenate([b["inputs"] for b in take(
-        batch_dataset(packed, global_batch=4, seed=0), steps)])
+    rows = np.concatenate([b["inputs"] for b in take(batch_dataset(packed, global_batch=4, seed=0), steps)])
     everything = sorted(tuple(packed[i]["inputs"]) for i in range(n))
-    first, second = rows[:n], rows[n:2 * n]
+    first, second = rows[:n], rows[n : 2 * n]
     assert sorted(map(tuple, first)) == everything
     assert sorted(map(tuple, second)) == everything
     assert not np.array_equal(first, second)
@@ -182,8 +202,7 @@ def test_same_seed_gives_identical_batches_and_another_seed_different_ones(packe
         return take(batch_dataset(packed, global_batch=4, seed=seed), 5)
 
     assert_same_batches(batches(0), batches(0))
-    assert not all(np.array_equal(a["inputs"], b["inputs"])
-                   for a, b in zip(batches(0), batches(1)))
+    assert not all(np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(batches(0), batches(1)))
 
 
 def test_restored_iterator_state_continues_identically(packed):
@@ -202,9 +221,15 @@ def test_process_shares_tile_the_global_batch(packed, process_count):
     global_batch, steps = 8, 6
     local = global_batch // process_count
     single = take(batch_dataset(packed, global_batch=global_batch, seed=0), steps)
-    shares = [take(batch_dataset(packed, global_batch=global_batch, seed=0, process_index=p,
-                                 process_count=process_count), steps)
-              for p in range(process_count)]
+    shares = [
+        take(
+            batch_dataset(
+                packed, global_batch=global_batch, seed=0, process_index=p, process_count=process_count
+            ),
+            steps,
+        )
+        for p in range(process_count)
+    ]
     for s in range(steps):
         local_batches = [shares[p][s] for p in range(process_count)]
         for key in KEYS:
@@ -269,8 +294,7 @@ def test_text_glob_reads_one_document_per_file_in_sorted_order(tmp_path):
     (tmp_path / "skip.md").write_text("not matched")
     source = str(tmp_path / "*.txt")
     assert data.read_documents(DataConfig(source=source)) == ["first\nfile", "second", "third"]
-    assert data.read_documents(DataConfig(source=source, max_documents=2)) == ["first\nfile",
-                                                                              "second"]
+    assert data.read_documents(DataConfig(source=source, max_documents=2)) == ["first\nfile", "second"]
 
 
 def test_format_auto_goes_by_extension_and_an_explicit_format_overrides_it(tmp_path):
@@ -280,7 +304,9 @@ def test_format_auto_goes_by_extension_and_an_explicit_format_overrides_it(tmp_p
     assert data.read_documents(DataConfig(source=source)) == ['{"text": "raw"}', "parsed"]
     assert data.read_documents(DataConfig(source=source, format="jsonl")) == ["raw", "parsed"]
     assert data.read_documents(DataConfig(source=source, format="text")) == [
-        '{"text": "raw"}', '{"text": "parsed"}\n']
+        '{"text": "raw"}',
+        '{"text": "parsed"}\n',
+    ]
 
 
 def test_glob_matching_nothing_is_a_config_error(tmp_path):
@@ -341,9 +367,24 @@ def test_train_tokenizer_cli_writes_a_usable_tokenizer(tmp_path):
         (tmp_path / f"doc{n}.txt").write_text(text)
     out = tmp_path / "out" / "tokenizer.json"
     result = subprocess.run(
-        [sys.executable, "-m", "jaxpar.data", "train-tokenizer", "--out", str(out),
-         "--vocab-size", "300", "--source", str(tmp_path / "*.txt")],
-        cwd=REPO_ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.data",
+            "train-tokenizer",
+            "--out",
+            str(out),
+            "--vocab-size",
+            "300",
+            "--source",
+            str(tmp_path / "*.txt"),
+        ],
+        cwd=REPO_ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert f"trained on {len(CORPUS)} documents" in result.stdout
     tok = HFTokenizer(str(out))
@@ -352,8 +393,9 @@ def test_train_tokenizer_cli_writes_a_usable_tokenizer(tmp_path):
 
 
 def test_train_tokenizer_cli_reports_a_bad_source_with_exit_code_2(tmp_path, capsys):
-    code = data.main(["train-tokenizer", "--out", str(tmp_path / "t.json"),
-                      "--source", str(tmp_path / "*.txt")])
+    code = data.main(
+        ["train-tokenizer", "--out", str(tmp_path / "t.json"), "--source", str(tmp_path / "*.txt")]
+    )
     assert code == 2
     assert "no such file" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()

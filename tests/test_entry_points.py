@@ -20,14 +20,22 @@ TINY = [os.path.join(ROOT, "configs", "tiny.yaml"), "runtime.cpu_devices=1", "da
 
 
 def _bare_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [BARE, ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [BARE, ROOT, os.environ.get("PYTHONPATH")]))
+    )
     env.pop("JAX_PLATFORMS", None)  # as a user's shell has it: jaxpar picks the platform itself
     return env
 
 
 def _start(*args: str, cwd=ROOT) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=_bare_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=_bare_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _finish(proc: subprocess.Popen, code: int, timeout: float = 240) -> str:
@@ -48,11 +56,13 @@ def _one_line_naming_the_extra(err: str) -> None:
 def test_the_bare_python_hides_the_cuda_plugin():
     """The premise: under tests/bare_python the old question `find_spec("jax_plugins.xla_cuda12")`
     fails as it does on a bare machine, JAX starts on the CPU, and jaxpar sees no plugin."""
-    code = ("import importlib.util, jax\n"
-            "from jaxpar import mesh\n"
-            "try:\n    importlib.util.find_spec('jax_plugins.xla_cuda12')\n"
-            "except ModuleNotFoundError:\n    print('no jax_plugins')\n"
-            "print(jax.default_backend(), mesh.cuda_plugin_folders())\n")
+    code = (
+        "import importlib.util, jax\n"
+        "from jaxpar import mesh\n"
+        "try:\n    importlib.util.find_spec('jax_plugins.xla_cuda12')\n"
+        "except ModuleNotFoundError:\n    print('no jax_plugins')\n"
+        "print(jax.default_backend(), mesh.cuda_plugin_folders())\n"
+    )
     proc = _start("-c", code)
     _finish(proc, 0)
     assert proc.out.split() == ["no", "jax_plugins", "cpu", "[]"], proc.out
@@ -79,8 +89,20 @@ def test_every_entry_point_runs_or_names_the_extra_without_a_plugin(tmp_path):
     waiting = [
         (_start("-m", "jaxpar.sample", str(run), "--prompt", "def ", "--max-tokens", "4"), 0),
         (_start("-m", "jaxpar.convert", "from-hf", str(exported), "--out", str(tmp_path / "back")), 0),
-        (_start("-m", "benchmarks.bench", *TINY, "--steps", "1", "--warmup", "0",
-                "--json", str(tmp_path / "bench.json")), 0),
+        (
+            _start(
+                "-m",
+                "benchmarks.bench",
+                *TINY,
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--json",
+                str(tmp_path / "bench.json"),
+            ),
+            0,
+        ),
     ]
     for proc, code in waiting:
         _finish(proc, code)
@@ -88,8 +110,17 @@ def test_every_entry_point_runs_or_names_the_extra_without_a_plugin(tmp_path):
 
 
 def test_launch_runs_its_workers_without_a_plugin(tmp_path):
-    proc = _start("-m", "jaxpar.launch", "--nproc", "2", *TINY, "train.steps=2", "mesh.data=2",
-                  "mesh.fsdp=1", "mesh.tensor=1",
-                  f"train.run_dir={tmp_path / 'run'}")
+    proc = _start(
+        "-m",
+        "jaxpar.launch",
+        "--nproc",
+        "2",
+        *TINY,
+        "train.steps=2",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        f"train.run_dir={tmp_path / 'run'}",
+    )
     _finish(proc, 0)
     assert (tmp_path / "run" / "metrics.jsonl").exists()

@@ -50,11 +50,15 @@ def prepared(tmp_path_factory):
     out = {}
     for n, (name, (train_letters, val_letters)) in enumerate(LETTERS.items()):
         jsonl = root / f"{name}.jsonl"
-        jsonl.write_text("".join(json.dumps({"text": d}) + "\n"
-                                 for d in split_documents(train_letters, val_letters, 150, n)))
+        jsonl.write_text(
+            "".join(
+                json.dumps({"text": d}) + "\n" for d in split_documents(train_letters, val_letters, 150, n)
+            )
+        )
         out[name] = root / name
-        shards.prepare([str(jsonl)], str(out[name]), val_fraction=VAL_FRACTION,
-                       log=lambda m: None, progress=False)
+        shards.prepare(
+            [str(jsonl)], str(out[name]), val_fraction=VAL_FRACTION, log=lambda m: None, progress=False
+        )
     out["no-val"] = root / "no-val"
     shards.prepare([str(root / "a.jsonl")], str(out["no-val"]), log=lambda m: None, progress=False)
     return out
@@ -88,9 +92,14 @@ def test_eval_batches_are_the_val_splits_the_same_every_time(prepared):
     assert {split for _, split in origins} == {"val"}
     assert [sum(s == name for s, _ in origins) for name in "ab"] == data.mixture_counts((300, 100), 32)
     assert len({tuple(row) for batch in first for row in batch["inputs"]}) == 32  # none twice
-    shares = [list(make_iterator(data.eval_dataset(cfg, SEQ, global_batch=BATCH, batches=4,
-                                                   process_index=p, process_count=2)))
-              for p in range(2)]
+    shares = [
+        list(
+            make_iterator(
+                data.eval_dataset(cfg, SEQ, global_batch=BATCH, batches=4, process_index=p, process_count=2)
+            )
+        )
+        for p in range(2)
+    ]
     for s in range(4):
         joined = np.concatenate([shares[0][s]["inputs"], shares[1][s]["inputs"]])
         np.testing.assert_array_equal(joined, first[s]["inputs"])
@@ -98,18 +107,29 @@ def test_eval_batches_are_the_val_splits_the_same_every_time(prepared):
     assert {row_origin(row) for batch in make_iterator(single) for row in batch["inputs"]} == {("b", "val")}
 
     held = len(shards.PreparedSequences(str(prepared["b"]), "byte", SEQ, split="val"))
-    with pytest.raises(ConfigError, match=rf"train.eval_batches=99: .* from the val split of "
-                                          rf"data.source='{prepared['b']}', which holds {held}; use "
-                                          rf"train.eval_batches={held // BATCH} or fewer"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"train.eval_batches=99: .* from the val split of "
+        rf"data.source='{prepared['b']}', which holds {held}; use "
+        rf"train.eval_batches={held // BATCH} or fewer",
+    ):
         data.eval_dataset(DataConfig(source=str(prepared["b"])), SEQ, global_batch=BATCH, batches=99)
-    no_val = DataConfig(sources=[SourceConfig(str(prepared["a"]), 1.0), SourceConfig(str(prepared["no-val"]), 1.0)])
-    with pytest.raises(ConfigError, match=rf"data.sources\[1\].path='{prepared['no-val']}' has none "
-                                          r"\(.*manifest.json: prepared without --val-fraction\)"):
+    no_val = DataConfig(
+        sources=[SourceConfig(str(prepared["a"]), 1.0), SourceConfig(str(prepared["no-val"]), 1.0)]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf"data.sources\[1\].path='{prepared['no-val']}' has none "
+        r"\(.*manifest.json: prepared without --val-fraction\)",
+    ):
         data.eval_dataset(no_val, SEQ, global_batch=BATCH, batches=1)
     for source in ("stdlib", str(prepared["a"] / "*.bin")):
         cfg = config_lib.load_config(TINY, [f"data.source={source}", "train.eval_every=10"])
-        with pytest.raises(ConfigError, match=r"train.eval_every=10 evaluates on a validation split, "
-                                              r"and data.source=.* has none: prepare it with one"):
+        with pytest.raises(
+            ConfigError,
+            match=r"train.eval_every=10 evaluates on a validation split, "
+            r"and data.source=.* has none: prepare it with one",
+        ):
             config_lib.validate(cfg, 8)
 
 
@@ -122,16 +142,25 @@ def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
         blob = open(path, "rb").read()
         at = 0
         while at < len(blob):
-            (length,) = struct.unpack("<Q", blob[at:at + 8])
-            event = Event.FromString(blob[at + 12:at + 12 + length])
+            (length,) = struct.unpack("<Q", blob[at : at + 8])
+            event = Event.FromString(blob[at + 12 : at + 12 + length])
             at += 12 + length + 4
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
 
 
-RUN = [f"train.seq_len={SEQ}", f"train.batch_size={BATCH}", "train.steps=5", "train.log_every=1",
-       "data.max_documents=null", "checkpoint.every=0", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]
+RUN = [
+    f"train.seq_len={SEQ}",
+    f"train.batch_size={BATCH}",
+    "train.steps=5",
+    "train.log_every=1",
+    "data.max_documents=null",
+    "checkpoint.every=0",
+    "mesh.data=8",
+    "mesh.fsdp=1",
+    "mesh.tensor=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +169,9 @@ def runs(prepared, tmp_path_factory):
     out = {}
     for name, extra in (("eval", ["train.eval_every=2", "train.eval_batches=2"]), ("plain", [])):
         run_dir = tmp_path_factory.mktemp(name)
-        cfg = config_lib.load_config(TINY, RUN + extra + [
-            f"data.sources={mixture_sources(prepared)}", f"train.run_dir={run_dir}"])
+        cfg = config_lib.load_config(
+            TINY, RUN + extra + [f"data.sources={mixture_sources(prepared)}", f"train.run_dir={run_dir}"]
+        )
         summary = train(cfg, config_lib.validate(cfg, 8))
         records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         out[name] = (run_dir, cfg, summary, records)
@@ -159,9 +189,11 @@ def test_evaluation_leaves_training_alone_and_logs_eval_loss(runs):
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(set(evals)) == 3  # the weights changed between evaluations
     assert summary["eval_loss"] == evals[-1] and plain_summary["eval_loss"] is None
-    assert tensorboard_scalars(run_dir)["eval/loss"] == [(2, pytest.approx(evals[0])),
-                                                         (4, pytest.approx(evals[1])),
-                                                         (5, pytest.approx(evals[2]))]
+    assert tensorboard_scalars(run_dir)["eval/loss"] == [
+        (2, pytest.approx(evals[0])),
+        (4, pytest.approx(evals[1])),
+        (5, pytest.approx(evals[2])),
+    ]
     assert (run_dir / "loss.png").stat().st_size > 1000
 
 
@@ -181,8 +213,11 @@ def test_eval_loss_is_the_final_weights_loss_on_the_val_batches(runs):
         nll, count = nll + float(got_nll), count + float(got_count)
     assert records[-1]["eval_loss"] == pytest.approx(nll / count, rel=1e-5)
     # The train split's loss under the same weights is another number: the letters differ.
-    train_batch = next(make_iterator(data.batch_dataset(
-        data.training_source(cfg.data, None, SEQ), global_batch=BATCH, seed=0)))
+    train_batch = next(
+        make_iterator(
+            data.batch_dataset(data.training_source(cfg.data, None, SEQ), global_batch=BATCH, seed=0)
+        )
+    )
     train_nll, train_count, _ = loss(model, train_batch)
     assert abs(float(train_nll / train_count) - nll / count) > 0.5
 
@@ -206,14 +241,20 @@ def test_a_pipelined_layout_evaluates_the_same_loss():
     same weights and batch."""
     cfg = config_lib.load_config(TINY, ["parallel.microbatches=2"])
     rng = np.random.default_rng(0)
-    batch = {"inputs": rng.integers(0, 256, (8, 32)), "targets": rng.integers(0, 256, (8, 32)),
-             "positions": np.tile(np.arange(32), (8, 1)), "segment_ids": np.ones((8, 32)),
-             "loss_mask": (rng.random((8, 32)) < 0.9)}
+    batch = {
+        "inputs": rng.integers(0, 256, (8, 32)),
+        "targets": rng.integers(0, 256, (8, 32)),
+        "positions": np.tile(np.arange(32), (8, 1)),
+        "segment_ids": np.ones((8, 32)),
+        "loss_mask": (rng.random((8, 32)) < 0.9),
+    }
     batch = {k: v.astype(np.float32 if k == "loss_mask" else np.int32) for k, v in batch.items()}
     results = []
     params = None
-    for mesh in (["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"],
-                 ["mesh.pipe=2", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1"]):
+    for mesh in (
+        ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"],
+        ["mesh.pipe=2", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1"],
+    ):
         layout_cfg = config_lib.load_config(TINY, ["parallel.microbatches=2"] + mesh)
         trainer = build_trainer(layout_cfg, config_lib.validate(layout_cfg, 8))
         if params is None:

@@ -94,8 +94,9 @@ def compiled_step(layout, capacity_factor=None, compute_dtype=jnp.float32, input
     x, params = shard_inputs(mesh, x, params)
 
     def loss(x, params):
-        y, stats = moe_mlp(x, params, mesh=mesh, top_k=TOP_K, capacity_factor=capacity_factor,
-                           compute_dtype=compute_dtype)
+        y, stats = moe_mlp(
+            x, params, mesh=mesh, top_k=TOP_K, capacity_factor=capacity_factor, compute_dtype=compute_dtype
+        )
         return objective(y, stats["aux_loss"], stats["z_loss"], cotangent), (y, stats)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))

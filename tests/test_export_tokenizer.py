@@ -38,10 +38,17 @@ TEXTS = [
 # Every byte UTF-8 uses (all but 0xC0, 0xC1 and 0xF5-0xFF): ASCII, every continuation byte
 # (U+0080-U+00BF end in 0x80-0xBF), and every lead byte (one code point in 64 outside the
 # surrogates starts with each of 0xC2-0xF4). 17,000 characters.
-ALL_VALID_BYTES = "".join(chr(c) for c in [*range(0xC0), *range(0xC0, 0x110000, 64)]
-                          if not 0xD800 <= c < 0xE000)
-INVALID_UTF8 = [[0xFF], [0xE6, 0x97], [0xE6, 0x97, 0x41, 0xF0, 0x9F], [0xED, 0xA0, 0x80],
-                [0xC0, 0xAF], list(range(256))]
+ALL_VALID_BYTES = "".join(
+    chr(c) for c in [*range(0xC0), *range(0xC0, 0x110000, 64)] if not 0xD800 <= c < 0xE000
+)
+INVALID_UTF8 = [
+    [0xFF],
+    [0xE6, 0x97],
+    [0xE6, 0x97, 0x41, 0xF0, 0x9F],
+    [0xED, 0xA0, 0x80],
+    [0xC0, 0xAF],
+    list(range(256)),
+]
 
 
 def byte_run_config():
@@ -74,8 +81,14 @@ def test_the_byte_tokenizer_files_give_jaxpar_ids_in_the_tokenizers_library(tmp_
 
 
 def _export(run_dir, out, **env):
-    return subprocess.run([sys.executable, "-m", "jaxpar.export", str(run_dir), "--out", str(out)],
-                          check=False, capture_output=True, cwd=ROOT, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxpar.export", str(run_dir), "--out", str(out)],
+        check=False,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +97,35 @@ def exported(tmp_path_factory):
     work = tmp_path_factory.mktemp("export")
     run_dir, out = work / "run", work / "hf"
     train = subprocess.run(
-        [sys.executable, "-m", "jaxpar.train", "model.vocab_size=264", "model.d_model=32",
-         "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
-         "model.dtype=float32", "train.batch_size=8", "train.seq_len=32", "train.steps=3",
-         "checkpoint.every=3", "data.max_documents=20", "train.progress=false",
-         "runtime.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
-         f"train.run_dir={run_dir}"], check=False, capture_output=True, cwd=ROOT, timeout=300,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.train",
+            "model.vocab_size=264",
+            "model.d_model=32",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.d_ff=64",
+            "model.dtype=float32",
+            "train.batch_size=8",
+            "train.seq_len=32",
+            "train.steps=3",
+            "checkpoint.every=3",
+            "data.max_documents=20",
+            "train.progress=false",
+            "runtime.cpu_devices=1",
+            "mesh.data=1",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            f"train.run_dir={run_dir}",
+        ],
+        check=False,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert train.returncode == 0, train.stderr.decode()[-2000:]
     # JAX_PLATFORMS unset (conftest.py sets it to cpu), as on a user's machine: with the CUDA
     # plugin installed and no driver, JAX left to itself would log a cuInit(0) traceback.
@@ -116,12 +151,27 @@ def test_transformers_loads_the_exported_byte_run_with_its_tokenizer(exported, t
         pytest.skip(why)
     run_dir, out, _ = exported
     ours = ByteTokenizer()
-    cases = {"texts": [*TEXTS, ALL_VALID_BYTES], "ids": [*INVALID_UTF8, [104, 256, 105, 300]],
-             "logits_text": TEXTS[1]}
+    cases = {
+        "texts": [*TEXTS, ALL_VALID_BYTES],
+        "ids": [*INVALID_UTF8, [104, 256, 105, 300]],
+        "logits_text": TEXTS[1],
+    }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    proc = subprocess.run([HF_PYTHON, REFERENCE, "tokenizer", str(out), str(tmp_path / "cases.json"),
-                           str(tmp_path / "got.json")], check=False, capture_output=True, cwd=ROOT,
-                          timeout=300, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    proc = subprocess.run(
+        [
+            HF_PYTHON,
+            REFERENCE,
+            "tokenizer",
+            str(out),
+            str(tmp_path / "cases.json"),
+            str(tmp_path / "got.json"),
+        ],
+        check=False,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     got = json.loads((tmp_path / "got.json").read_text())
     assert got["model_class"] == "LlamaForCausalLM"

@@ -46,12 +46,15 @@ def finished(tmp_path_factory):
     work = tmp_path_factory.mktemp("finished")
     (work / "corpus").mkdir()
     for i in range(3):
-        (work / "corpus" / f"{i}.txt").write_text(open(os.path.join(ROOT, "jaxpar", "train.py")).read()[i * 3000:(i + 1) * 3000])
+        (work / "corpus" / f"{i}.txt").write_text(
+            open(os.path.join(ROOT, "jaxpar", "train.py")).read()[i * 3000 : (i + 1) * 3000]
+        )
     cwd = os.getcwd()
     os.chdir(work)  # the run names its corpus relative to here
     try:
-        cfg, sizes = tiny("run", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=0",
-                          "data.source=corpus/*.txt")
+        cfg, sizes = tiny(
+            "run", "train.steps=4", "checkpoint.every=2", "checkpoint.keep=0", "data.source=corpus/*.txt"
+        )
         train(cfg, sizes)
     finally:
         os.chdir(cwd)
@@ -72,7 +75,7 @@ def history(metrics=None, checkpoints=(), unfinished=(), files=("config.yaml",),
 
 
 def test_the_rules_of_a_used_run_directory():
-    intact = lambda step: None  # noqa: E731
+    intact = lambda step: None
     # Unused (a config.yaml alone is no history): a fresh run, nothing moved.
     assert rundir.plan("auto", history(), intact) == rundir.Start(None, [], [])
     assert rundir.plan("never", history(), intact) == rundir.Start(None, [], [])
@@ -81,14 +84,21 @@ def test_the_rules_of_a_used_run_directory():
         start = rundir.plan("auto", history(35, [10, 20, 30]), lambda s: "garbled" if s == 30 else None)
     assert start == rundir.Start(20, [], [])
     # ... and refuses when there is history but nothing to resume from.
-    with pytest.raises(ConfigError, match=r"metrics up to step 35\) but nothing to resume from: no "
-                                          r"checkpoint was written .*train.resume=never"):
+    with pytest.raises(
+        ConfigError,
+        match=r"metrics up to step 35\) but nothing to resume from: no "
+        r"checkpoint was written .*train.resume=never",
+    ):
         rundir.plan("auto", history(35), intact)
-    with pytest.warns(CheckpointWarning), pytest.raises(
-            ConfigError, match=r"step 20: bad; step 10: bad\. To start over"):
+    with (
+        pytest.warns(CheckpointWarning),
+        pytest.raises(ConfigError, match=r"step 20: bad; step 10: bad\. To start over"),
+    ):
         rundir.plan("auto", history(25, [10, 20]), lambda s: "bad")
-    with pytest.warns(CheckpointWarning, match="never committed"), pytest.raises(
-            ConfigError, match="step 10: its save never committed"):
+    with (
+        pytest.warns(CheckpointWarning, match="never committed"),
+        pytest.raises(ConfigError, match="step 10: its save never committed"),
+    ):
         rundir.plan("auto", history(None, [], [10]), intact)
 
 
@@ -114,10 +124,14 @@ def test_resume_never_and_resume_at_a_step_move_what_they_replace(tmp_path):
     start = rundir.plan("never", rundir.survey(run), lambda s: None)
     aside2 = rundir.set_aside(str(run), start)
     assert aside2 != aside and sorted(os.listdir(run)) == sorted(
-        [os.path.basename(aside), os.path.basename(aside2), "notes.txt"])
+        [os.path.basename(aside), os.path.basename(aside2), "notes.txt"]
+    )
     assert sorted(os.listdir(aside2)) == ["checkpoints", "events.out.tfevents.1.host", "metrics.jsonl"]
-    with pytest.raises(ConfigError, match=r"train.resume=5: that checkpoint cannot be used \(there "
-                                          r"is no such checkpoint\); complete checkpoints: \[10\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.resume=5: that checkpoint cannot be used \(there "
+        r"is no such checkpoint\); complete checkpoints: \[10\]",
+    ):
         rundir.plan("5", history(25, [10]), lambda s: None)
 
 
@@ -125,22 +139,33 @@ def test_a_used_run_dir_without_a_usable_checkpoint_is_refused_before_anything_i
     run = copy_of(finished, tmp_path)
     for step in ("2", "4"):  # every checkpoint garbled
         ckpt = run / "checkpoints" / step / "params"
-        victim = next(os.path.join(d, f) for d, _, fs in os.walk(ckpt) for f in fs if os.path.getsize(os.path.join(d, f)) > 64)
+        victim = next(
+            os.path.join(d, f)
+            for d, _, fs in os.walk(ckpt)
+            for f in fs
+            if os.path.getsize(os.path.join(d, f)) > 64
+        )
         with open(victim, "r+b") as f:
             f.write(b"\xff" * 16)
     before = sorted(os.listdir(run))
     cfg, sizes = tiny(run, "train.steps=6")
-    with pytest.warns(CheckpointWarning), pytest.raises(
-            ConfigError, match=r"holds an earlier run \(metrics up to step 4, checkpoints of steps "
-                               r"\[2, 4\]\) but nothing to resume from: step 4: .*garbled.*; step 2: "):
+    with (
+        pytest.warns(CheckpointWarning),
+        pytest.raises(
+            ConfigError,
+            match=r"holds an earlier run \(metrics up to step 4, checkpoints of steps "
+            r"\[2, 4\]\) but nothing to resume from: step 4: .*garbled.*; step 2: ",
+        ),
+    ):
         train(cfg, sizes)
     assert sorted(os.listdir(run)) == before and metrics_steps(run) == [1, 2, 3, 4]
 
 
 def test_resume_never_starts_over_with_the_old_run_moved_aside(finished, tmp_path, capsys):
     run = copy_of(finished, tmp_path)
-    cfg, sizes = tiny(run, "train.steps=2", "train.resume=never", "data.source=" + str(
-        finished.parent / "corpus" / "*.txt"))
+    cfg, sizes = tiny(
+        run, "train.steps=2", "train.resume=never", "data.source=" + str(finished.parent / "corpus" / "*.txt")
+    )
     train(cfg, sizes)
     assert metrics_steps(run) == [1, 2]  # one run's history, not two appended
     (aside,) = [n for n in os.listdir(run) if n.startswith("replaced-")]
@@ -155,11 +180,16 @@ def test_resume_at_an_earlier_step_sets_the_later_checkpoints_aside_and_reruns_t
     run = copy_of(finished, tmp_path)
     source = "data.source=" + str(finished.parent / "corpus" / "*.txt")
     cfg, sizes = tiny(run, "train.steps=4", "train.resume=2", "train.batch_size=16", source)
-    with pytest.raises(ConfigError, match=r"train.batch_size=16, but checkpoint step 2 was written "
-                                          r"with train.batch_size=8.*resume with train.batch_size=8"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.batch_size=16, but checkpoint step 2 was written "
+        r"with train.batch_size=8.*resume with train.batch_size=8",
+    ):
         train(cfg, sizes)
     assert sorted(os.listdir(run / "checkpoints")) == ["2", "4"]  # refused: nothing moved
-    cfg, sizes = tiny(run, "train.steps=4", "train.resume=2", "checkpoint.every=2", "checkpoint.keep=0", source)
+    cfg, sizes = tiny(
+        run, "train.steps=4", "train.resume=2", "checkpoint.every=2", "checkpoint.keep=0", source
+    )
     train(cfg, sizes)
     (aside,) = [n for n in os.listdir(run) if n.startswith("replaced-")]
     assert os.listdir(run / aside / "checkpoints") == ["4"]
@@ -182,7 +212,9 @@ def test_a_live_holder_refuses_a_second_run_and_a_dead_one_is_taken_over(tmp_pat
     first.acquire()
     held = json.load(open(tmp_path / "jaxpar.lock"))
     assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
-    with pytest.raises(ConfigError, match=rf"another run is using this directory \(pid {os.getpid()} on host"):
+    with pytest.raises(
+        ConfigError, match=rf"another run is using this directory \(pid {os.getpid()} on host"
+    ):
         rundir.RunLock(tmp_path).acquire()
     first.release()
     assert not (tmp_path / "jaxpar.lock").exists()
@@ -192,12 +224,16 @@ def test_a_live_holder_refuses_a_second_run_and_a_dead_one_is_taken_over(tmp_pat
     (tmp_path / "jaxpar.lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname()}))
     second = rundir.RunLock(tmp_path)
     second.acquire()
-    assert f"taking over the stale lock {tmp_path / 'jaxpar.lock'} (left by pid {gone.pid}" in capsys.readouterr().err
+    assert (
+        f"taking over the stale lock {tmp_path / 'jaxpar.lock'} (left by pid {gone.pid}"
+        in capsys.readouterr().err
+    )
     assert json.load(open(tmp_path / "jaxpar.lock"))["pid"] == os.getpid()
     second.release()
     # A pid that is alive but started later than the holder did is someone else: stale.
-    (tmp_path / "jaxpar.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                      "start_ticks": -1}))
+    (tmp_path / "jaxpar.lock").write_text(
+        json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": -1})
+    )
     rundir.RunLock(tmp_path).acquire()
     # Another host's process cannot be checked: its lock is live while it is touched...
     elsewhere = {"pid": 1, "host": "elsewhere-" + uuid.uuid4().hex, "slurm_job_id": "77"}
@@ -239,7 +275,9 @@ def test_a_second_run_on_a_locked_run_dir_exits_2_and_writes_nothing(finished, t
 def _cli(run_dir, *extra, module="jaxpar.train"):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     args = [sys.executable, "-m", module, TINY_YAML, f"train.run_dir={run_dir}", *ONE_LAYOUT, *extra]
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def mount_tmpfs(where, options):
@@ -280,12 +318,24 @@ sys.exit(train.main(sys.argv[1:]))
 @pytest.mark.parametrize("check", ["before the save", "unchecked"])
 def test_a_full_disk_is_one_line_and_the_previous_checkpoint_is_intact(small_disk, check):
     run = small_disk / "run"
-    args = [TINY_YAML, f"train.run_dir={run}", *ONE_LAYOUT, "train.steps=40", "checkpoint.every=2",
-            "checkpoint.keep=0"]
+    args = [
+        TINY_YAML,
+        f"train.run_dir={run}",
+        *ONE_LAYOUT,
+        "train.steps=40",
+        "checkpoint.every=2",
+        "checkpoint.keep=0",
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     command = ["-m", "jaxpar.train"] if check == "before the save" else ["-c", UNCHECKED]
-    proc = subprocess.Popen([sys.executable, *command, *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, *command, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]
@@ -302,8 +352,11 @@ def test_ctrl_c_at_any_moment_stops_cleanly_with_exit_130(tmp_path):
     # Early (importing, reading the config); in start-up once the lock is taken (building the
     # state, compiling); in training (it stops after the step, with a checkpoint).
     dirs = {"early": tmp_path / "a", "start-up": tmp_path / "b", "training": tmp_path / "c"}
-    cases = {"early": _cli(dirs["early"]), "start-up": _cli(dirs["start-up"]),
-             "training": _cli(dirs["training"], "train.steps=100000", "checkpoint.every=0")}
+    cases = {
+        "early": _cli(dirs["early"]),
+        "start-up": _cli(dirs["start-up"]),
+        "training": _cli(dirs["training"], "train.steps=100000", "checkpoint.every=0"),
+    }
     time.sleep(0.7)
     cases["early"].send_signal(signal.SIGINT)
     deadline = time.time() + 240
@@ -315,8 +368,10 @@ def test_ctrl_c_at_any_moment_stops_cleanly_with_exit_130(tmp_path):
     results = {name: (proc.wait(timeout=120), proc.communicate()[1]) for name, proc in cases.items()}
     for name, (code, err) in results.items():
         assert code == 130 and "Traceback" not in err, (name, code, err[-3000:])
-    assert ("interrupted during start-up" in results["early"][1]
-            or "stopped by SIGINT during start-up, before step 1" in results["early"][1])
+    assert (
+        "interrupted during start-up" in results["early"][1]
+        or "stopped by SIGINT during start-up, before step 1" in results["early"][1]
+    )
     assert "stopped by SIGINT during start-up, before step 1" in results["start-up"][1]
     assert not (dirs["start-up"] / "jaxpar.lock").exists()  # released on the way out
     steps = os.listdir(dirs["training"] / "checkpoints")
@@ -326,11 +381,13 @@ def test_ctrl_c_at_any_moment_stops_cleanly_with_exit_130(tmp_path):
 def test_a_second_ctrl_c_exits_at_once():
     """The command line's handler: the first SIGINT asks for a stop, the second exits 130 on the
     spot (no unwinding through a compile or a save)."""
-    code = ("import os, signal, time\n"
-            "from jaxpar.train import Preemption\n"
-            "with Preemption(exit_at_once=True) as p:\n"
-            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2); print(p.requested, flush=True)\n"
-            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5); print('not reached')\n")
+    code = (
+        "import os, signal, time\n"
+        "from jaxpar.train import Preemption\n"
+        "with Preemption(exit_at_once=True) as p:\n"
+        "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2); print(p.requested, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5); print('not reached')\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 130 and done.stdout == "SIGINT\n", done
     assert "interrupted again: stopped at once" in done.stderr and "Traceback" not in done.stderr
@@ -348,12 +405,17 @@ def test_settings_that_were_accepted_silently_are_refused():
     refused("optimizer.lr=.nan", match=r"optimizer.lr=nan: use a positive, finite learning rate")
     refused("optimizer.lr=-1", match=r"optimizer.lr=-1.0: use a positive")
     refused("optimizer.warmup_steps=-3", match=r"optimizer.warmup_steps=-3: use 0 or more")
-    refused("train.steps=3000000000", match=r"train.steps=3000000000 is beyond the int32 step counter; use at most 2147483647")
+    refused(
+        "train.steps=3000000000",
+        match=r"train.steps=3000000000 is beyond the int32 step counter; use at most 2147483647",
+    )
     refused("train.seed=-1", match=r"train.seed=-1: use a seed in \[0, 2\*\*32\)")
     refused("train.seed=4294967296", match=r"train.seed=4294967296")
     refused("runtime.cpu_devices=0", match=r"runtime.cpu_devices=0: must be at least 1")
     # A section given as a mapping merges with the dotted overrides around it, in order.
-    cfg = config_lib.load_config(None, ["train.steps=5", "train={seq_len: 64, log_every: 3}", "train.log_every=4"])
+    cfg = config_lib.load_config(
+        None, ["train.steps=5", "train={seq_len: 64, log_every: 3}", "train.log_every=4"]
+    )
     assert (cfg.train.steps, cfg.train.seq_len, cfg.train.log_every) == (5, 64, 4)
     with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'"):
         config_lib.load_config(None, ["train={stepz: 5}"])
@@ -368,7 +430,9 @@ def test_cpu_devices_is_checked_before_the_backend_starts():
 def test_paths_that_are_directories_files_or_read_only_are_named(tmp_path):
     with pytest.raises(ConfigError, match=f"config file '{tmp_path}' is a directory"):
         config_lib.load_yaml(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"is a directory; name its files with a glob, e\.g\. data.source='.*\*\.txt'"):
+    with pytest.raises(
+        ConfigError, match=r"is a directory; name its files with a glob, e\.g\. data.source='.*\*\.txt'"
+    ):
         config_lib.data_files(config_lib.DataConfig(source=str(tmp_path)))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match=r"train.run_dir='.*file' is a file; give a directory"):
@@ -379,8 +443,11 @@ def test_paths_that_are_directories_files_or_read_only_are_named(tmp_path):
 
 def test_a_read_only_run_dir_is_named(read_only):
     """Checked by writing a probe: permission bits do not show a read-only mount."""
-    with pytest.raises(ConfigError, match=r"train.run_dir='.*ro/run' is not writable \(it would be "
-                                          r"created in '.*ro'\): Read-only file system"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train.run_dir='.*ro/run' is not writable \(it would be "
+        r"created in '.*ro'\): Read-only file system",
+    ):
         config_lib.check_run_dir(str(read_only / "run"))
 
 

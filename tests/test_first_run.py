@@ -25,9 +25,14 @@ GIB = 2**30
 
 
 def _cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jaxpar.train", *args], cwd=ROOT, text=True,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxpar.train", *args],
+        cwd=ROOT,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 # --- A GPU preset on a CPU -----------------------------------------------------------------------
@@ -53,8 +58,13 @@ def test_the_readme_gpt2_example_on_a_cpu_is_refused_at_once_with_the_numbers(tm
     """The README's own example, with what the run may take pinned (runtime.host_memory_gib), so
     that the test does not depend on this machine's free memory."""
     start = time.monotonic()
-    proc = _cli(GPT2, "train.steps=100", "mesh.data=-1", "runtime.host_memory_gib=16",
-                f"train.run_dir={tmp_path / 'run'}")
+    proc = _cli(
+        GPT2,
+        "train.steps=100",
+        "mesh.data=-1",
+        "runtime.host_memory_gib=16",
+        f"train.run_dir={tmp_path / 'run'}",
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
     assert time.monotonic() - start < 60 and "Traceback" not in err
@@ -65,8 +75,13 @@ def test_the_readme_gpt2_example_on_a_cpu_is_refused_at_once_with_the_numbers(tm
 
 
 def test_a_slow_run_says_how_slow_and_the_first_ctrl_c_stops_it_within_seconds(tmp_path):
-    proc = _cli(GPT2, "train.batch_size=4", "train.steps=100", "runtime.host_memory_gib=64",
-                f"train.run_dir={tmp_path / 'run'}")
+    proc = _cli(
+        GPT2,
+        "train.batch_size=4",
+        "train.steps=100",
+        "runtime.host_memory_gib=64",
+        f"train.run_dir={tmp_path / 'run'}",
+    )
     seen = ""
     while "warning: on this CPU" not in seen:  # printed before the model is built
         line = proc.stderr.readline()
@@ -81,28 +96,38 @@ def test_a_slow_run_says_how_slow_and_the_first_ctrl_c_stops_it_within_seconds(t
     assert "stopped at once" in err and "Traceback" not in err
 
 
-_BLOCKED_IN_XLA = ("import os, signal, threading\n"
-                   "import jax, jax.numpy as jnp\n"
-                   "from jaxpar.train import Preemption\n"
-                   "step = jax.jit(lambda x: jax.lax.fori_loop(0, 100000, lambda i, y: jnp.tanh(y @ x), x))\n"
-                   "x = jnp.ones((256, 256)) / 256\n"
-                   "with Preemption(exit_at_once=True) as p:\n"
-                   "    p.expected_wait_s, p.unsaved_steps = 300.0, {unsaved}\n"
-                   "    for at in {sigints}:\n"
-                   "        threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
-                   "    step(x).block_until_ready()\n"
-                   "    print('waited for the step', flush=True)\n")
+_BLOCKED_IN_XLA = (
+    "import os, signal, threading\n"
+    "import jax, jax.numpy as jnp\n"
+    "from jaxpar.train import Preemption\n"
+    "step = jax.jit(lambda x: jax.lax.fori_loop(0, 100000, lambda i, y: jnp.tanh(y @ x), x))\n"
+    "x = jnp.ones((256, 256)) / 256\n"
+    "with Preemption(exit_at_once=True) as p:\n"
+    "    p.expected_wait_s, p.unsaved_steps = 300.0, {unsaved}\n"
+    "    for at in {sigints}:\n"
+    "        threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+    "    step(x).block_until_ready()\n"
+    "    print('waited for the step', flush=True)\n"
+)
 
 
 def test_with_steps_to_lose_the_first_ctrl_c_answers_at_once_and_the_second_stops():
     """3 steps since the last checkpoint: the first Ctrl-C says at once that the run stops after
     the step with a checkpoint (and does not stop); the second stops at once, one message."""
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", _BLOCKED_IN_XLA.format(unsaved=3, sigints=(1.0, 3.0))],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    done = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_IN_XLA.format(unsaved=3, sigints=(1.0, 3.0))],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 130 and "waited for the step" not in done.stdout, done
-    assert "Ctrl-C: stopping after the step in flight (about 300 s per step) with a checkpoint of the 3 step(s)" in done.stderr
+    assert (
+        "Ctrl-C: stopping after the step in flight (about 300 s per step) with a checkpoint of the 3 step(s)"
+        in done.stderr
+    )
     assert done.stderr.count("interrupted again: stopped at once") == 1
     assert time.monotonic() - start < 25
 
@@ -112,8 +137,14 @@ def test_the_first_ctrl_c_does_not_wait_out_a_step_blocked_in_xla():
     handler; the watcher thread still stops the process within a few seconds."""
     code = _BLOCKED_IN_XLA.format(unsaved=0, sigints=(1.0,))
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 130 and "waited for the step" not in done.stdout, done
     assert "stopped at once: a step takes about 300 s here and no step had run" in done.stderr
     assert time.monotonic() - start < 20
@@ -131,9 +162,19 @@ def test_checkpoint_and_eval_time_are_their_own_figures_not_the_steps(tmp_path, 
         return real_save(self, *args, **kwargs)
 
     monkeypatch.setattr(train_lib.checkpoint_lib.Checkpointer, "save", slow_save)
-    cfg = config_lib.load_config(TINY_YAML, ["runtime.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1",
-                                             "mesh.tensor=1", "train.steps=12", "train.log_every=2",
-                                             "checkpoint.every=4", f"train.run_dir={tmp_path}"])
+    cfg = config_lib.load_config(
+        TINY_YAML,
+        [
+            "runtime.cpu_devices=8",
+            "mesh.data=8",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            "train.steps=12",
+            "train.log_every=2",
+            "checkpoint.every=4",
+            f"train.run_dir={tmp_path}",
+        ],
+    )
     summary = train_lib.train(cfg, config_lib.validate(cfg, 8))
     records = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl"))}
     plain = sorted(records[s]["step_time_s"] for s in (2, 6, 10))
@@ -146,8 +187,17 @@ def test_checkpoint_and_eval_time_are_their_own_figures_not_the_steps(tmp_path, 
 
 
 def _records(n: int):
-    return [{"step": s, "loss": 5.0 - s / 10, "tokens_per_sec": 1000.0, "mfu": None,
-             "step_time_s": 0.5, **({"eval_loss": 4.0} if s == 4 else {})} for s in range(2, n + 1, 2)]
+    return [
+        {
+            "step": s,
+            "loss": 5.0 - s / 10,
+            "tokens_per_sec": 1000.0,
+            "mfu": None,
+            "step_time_s": 0.5,
+            **({"eval_loss": 4.0} if s == 4 else {}),
+        }
+        for s in range(2, n + 1, 2)
+    ]
 
 
 def test_off_a_terminal_the_log_is_plain_lines_one_per_logged_step():
@@ -182,8 +232,14 @@ def test_on_a_terminal_the_loss_history_stays_on_screen_above_the_bar():
 
 
 def test_a_raised_train_steps_after_a_finished_run_says_the_schedule_restarts(tmp_path, capsys):
-    overrides = ["runtime.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1",
-                 "checkpoint.every=0", f"train.run_dir={tmp_path}"]
+    overrides = [
+        "runtime.cpu_devices=8",
+        "mesh.data=8",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "checkpoint.every=0",
+        f"train.run_dir={tmp_path}",
+    ]
     cfg = config_lib.load_config(TINY_YAML, overrides + ["train.steps=4"])
     train_lib.train(cfg, config_lib.validate(cfg, 8))
     capsys.readouterr()
@@ -204,16 +260,27 @@ def test_a_raised_train_steps_after_a_finished_run_says_the_schedule_restarts(tm
 
 
 def test_help_lists_every_setting_with_its_default_and_comment():
-    done = subprocess.run([sys.executable, "-m", "jaxpar.train", "--help"], capture_output=True,
-                          text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxpar.train", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        timeout=60,
+    )
     assert done.returncode == 0
-    listed = {line.split("=")[0].strip() for line in done.stdout.splitlines() if line.startswith("  ")
-              and "=" in line.split()[0]}
+    listed = {
+        line.split("=")[0].strip()
+        for line in done.stdout.splitlines()
+        if line.startswith("  ") and "=" in line.split()[0]
+    }
     keys = config_lib._all_keys(config_lib.Config)
     leaves = {k for k in keys if not any(other.startswith(k + ".") for other in keys)}
     assert leaves - listed == set() and len(leaves) > 60
-    assert any(line.split()[:1] == ["train.steps=300"] and "optimizer steps" in line
-               for line in done.stdout.splitlines())
+    assert any(
+        line.split()[:1] == ["train.steps=300"] and "optimizer steps" in line
+        for line in done.stdout.splitlines()
+    )
     assert "runtime.host_memory_gib=null" in done.stdout
 
 
@@ -226,10 +293,26 @@ def test_host_memory_gib_must_be_a_positive_number():
 
 def test_a_launch_too_big_for_the_machine_together_is_refused_before_any_process_starts():
     """Each of 2 processes would fit alone; together they do not (exit 3, nothing started)."""
-    done = subprocess.run([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", TINY_YAML,
-                           "runtime.cpu_devices=1", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
-                           "runtime.host_memory_gib=2.5"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.launch",
+            "--nproc",
+            "2",
+            TINY_YAML,
+            "runtime.cpu_devices=1",
+            "mesh.data=2",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            "runtime.host_memory_gib=2.5",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 3, done.stderr
     assert "error: the 2 processes need about 2.8 GiB of host memory together" in done.stderr
     assert "process 0" not in done.stderr  # refused before the first fork
@@ -245,8 +328,11 @@ def test_a_dashed_setting_is_told_to_drop_the_dashes(argv):
 
 
 def test_a_missing_preset_suggests_the_closest_one():
-    with pytest.raises(ConfigError, match=r"configs/gpt2.yaml' does not exist; did you mean "
-                                          r"'configs/gpt2-124m.yaml'\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"configs/gpt2.yaml' does not exist; did you mean "
+        r"'configs/gpt2-124m.yaml'\?",
+    ):
         _in_root(lambda: config_lib.user_settings("configs/gpt2.yaml"))
 
 
@@ -270,8 +356,9 @@ def test_inspect_says_its_xla_flops_count_a_loop_body_once(tmp_path):
 
     reports = {}
     for layers in (2, 4):
-        cfg = config_lib.load_config(TINY_YAML, [f"model.n_layers={layers}", "mesh.data=2",
-                                                 "mesh.fsdp=1", "mesh.tensor=1"])
+        cfg = config_lib.load_config(
+            TINY_YAML, [f"model.n_layers={layers}", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
+        )
         trainer = build_trainer(cfg, config_lib.validate(cfg, 2), devices=jax.devices()[:2])
         reports[layers] = report(trainer, compile_step(trainer))
     two, four = reports[2], reports[4]
@@ -287,17 +374,30 @@ def test_profile_steps_write_a_trace_and_the_run_goes_on(tmp_path):
     import glob
     import gzip
 
-    cfg = config_lib.load_config(TINY_YAML, ["runtime.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1",
-                                             "mesh.tensor=1", "train.steps=5",
-                                             "train.profile_steps=[2, 3]", f"train.run_dir={tmp_path}"])
+    cfg = config_lib.load_config(
+        TINY_YAML,
+        [
+            "runtime.cpu_devices=8",
+            "mesh.data=8",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            "train.steps=5",
+            "train.profile_steps=[2, 3]",
+            f"train.run_dir={tmp_path}",
+        ],
+    )
     summary = train_lib.train(cfg, config_lib.validate(cfg, 8))
     assert summary["steps"] == 5
     traces = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.trace.json.gz"))
-    assert len(traces) == 1 and glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert len(traces) == 1 and glob.glob(
+        str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb")
+    )
     events = json.load(gzip.open(traces[0]))["traceEvents"]
     assert any(e.get("name", "").startswith("PjitFunction(") for e in events)  # jitted calls traced
     with pytest.raises(ConfigError, match=r"train.profile_steps=\[4, 9\]: give \[first, last\]"):
-        config_lib.validate(config_lib.load_config(TINY_YAML, ["train.steps=5", "train.profile_steps=[4, 9]"]), 8)
+        config_lib.validate(
+            config_lib.load_config(TINY_YAML, ["train.steps=5", "train.profile_steps=[4, 9]"]), 8
+        )
 
 
 def test_a_save_that_fails_only_when_the_checkpointer_closes_fails_the_run(tmp_path, monkeypatch):
@@ -309,8 +409,17 @@ def test_a_save_that_fails_only_when_the_checkpointer_closes_fails_the_run(tmp_p
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(train_lib.checkpoint_lib.Checkpointer, "close", failing_close)
-    cfg = config_lib.load_config(TINY_YAML, ["runtime.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1",
-                                             "mesh.tensor=1", "train.steps=2", f"train.run_dir={tmp_path}"])
+    cfg = config_lib.load_config(
+        TINY_YAML,
+        [
+            "runtime.cpu_devices=8",
+            "mesh.data=8",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            "train.steps=2",
+            f"train.run_dir={tmp_path}",
+        ],
+    )
     with pytest.raises(train_lib.DiskFull):
         train_lib.train(cfg, config_lib.validate(cfg, 8))
     assert not (tmp_path / "jaxpar.lock").exists()  # released all the same

@@ -51,8 +51,7 @@ def element_error(t, fp8_dtype, scale):
 def product_bound(spec, a, ea, b, eb):
     """|â·b̂ - a·b| <= |a|·eb + ea·|b| + ea·eb, element by element (â within ea of a, b̂ within eb
     of b), with 1e-5 relative room for the float32 sums."""
-    bound = (jnp.einsum(spec, jnp.abs(a), eb) + jnp.einsum(spec, ea, jnp.abs(b))
-             + jnp.einsum(spec, ea, eb))
+    bound = jnp.einsum(spec, jnp.abs(a), eb) + jnp.einsum(spec, ea, jnp.abs(b)) + jnp.einsum(spec, ea, eb)
     return bound * (1 + 1e-5) + 1e-5 * jnp.abs(jnp.einsum(spec, a, b))
 
 
@@ -60,8 +59,9 @@ def test_forward_within_the_e4m3_bound():
     x, w, _ = operands()
     got = fp8_einsum(SPEC, x, w)
     want = jnp.einsum(SPEC, x, w)
-    bound = product_bound(SPEC, x, element_error(x, E4M3, scale_of(x, E4M3)),
-                          w, element_error(w, E4M3, scale_of(w, E4M3)))
+    bound = product_bound(
+        SPEC, x, element_error(x, E4M3, scale_of(x, E4M3)), w, element_error(w, E4M3, scale_of(w, E4M3))
+    )
     assert bool(jnp.all(jnp.abs(got - want) <= bound))
     # ... and it is float8: far from float32 exactness, near the bound's scale.
     relative = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -102,8 +102,10 @@ def test_the_arithmetic_is_e4m3_forward_e5m2_backward_with_per_tensor_scales():
     # The backward's GEMM operands are float8 of the two kinds; float32 is only the accumulator.
     jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: fp8_einsum(SPEC, x, w).sum(), (0, 1)))(x, w)
     assert sorted(dot_operand_types(jaxpr.jaxpr)) == [
-        ("float8_e4m3fn", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e5m2"),
-        ("float8_e5m2", "float8_e4m3fn")]
+        ("float8_e4m3fn", "float8_e4m3fn"),
+        ("float8_e4m3fn", "float8_e5m2"),
+        ("float8_e5m2", "float8_e4m3fn"),
+    ]
 
 
 def dot_operand_types(jaxpr) -> list[tuple[str, str]]:
@@ -148,17 +150,26 @@ def test_inspect_for_an_a100_refuses_fp8_before_compiling():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "jaxpar.inspect", "configs/tiny.yaml",
-                           "model.fp8=true", "--target", "a100"], capture_output=True, text=True,
-                          env={**os.environ, "XLA_FLAGS": ""}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxpar.inspect", "configs/tiny.yaml", "model.fp8=true", "--target", "a100"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XLA_FLAGS": ""},
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "A100-SXM4-80GB (compute capability 8.0)" in done.stderr
     assert "Traceback" not in done.stderr
 
 
 # Dense blocks and an MoE layer (dropless, a shared expert): every block matmul in float8.
-FP8 = ["model.fp8=true", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2",
-       "model.moe.shared_experts=1"]
+FP8 = [
+    "model.fp8=true",
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.every=2",
+    "model.moe.shared_experts=1",
+]
 
 
 def test_fsdp_tensor_and_expert_layouts_equal_one_device():
@@ -189,8 +200,16 @@ def test_remat_dots_keeps_fp8_gemm_outputs_at_bfloat16_size():
     and on llama-1b's H100 program 42.6 instead of 31.6 GiB)."""
     temp = {}
     for fp8 in ("false", "true"):
-        trainer = trainer_on(["model.dtype=bfloat16", f"model.fp8={fp8}", "parallel.remat=dots",
-                              "train.seq_len=128", "train.batch_size=8"], {})
+        trainer = trainer_on(
+            [
+                "model.dtype=bfloat16",
+                f"model.fp8={fp8}",
+                "parallel.remat=dots",
+                "train.seq_len=128",
+                "train.batch_size=8",
+            ],
+            {},
+        )
         temp[fp8] = compile_step(trainer).memory_analysis().temp_size_in_bytes
     assert temp["true"] <= 1.10 * temp["false"], temp
 

@@ -38,9 +38,20 @@ def test_a_model_too_big_for_one_h100_exits_3(capsys):
 
     # 5.4 B parameters, nearly all in an untied 2.6M-entry vocabulary (one small layer compiles
     # fast): 16 bytes each (float32 params, grads, Adam) is 80 GiB > 90% of 79 GiB.
-    big = ["model.vocab_size=2621440", "model.d_model=1024", "model.n_layers=1", "model.n_heads=8",
-           "model.n_kv_heads=8", "model.d_ff=1024", "train.batch_size=1", "train.seq_len=128",
-           "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "parallel.zero_stage=0"]
+    big = [
+        "model.vocab_size=2621440",
+        "model.d_model=1024",
+        "model.n_layers=1",
+        "model.n_heads=8",
+        "model.n_kv_heads=8",
+        "model.d_ff=1024",
+        "train.batch_size=1",
+        "train.seq_len=128",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "parallel.zero_stage=0",
+    ]
     assert main([*big, "--target", "h100"]) == 3
     out, err = capsys.readouterr()
     assert '"fits": false' in out and "does not fit" in err and "GiB" in err

@@ -26,8 +26,14 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extr
 # path wants 64 or 128), a vocabulary that dwarfs the model. The loss is split into 4 chunks
 # explicitly (its automatic choice keeps whole logits below 256 MiB, which these are).
 SMALL = {
-    "model.vocab_size": 8192, "model.d_model": 256, "model.n_layers": 2, "model.n_heads": 4,
-    "model.n_kv_heads": 2, "model.d_ff": 512, "train.batch_size": 8, "train.seq_len": 256,
+    "model.vocab_size": 8192,
+    "model.d_model": 256,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "model.d_ff": 512,
+    "train.batch_size": 8,
+    "train.seq_len": 256,
     "train.loss_chunks": 4,
 }
 GIB = 2**30
@@ -45,17 +51,24 @@ def compiled_for(devices: int, **overrides):
 
 @pytest.fixture(scope="module")
 def one_gpu():
-    return compiled_for(1, **{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1,
-                              "parallel.zero_stage": 0})
+    return compiled_for(1, **{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1, "parallel.zero_stage": 0})
 
 
 @functools.cache
 def fsdp4_at(stage: int):
     # XLA's attention here: the collectives are the point, and it compiles faster. A vocabulary
     # of 512 keeps the head a small part of the parameters (see the ZeRO-2 memory test).
-    return compiled_for(4, **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 1,
-                              "parallel.zero_stage": stage, "model.attention": "xla",
-                              "model.vocab_size": 512})
+    return compiled_for(
+        4,
+        **{
+            "mesh.data": 1,
+            "mesh.fsdp": 4,
+            "mesh.tensor": 1,
+            "parallel.zero_stage": stage,
+            "model.attention": "xla",
+            "model.vocab_size": 512,
+        },
+    )
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
@@ -64,8 +77,11 @@ def fsdp4(request):
 
 
 def _custom_calls(text: str, target_prefix: str) -> list[str]:
-    return [line for line in text.splitlines()
-            if "custom-call(" in line and f'custom_call_target="{target_prefix}' in line]
+    return [
+        line
+        for line in text.splitlines()
+        if "custom-call(" in line and f'custom_call_target="{target_prefix}' in line
+    ]
 
 
 def test_attention_is_cudnn_flash_without_a_dense_mask(one_gpu):
@@ -81,7 +97,9 @@ def test_attention_is_cudnn_flash_without_a_dense_mask(one_gpu):
     t = trainer.cfg.train.seq_len
     for line in _custom_calls(compiled.as_text(), "__cudnn$fmha"):
         operands = line.split("custom-call(", 1)[1]
-        assert not re.search(rf"\[\d+,\d+,{t},{t}\]", line.split(" = ", 1)[1].split("custom-call(")[0] + operands)
+        assert not re.search(
+            rf"\[\d+,\d+,{t},{t}\]", line.split(" = ", 1)[1].split("custom-call(")[0] + operands
+        )
 
 
 def test_no_float32_logits_for_every_token(one_gpu):
@@ -136,8 +154,9 @@ def test_zero3_gathers_weights_in_bf16_zero2_the_updated_float32_masters(fsdp4):
     # ZeRO-3 gathers each layer's weights for its matmuls: model.dtype. ZeRO-2 gathers the
     # updated shards of the float32 master weights after the optimizer step.
     wanted = "bf16" if trainer.cfg.parallel.zero_stage == 3 else "f32"
-    gathers = [line for line in compiled.as_text().splitlines()
-               if re.search(r"= .* all-gather(-start)?\(", line)]
+    gathers = [
+        line for line in compiled.as_text().splitlines() if re.search(r"= .* all-gather(-start)?\(", line)
+    ]
     assert gathers
     for line in gathers:
         result = line.split(" = ", 1)[1].split(" all-gather", 1)[0]
@@ -152,8 +171,16 @@ def test_zero3_gathers_weights_in_bf16_zero2_the_updated_float32_masters(fsdp4):
 @pytest.fixture(scope="module")
 def fsdp8_tied():
     """The SMALL model tied (as Llama-3.2-1B), ZeRO-3 over 8 H100s, the loss in 4 chunks."""
-    return compiled_for(8, **{"mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1,
-                              "parallel.zero_stage": 3, "model.tie_embeddings": "true"})
+    return compiled_for(
+        8,
+        **{
+            "mesh.data": 1,
+            "mesh.fsdp": 8,
+            "mesh.tensor": 1,
+            "parallel.zero_stage": 3,
+            "model.tie_embeddings": "true",
+        },
+    )
 
 
 def _whole_buffers_per_step(text: str, kind: str, dims: set[int]) -> int:
@@ -243,8 +270,11 @@ def test_without_the_extra_one_line_names_it(monkeypatch, capsys):
     from jaxpar.inspect import main
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a),
+    )
     assert main(["--target", "h100"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and 'pip install -e ".[gpu-compile]"' in err
@@ -271,11 +301,23 @@ def test_pipeline_sums_over_data_once_per_step_not_every_tick():
     speaks for all."""
     counts = {}
     for microbatches in (2, 4):
-        _, _, r = compiled_for(8, **{
-            "mesh.pipe": 2, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 1,
-            "parallel.zero_stage": 1, "parallel.pipeline_schedule": "1f1b",
-            "parallel.microbatches": microbatches, "train.batch_size": 16,
-            "model.d_model": 64, "model.d_ff": 128, "model.vocab_size": 512,
-            "train.seq_len": 64, "train.loss_chunks": 1})
+        _, _, r = compiled_for(
+            8,
+            **{
+                "mesh.pipe": 2,
+                "mesh.data": 2,
+                "mesh.fsdp": 2,
+                "mesh.tensor": 1,
+                "parallel.zero_stage": 1,
+                "parallel.pipeline_schedule": "1f1b",
+                "parallel.microbatches": microbatches,
+                "train.batch_size": 16,
+                "model.d_model": 64,
+                "model.d_ff": 128,
+                "model.vocab_size": 512,
+                "train.seq_len": 64,
+                "train.loss_chunks": 1,
+            },
+        )
         counts[microbatches] = r["collectives"]["all-reduce"]["count"]
     assert counts[2] == counts[4], counts

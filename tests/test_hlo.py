@@ -91,16 +91,24 @@ def compiled_text(backend: str, in_loop: bool, sync: str | None) -> str:
     shapes = GATHERED + SCATTERED + REDUCED + [EXCHANGED, PERMUTED, WORK]
     dtypes = [gather_dtype] * 2 + [jnp.float32] * 7
     specs = (P("x"), P("x")) + (P(),) * 7
-    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
-            for s, d, spec in zip(shapes, dtypes, specs)]
-    program = jax.shard_map(looped if in_loop else step, mesh=mesh, in_specs=specs,
-                            out_specs=specs, check_vma=False)
+    args = [
+        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, spec))
+        for s, d, spec in zip(shapes, dtypes, specs)
+    ]
+    program = jax.shard_map(
+        looped if in_loop else step, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False
+    )
     options = {"xla_gpu_disable_async_collectives": sync} if sync else None
     return jax.jit(program).lower(*args).compile(compiler_options=options).as_text()
 
 
-ASYNC = {"all-gather": "ALLGATHER", "reduce-scatter": "REDUCESCATTER", "all-reduce": "ALLREDUCE",
-         "all-to-all": "ALLTOALL", "collective-permute": "COLLECTIVEPERMUTE"}
+ASYNC = {
+    "all-gather": "ALLGATHER",
+    "reduce-scatter": "REDUCESCATTER",
+    "all-reduce": "ALLREDUCE",
+    "all-to-all": "ALLTOALL",
+    "collective-permute": "COLLECTIVEPERMUTE",
+}
 
 
 def _async_only(kind: str) -> str:
@@ -117,8 +125,10 @@ PROGRAMS = {
     **{f"h100-async-{kind}": ("h100", _async_only(kind), {f"{kind}-start"}) for kind in ASYNC},
 }
 CASES = [(name, True) for name in PROGRAMS] + [(name, False) for name in ("cpu", "h100", "h100-sync")]
-_FORM = re.compile(r" ((?:all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?)"
-                   r"\((%[\w.\-]+(?:, %[\w.\-]+)*)\)")
+_FORM = re.compile(
+    r" ((?:all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)(?:-start)?)"
+    r"\((%[\w.\-]+(?:, %[\w.\-]+)*)\)"
+)
 
 
 def _forms(text: str) -> dict[str, int]:
@@ -129,8 +139,9 @@ def _forms(text: str) -> dict[str, int]:
     return found
 
 
-@pytest.mark.parametrize("program, in_loop", CASES,
-                         ids=[f"{name}-{'in-loops' if loop else 'once'}" for name, loop in CASES])
+@pytest.mark.parametrize(
+    "program, in_loop", CASES, ids=[f"{name}-{'in-loops' if loop else 'once'}" for name, loop in CASES]
+)
 def test_bytes_are_the_known_bytes(program, in_loop):
     backend, sync, _ = PROGRAMS[program]
     text = compiled_text(backend, in_loop, sync)
@@ -146,10 +157,14 @@ def test_bytes_are_the_known_bytes(program, in_loop):
     stats = hlo.collectives(text)
     assert {kind: s["bytes"] for kind, s in stats.items()} == expected
     # Counts: each collective instruction of the program (a regex count), once per trip.
-    forms = re.findall(r" (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
-                       r"(?:-start)?\(", text)
+    forms = re.findall(
+        r" (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
+        r"(?:-start)?\(",
+        text,
+    )
     assert {kind: s["count"] for kind, s in stats.items()} == {
-        kind: trips * forms.count(kind) for kind in expected}
+        kind: trips * forms.count(kind) for kind in expected
+    }
 
 
 @pytest.mark.parametrize("program", list(PROGRAMS))
@@ -184,8 +199,10 @@ def gradient_text(backend: str, devices: int) -> str:
         grad = jax.lax.with_sharding_constraint(x.T @ y, NamedSharding(mesh, P("x", None)))
         return grad, jnp.tanh(jnp.tanh(w @ w) @ w)
 
-    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, spec))
-            for s, spec in (((ROWS, K), P("x")), ((ROWS, N), P("x")), (WORK, P()))]
+    args = [
+        jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, spec))
+        for s, spec in (((ROWS, K), P("x")), ((ROWS, N), P("x")), (WORK, P()))
+    ]
     return jax.jit(gradient).lower(*args).compile().as_text()
 
 
@@ -213,20 +230,26 @@ def test_a_collective_in_a_conditional_branch_counts_as_taken():
     def body(i, x):
         return jax.lax.cond(x[0, 0] > 0, lambda v: jnp.sin(jax.lax.psum(v, "x")), jnp.cos, x)
 
-    program = jax.shard_map(lambda x: jax.lax.fori_loop(0, trips, body, x), mesh=mesh,
-                            in_specs=P(), out_specs=P(), check_vma=False)
+    program = jax.shard_map(
+        lambda x: jax.lax.fori_loop(0, trips, body, x),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+        check_vma=False,
+    )
     arg = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P()))
     text = jax.jit(program).lower(arg).compile().as_text()
     assert "conditional(" in text
     stats = hlo.collectives(text)
-    assert stats["all-reduce"] == {"count": trips, "bytes": trips * math.prod(shape) * F32,
-                                   "dtypes": ["f32"]}
+    assert stats["all-reduce"] == {"count": trips, "bytes": trips * math.prod(shape) * F32, "dtypes": ["f32"]}
 
 
 def test_tuple_elements_split_at_the_top_level_only():
     shape = "((bf16[8,96]{1,0}, bf16[8,32]{1,0}), (bf16[64,96]{1,0}, /*index=1*/bf16[64,32]{1,0}))"
-    assert hlo.tuple_elements(shape) == ["(bf16[8,96]{1,0}, bf16[8,32]{1,0})",
-                                         "(bf16[64,96]{1,0}, bf16[64,32]{1,0})"]
+    assert hlo.tuple_elements(shape) == [
+        "(bf16[8,96]{1,0}, bf16[8,32]{1,0})",
+        "(bf16[64,96]{1,0}, bf16[64,32]{1,0})",
+    ]
     assert hlo.tuple_elements("f32[4,8]{1,0}") == ["f32[4,8]{1,0}"]
     assert hlo.tuple_elements("(f32[], u32[])") == ["f32[]", "u32[]"]
 
@@ -242,13 +265,18 @@ def test_a_small_all_reduce_in_a_triton_fusion_counts_once_per_trip(sync):
         x, w = carry  # w @ w: work to overlap the all-reduce with
         return jnp.tanh(jax.lax.psum(x, "x")), jnp.tanh(w @ w)
 
-    program = jax.shard_map(lambda x, w: jax.lax.fori_loop(0, trips, body, (x, w)), mesh=mesh,
-                            in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
-    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P()))
-            for s in (shape, WORK)]
+    program = jax.shard_map(
+        lambda x, w: jax.lax.fori_loop(0, trips, body, (x, w)),
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=(P(), P()),
+        check_vma=False,
+    )
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P())) for s in (shape, WORK)]
     options = {"xla_gpu_disable_async_collectives": sync} if sync else None
     text = jax.jit(program).lower(*args).compile(compiler_options=options).as_text()
     assert "__triton_collective" in text
     stats = hlo.collectives(text)
-    assert stats == {"all-reduce": {"count": trips, "bytes": trips * math.prod(shape) * F32,
-                                    "dtypes": ["f32"]}}
+    assert stats == {
+        "all-reduce": {"count": trips, "bytes": trips * math.prod(shape) * F32, "dtypes": ["f32"]}
+    }

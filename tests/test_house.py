@@ -38,8 +38,9 @@ def imported_modules(name: str, path: Path, modules: set[str]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                       for alias in node.names]
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+            ]
         else:
             continue
         for target in targets:
@@ -74,7 +75,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if node.startswith(target + "."):
                 continue  # a submodule "importing" its own package
             if state.get(target) == "open":
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state:
                 cycle = visit(target)
                 if cycle:
@@ -100,8 +101,7 @@ def long_functions() -> list[tuple[str, int]]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
-                    found.append((f"{path.relative_to(ROOT.parent)}:{node.lineno} "
-                                  f"{name}.{node.name}", lines))
+                    found.append((f"{path.relative_to(ROOT.parent)}:{node.lineno} {name}.{node.name}", lines))
     return sorted(found, key=lambda item: -item[1])
 
 
@@ -122,4 +122,5 @@ def test_find_cycle_sees_a_circle():
 def test_no_function_longer_than_80_lines():
     offenders = long_functions()
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(
-        f"  {where}: {lines} lines" for where, lines in offenders)
+        f"  {where}: {lines} lines" for where, lines in offenders
+    )

@@ -42,8 +42,10 @@ def corpus(tmp_path_factory) -> Path:
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
     root = tmp_path_factory.mktemp("corpus")
-    lines = (json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 60)))}) + "\n"
-             for _ in range(1500))
+    lines = (
+        json.dumps({"text": " ".join(rng.choice(words, size=rng.integers(5, 60)))}) + "\n"
+        for _ in range(1500)
+    )
     (root / "docs.jsonl").write_text("".join(lines))
     return root / "docs.jsonl"
 
@@ -51,8 +53,12 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def prepared(corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("prepared") / "set"
-    assert data.main(["prepare", str(corpus), "--out", str(out), "--val-fraction", "0.1",
-                      "--shard-tokens", "60000"]) == 0
+    assert (
+        data.main(
+            ["prepare", str(corpus), "--out", str(out), "--val-fraction", "0.1", "--shard-tokens", "60000"]
+        )
+        == 0
+    )
     return out
 
 
@@ -94,17 +100,29 @@ def edit_manifest(directory: Path, key: str, value) -> None:
 
 CORRUPTIONS = {
     # what the probe did -> what the refusal must say
-    "30% of ids 65535": (lambda d: overwrite_ids(d / "train-00000.bin", 0.3, 0xFFFF),
-                         r"train-00000.bin: token \d+ is id 65535, beyond the tokenizer's 257 ids"),
-    "25,000 valid ids": (lambda d: overwrite_ids(d / "train-00001.bin", 25000 / 60000),
-                         r"train-00001.bin: its SHA-256 is \w+\.\.\., but manifest.json records"),
-    "one valid id": (lambda d: overwrite_ids(d / "train-00001.bin", 1 / 50000, seed=3),
-                     r"train-00001.bin: its SHA-256 is"),
-    "two ends swapped": (lambda d: swap_two_ends(d / "train-00000.idx"),
-                         r"train-00000.idx: document 4 ends at token \d+, not after the one before"),
-    "vocab_size 100": (lambda d: edit_manifest(d, "vocab_size", 100),
-                       (r"manifest.json: tokenizer.vocab_size is 100, but the tokenizer it names "
-                        r"\('byte', the same file\) has 257")),
+    "30% of ids 65535": (
+        lambda d: overwrite_ids(d / "train-00000.bin", 0.3, 0xFFFF),
+        r"train-00000.bin: token \d+ is id 65535, beyond the tokenizer's 257 ids",
+    ),
+    "25,000 valid ids": (
+        lambda d: overwrite_ids(d / "train-00001.bin", 25000 / 60000),
+        r"train-00001.bin: its SHA-256 is \w+\.\.\., but manifest.json records",
+    ),
+    "one valid id": (
+        lambda d: overwrite_ids(d / "train-00001.bin", 1 / 50000, seed=3),
+        r"train-00001.bin: its SHA-256 is",
+    ),
+    "two ends swapped": (
+        lambda d: swap_two_ends(d / "train-00000.idx"),
+        r"train-00000.idx: document 4 ends at token \d+, not after the one before",
+    ),
+    "vocab_size 100": (
+        lambda d: edit_manifest(d, "vocab_size", 100),
+        (
+            r"manifest.json: tokenizer.vocab_size is 100, but the tokenizer it names "
+            r"\('byte', the same file\) has 257"
+        ),
+    ),
 }
 
 
@@ -140,7 +158,9 @@ def test_verification_is_cached_by_file_identity(prepared, tmp_path, monkeypatch
     real = shards.verify_shard
     monkeypatch.setattr(shards, "verify_shard", lambda d, r, *a: read.append(r["name"]) or real(d, r, *a))
     open_for_training(directory)
-    names = [r["name"] for r in json.loads((directory / "manifest.json").read_text())["splits"]["train"]["shards"]]
+    names = [
+        r["name"] for r in json.loads((directory / "manifest.json").read_text())["splits"]["train"]["shards"]
+    ]
     assert read == names  # first use: every shard of the split read whole
     read.clear()
     open_for_training(directory)
@@ -175,10 +195,25 @@ def test_training_on_overwritten_ids_exits_2_before_the_first_step(prepared, tmp
     overwrite_ids(directory / "train-00000.bin", 0.3, 0xFFFF)
     run = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "jaxpar.train", TINY_YAML, f"data.source={directory}",
-         "data.max_documents=null", "train.steps=3", "runtime.cpu_devices=1",
-         "checkpoint.every=100", f"train.run_dir={run}"],
-        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.train",
+            TINY_YAML,
+            f"data.source={directory}",
+            "data.max_documents=null",
+            "train.steps=3",
+            "runtime.cpu_devices=1",
+            "checkpoint.every=100",
+            f"train.run_dir={run}",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -197,8 +232,9 @@ def write_text_corpus(directory: Path, megabytes: float) -> None:
 def test_a_25_mb_set_verifies_in_seconds_and_a_second_start_reads_nothing(tmp_path, monkeypatch):
     write_text_corpus(tmp_path / "text", 12.5)
     out = tmp_path / "set"
-    shards.prepare([str(tmp_path / "text" / "*.txt")], str(out), log=quiet, progress=False,
-                   shard_tokens=1 << 22)
+    shards.prepare(
+        [str(tmp_path / "text" / "*.txt")], str(out), log=quiet, progress=False, shard_tokens=1 << 22
+    )
     size = sum(p.stat().st_size for p in out.glob("*-*.*"))
     assert 25 << 20 <= size < 27 << 20
     clock = time.perf_counter()
@@ -241,19 +277,24 @@ def base_run(prepared, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("base") / "run"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXPAR_CACHE", str(run.parent / "cache"))
-        train(*tiny(run, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=0",
-                    f"data.source={prepared}"))
+        train(
+            *tiny(run, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=0", f"data.source={prepared}")
+        )
     return run
 
 
 def everything_in(run: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
-            if p.is_file() and p.name != "jaxpar.lock"}
+    return {
+        str(p.relative_to(run)): p.read_bytes()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != "jaxpar.lock"
+    }
 
 
 @pytest.mark.parametrize("change", ["data.source", "train.seed", "data.max_documents"])
-def test_a_resume_onto_other_data_is_refused_naming_both_values(base_run, prepared, other_set,
-                                                                 tmp_path, change):
+def test_a_resume_onto_other_data_is_refused_naming_both_values(
+    base_run, prepared, other_set, tmp_path, change
+):
     from jaxpar.train import train
 
     run = tmp_path / "run"
@@ -302,12 +343,14 @@ def test_a_mixture_s_paths_and_weights_are_its_data_but_not_its_names(tmp_path):
     (tmp_path / "config.yaml").write_text(json.dumps(settings(a, b)))
     assert rundir.data_changes(str(tmp_path), settings(a, b)) == []
     assert rundir.data_changes(str(tmp_path), settings(a, dict(b, name="other"))) == []
-    (key, was, now), = rundir.data_changes(str(tmp_path), settings(a, dict(b, weight=0.5)))
+    ((key, was, now),) = rundir.data_changes(str(tmp_path), settings(a, dict(b, weight=0.5)))
     assert key == "data.sources" and was[1]["weight"] == 0.3 and now[1]["weight"] == 0.5
     assert rundir.data_changes(str(tmp_path), settings(b, a))[0][0] == "data.sources"
     assert rundir.data_changes(str(tmp_path / "nowhere"), settings(a)) == []  # no record: no check
     # A record of relative paths (an older config.yaml) names the same files as absolute ones.
-    (tmp_path / "config.yaml").write_text(json.dumps({"data": {"source": "corpus/*.txt", "tokenizer": "byte"}}))
+    (tmp_path / "config.yaml").write_text(
+        json.dumps({"data": {"source": "corpus/*.txt", "tokenizer": "byte"}})
+    )
     here = {"data": {"source": os.path.abspath("corpus/*.txt"), "tokenizer": "byte"}}
     assert rundir.data_changes(str(tmp_path), here) == []
     assert rundir.data_changes(str(tmp_path), {"data": {"source": "stdlib", "tokenizer": "byte"}})
@@ -317,8 +360,9 @@ def test_a_mixture_s_paths_and_weights_are_its_data_but_not_its_names(tmp_path):
 
 
 def jsonl(first: int, count: int) -> bytes:
-    return "".join(json.dumps({"text": f"document {n} " + "words " * 20}) + "\n"
-                   for n in range(first, first + count)).encode()
+    return "".join(
+        json.dumps({"text": f"document {n} " + "words " * 20}) + "\n" for n in range(first, first + count)
+    ).encode()
 
 
 def zst(data: bytes, checksum: bool = False) -> bytes:
@@ -328,10 +372,10 @@ def zst(data: bytes, checksum: bool = False) -> bytes:
 
 
 def flip(blob: bytes, at: int) -> bytes:
-    return blob[:at] + bytes([blob[at] ^ 0x55]) + blob[at + 1:]
+    return blob[:at] + bytes([blob[at] ^ 0x55]) + blob[at + 1 :]
 
 
-BIG_DOCUMENT = (b"the same sentence again and again. " * 123000)  # 4.3 MB of text, 1 document
+BIG_DOCUMENT = b"the same sentence again and again. " * 123000  # 4.3 MB of text, 1 document
 TWO_FRAMES = zst(jsonl(0, 200), checksum=True) + zst(jsonl(200, 200))
 DAMAGED = {
     # file name -> (its bytes, what the one line says)
@@ -384,8 +428,9 @@ def test_a_full_disk_during_prepare_is_one_line_and_the_rerun_resumes(small_disk
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
     assert data.main([*command, "--out", str(out)]) == 0
     assert "already complete; resuming at document" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == \
-        {p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir() if p.name != ".lock"}
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != ".lock"} == {
+        p.name: p.read_bytes() for p in (tmp_path / "whole").iterdir() if p.name != ".lock"
+    }
 
 
 # --- Item 5: a launch is checked before the first fork, and stops on SIGTERM at any time -----------
@@ -395,19 +440,32 @@ def no_fork(*args, **kwargs):
     raise AssertionError("the launcher started a process")
 
 
-@pytest.mark.parametrize("args, overrides, message", [
-    (["--nproc", "100000"], [], r"--nproc 100000: this machine holds about \d+ processes \("),
-    (["--nproc", "2", "--port", "70000"], [], r"--port=70000: a TCP port is 1-65535"),
-    (["--nproc", "0"], [], r"--nproc=0: need at least 1 process"),
-    (["--nproc", "3"], ["runtime.cpu_devices=1", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"],
-     (r"config error: mesh: .* multiplies to 2 .*\(the run has --nproc 3 x runtime.cpu_devices=1 = 3 "
-      r"devices\)")),
-    (["--nproc", "2"], ["runtime.cpu_devices=0"], r"config error: runtime.cpu_devices=0: must be at least 1"),
-    (["--nproc", "2"], ["train.steps=0"], r"config error: train.steps=0: must be at least 1"),
-    (["--nproc", "2"], ["train.stepz=4"], r"config error: unknown config key 'train.stepz'"),
-])
-def test_a_launch_that_cannot_work_is_refused_before_any_process_starts(args, overrides, message,
-                                                                        monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "args, overrides, message",
+    [
+        (["--nproc", "100000"], [], r"--nproc 100000: this machine holds about \d+ processes \("),
+        (["--nproc", "2", "--port", "70000"], [], r"--port=70000: a TCP port is 1-65535"),
+        (["--nproc", "0"], [], r"--nproc=0: need at least 1 process"),
+        (
+            ["--nproc", "3"],
+            ["runtime.cpu_devices=1", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"],
+            (
+                r"config error: mesh: .* multiplies to 2 .*\(the run has --nproc 3 x "
+                r"runtime.cpu_devices=1 = 3 devices\)"
+            ),
+        ),
+        (
+            ["--nproc", "2"],
+            ["runtime.cpu_devices=0"],
+            r"config error: runtime.cpu_devices=0: must be at least 1",
+        ),
+        (["--nproc", "2"], ["train.steps=0"], r"config error: train.steps=0: must be at least 1"),
+        (["--nproc", "2"], ["train.stepz=4"], r"config error: unknown config key 'train.stepz'"),
+    ],
+)
+def test_a_launch_that_cannot_work_is_refused_before_any_process_starts(
+    args, overrides, message, monkeypatch, capsys
+):
     import re
 
     from jaxpar import launch
@@ -456,8 +514,11 @@ def test_sigterm_while_the_processes_start_stops_the_starting(monkeypatch, capsy
 
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
     monkeypatch.setattr(launch, "most_processes", lambda: (12, "whatever the memory is now"))
-    sleeper = [sys.executable, "-c", ("import signal, sys, time; "
-                                      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(60)")]
+    sleeper = [
+        sys.executable,
+        "-c",
+        ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); time.sleep(60)"),
+    ]
     clock = time.monotonic()
     # 0 where a process had set its handler, 143 (killed by SIGTERM) where one was still starting
     assert launch.launch(12, [], command=sleeper, grace=10) in (0, 143)
@@ -484,8 +545,11 @@ def test_resuming_with_another_optimizer_says_it_is_the_optimizer(base_run, prep
 
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
-    with pytest.raises(ConfigError, match=r"holds the state of another optimizer \(the model's "
-                                          r"parameters match\)") as refused:
+    with pytest.raises(
+        ConfigError,
+        match=r"holds the state of another optimizer \(the model's "
+        r"parameters match\)",
+    ) as refused:
         train(*tiny(run, "train.steps=6", f"data.source={prepared}", "optimizer.name=sgd"))
     assert "another shape" not in str(refused.value)
     assert "optimizer.name it was trained with" in str(refused.value)
@@ -509,17 +573,25 @@ def brute_force_meshes(m, t, n: int) -> list[dict]:
         pipe, data, fsdp, expert, context, tensor = sizes
         if np.prod(sizes) != n:
             continue
-        if (m.n_layers % pipe or m.n_heads % tensor or m.n_kv_heads % tensor or m.d_ff % tensor
-                or m.vocab_size % tensor or t.seq_len % (2 * context if context > 1 else 1)
-                or (expert > 1 and (m.moe.num_experts == 0 or m.moe.num_experts % expert))
-                or t.batch_size % (data * fsdp * expert) or (fsdp > 1 and m.d_model % fsdp)):
+        if (
+            m.n_layers % pipe
+            or m.n_heads % tensor
+            or m.n_kv_heads % tensor
+            or m.d_ff % tensor
+            or m.vocab_size % tensor
+            or t.seq_len % (2 * context if context > 1 else 1)
+            or (expert > 1 and (m.moe.num_experts == 0 or m.moe.num_experts % expert))
+            or t.batch_size % (data * fsdp * expert)
+            or (fsdp > 1 and m.d_model % fsdp)
+        ):
             continue
         found.append(dict(zip(MESH_AXES, sizes)))
     return found
 
 
-@pytest.mark.parametrize("preset, n", [("gpt2-124m", 12), ("llama-1b", 32), ("moe-tiny", 16),
-                                       ("tiny", 16), ("llama-1b", 7)])
+@pytest.mark.parametrize(
+    "preset, n", [("gpt2-124m", 12), ("llama-1b", 32), ("moe-tiny", 16), ("tiny", 16), ("llama-1b", 7)]
+)
 def test_the_pruned_mesh_enumeration_is_the_whole_one(preset, n):
     from jaxpar import config as config_lib
     from jaxpar import plan

@@ -21,8 +21,10 @@ LAYOUTS = {
     "tensor8": ({"tensor": 8}, []),
     "data4_tensor2_sp": ({"data": 4, "tensor": 2}, ["parallel.sequence_parallel=true"]),
     "data2_fsdp2_tensor2": ({"data": 2, "fsdp": 2, "tensor": 2}, ["parallel.zero_stage=3"]),
-    "data2_fsdp2_tensor2_accum2": ({"data": 2, "fsdp": 2, "tensor": 2},
-                                   ["parallel.zero_stage=3", "parallel.grad_accum=2"]),
+    "data2_fsdp2_tensor2_accum2": (
+        {"data": 2, "fsdp": 2, "tensor": 2},
+        ["parallel.zero_stage=3", "parallel.grad_accum=2"],
+    ),
 }
 # These layouts start from their own born-sharded init (jitted with the layout's shardings); the
 # others from the single-device initial state put onto their shardings, which saves compiling

@@ -53,8 +53,7 @@ def test_float32_matches_full_logits(chunks):
     # picked for which token, and a dropped mask or count shows in the sums.
     args = make_inputs()
     (want, want_count), (want_dh, want_dw) = loss_and_grads(reference_loss, *args, dtype=jnp.float32)
-    (got, count), (dh, dw) = loss_and_grads(chunked_cross_entropy, *args, dtype=jnp.float32,
-                                            chunks=chunks)
+    (got, count), (dh, dw) = loss_and_grads(chunked_cross_entropy, *args, dtype=jnp.float32, chunks=chunks)
     assert got.dtype == jnp.float32 and dh.dtype == jnp.float32 and dw.dtype == jnp.float32
     assert float(count) == float(want_count)
     assert rel_err(got, want) <= 1e-6
@@ -72,17 +71,18 @@ def test_bfloat16_matmul_matches_full_logits(chunks):
     the exact gradient (float32 math on the bf16-rounded inputs) the chunked one must be no less
     accurate than the reference (measured: d/dh 2.0e-3 vs 1.9e-3, d/dweight 1.9e-3 vs 2.8e-3)."""
     h, weight, targets, mask = make_inputs()
-    (want, _), (want_dh, want_dw) = loss_and_grads(reference_loss, h, weight, targets, mask,
-                                                   dtype=jnp.bfloat16)
-    (got, _), (dh, dw) = loss_and_grads(chunked_cross_entropy, h, weight, targets, mask,
-                                        dtype=jnp.bfloat16, chunks=chunks)
+    (want, _), (want_dh, want_dw) = loss_and_grads(
+        reference_loss, h, weight, targets, mask, dtype=jnp.bfloat16
+    )
+    (got, _), (dh, dw) = loss_and_grads(
+        chunked_cross_entropy, h, weight, targets, mask, dtype=jnp.bfloat16, chunks=chunks
+    )
     assert dh.dtype == jnp.float32 and dw.dtype == jnp.float32
     assert rel_err(got, want) <= 1e-6
     assert rel_err(dh, want_dh) <= 1e-2 and rel_err(dw, want_dw) <= 1e-2
 
     rounded = [x.astype(jnp.bfloat16).astype(jnp.float32) for x in (h, weight)]
-    _, (exact_dh, exact_dw) = loss_and_grads(reference_loss, *rounded, targets, mask,
-                                             dtype=jnp.float32)
+    _, (exact_dh, exact_dw) = loss_and_grads(reference_loss, *rounded, targets, mask, dtype=jnp.float32)
     assert rel_err(dh, exact_dh) <= 1.25 * rel_err(want_dh, exact_dh)
     assert rel_err(dw, exact_dw) <= 1.25 * rel_err(want_dw, exact_dw)
 
@@ -96,18 +96,15 @@ def test_chunks_must_divide_seq():
 
 def _sharded_inputs(mesh):
     args = make_inputs(batch=4, seq=16, embed=8, vocab=40)  # vocab even: 2 tensor shards
-    specs = (P("data", "context", None), P(None, "tensor"), P("data", "context"),
-             P("data", "context"))
+    specs = (P("data", "context", None), P(None, "tensor"), P("data", "context"), P("data", "context"))
     return args, [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
 
 
 def _check_sharded(mesh, chunks):
     """Jitted on sharded inputs against the full-logits reference on one device."""
     args, sharded = _sharded_inputs(mesh)
-    (want, want_count), (want_dh, want_dw) = loss_and_grads(reference_loss, *args,
-                                                            dtype=jnp.float32)
-    (got, count), (dh, dw) = loss_and_grads(chunked_cross_entropy, *sharded, dtype=jnp.float32,
-                                            chunks=chunks)
+    (want, want_count), (want_dh, want_dw) = loss_and_grads(reference_loss, *args, dtype=jnp.float32)
+    (got, count), (dh, dw) = loss_and_grads(chunked_cross_entropy, *sharded, dtype=jnp.float32, chunks=chunks)
     assert float(count) == float(want_count)
     assert rel_err(got, want) <= 1e-5
     assert rel_err(dh, want_dh) <= 1e-5
@@ -150,8 +147,9 @@ def test_sharded_with_the_trainers_rules_matches_single_device(chunks):
     mesh = project_mesh()
     args, sharded = _sharded_inputs(mesh)
     (want, _), (want_dh, want_dw) = loss_and_grads(reference_loss, *args, dtype=jnp.float32)
-    (got, _), (dh, dw) = loss_and_grads(_under_the_trainers_rules(mesh), *sharded,
-                                        dtype=jnp.float32, chunks=chunks)
+    (got, _), (dh, dw) = loss_and_grads(
+        _under_the_trainers_rules(mesh), *sharded, dtype=jnp.float32, chunks=chunks
+    )
     assert rel_err(got, want) <= 1e-5
     assert rel_err(dh, want_dh) <= 1e-5
     assert rel_err(dw, want_dw) <= 1e-5
@@ -160,8 +158,7 @@ def test_sharded_with_the_trainers_rules_matches_single_device(chunks):
 @pytest.mark.parametrize("chunks", [4, 16])
 def test_sharded_explicit_axes(chunks):
     """On a mesh with explicit axes too; 16 chunks take the branch that regathers the inputs."""
-    mesh = jax.make_mesh((2, 2, 2), ("data", "context", "tensor"),
-                         axis_types=(AxisType.Explicit,) * 3)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "context", "tensor"), axis_types=(AxisType.Explicit,) * 3)
     _check_sharded(mesh, chunks)
 
 
@@ -184,10 +181,12 @@ def test_chunked_gradient_does_not_hold_full_logits():
     checkpoint (the scan then stores every chunk's softmax for the backward) or chunking nothing
     would fail this."""
     batch, seq, vocab, embed = 4, 512, 8192, 64
-    shapes = (jax.ShapeDtypeStruct((batch, seq, embed), jnp.float32),
-              jax.ShapeDtypeStruct((embed, vocab), jnp.float32),
-              jax.ShapeDtypeStruct((batch, seq), jnp.int32),
-              jax.ShapeDtypeStruct((batch, seq), jnp.float32))
+    shapes = (
+        jax.ShapeDtypeStruct((batch, seq, embed), jnp.float32),
+        jax.ShapeDtypeStruct((embed, vocab), jnp.float32),
+        jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+        jax.ShapeDtypeStruct((batch, seq), jnp.float32),
+    )
     full_logits = batch * seq * vocab * 4
 
     def temp_bytes(fn, **kw):

@@ -35,11 +35,11 @@ def prepared(tmp_path_factory):
     out = {}
     for (name, alphabet), count in zip(LETTERS.items(), (120, 70)):
         jsonl = root / f"{name}.jsonl"
-        jsonl.write_text("".join(json.dumps({"text": d}) + "\n"
-                                 for d in documents(alphabet, count, seed=len(out))))
+        jsonl.write_text(
+            "".join(json.dumps({"text": d}) + "\n" for d in documents(alphabet, count, seed=len(out)))
+        )
         out[name] = root / name
-        shards.prepare([str(jsonl)], str(out[name]), log=lambda m: None, progress=False,
-                       shard_tokens=1000)
+        shards.prepare([str(jsonl)], str(out[name]), log=lambda m: None, progress=False, shard_tokens=1000)
     return out
 
 
@@ -50,8 +50,11 @@ def mixture(prepared, wa=0.7, wb=0.3):
 
 def source_of(row: np.ndarray) -> str:
     """The source of a packed row, from its letters (every row holds some)."""
-    found = {name for name, alphabet in LETTERS.items()
-             if np.isin(row, np.frombuffer(alphabet.encode(), np.uint8)).any()}
+    found = {
+        name
+        for name, alphabet in LETTERS.items()
+        if np.isin(row, np.frombuffer(alphabet.encode(), np.uint8)).any()
+    }
     assert len(found) == 1, row
     return found.pop()
 
@@ -105,14 +108,17 @@ def test_a_mixture_draws_its_weights_from_each_sources_own_stream(prepared):
     for k, row in enumerate(rows["a"]):
         np.testing.assert_array_equal(row, own[k]["inputs"])
     assert len(rows["b"]) > len(b)
-    epoch = {tuple(row) for row in rows["b"][:len(b)]}
+    epoch = {tuple(row) for row in rows["b"][: len(b)]}
     assert epoch == {tuple(b[i]["inputs"]) for i in range(len(b))}  # all of b, none twice
     # A mixture of one source reads what data.source reads.
-    one = data.training_source(DataConfig(sources=[SourceConfig(str(prepared["a"]), 2.0)]),
-                               ByteTokenizer(), SEQ)
+    one = data.training_source(
+        DataConfig(sources=[SourceConfig(str(prepared["a"]), 2.0)]), ByteTokenizer(), SEQ
+    )
     plain = data.packed_source(DataConfig(source=str(prepared["a"])), ByteTokenizer(), SEQ)
-    assert_same_batches(take(batch_dataset(one, global_batch=8, seed=5), 6),
-                        take(batch_dataset(plain, global_batch=8, seed=5), 6))
+    assert_same_batches(
+        take(batch_dataset(one, global_batch=8, seed=5), 6),
+        take(batch_dataset(plain, global_batch=8, seed=5), 6),
+    )
 
 
 def test_seeds_process_shares_and_a_restored_iterator(prepared):
@@ -123,8 +129,12 @@ def test_seeds_process_shares_and_a_restored_iterator(prepared):
     assert_same_batches(single, take(batch_dataset(mixture(prepared), global_batch=8, seed=5), steps))
     other = take(batch_dataset(mixture(prepared), global_batch=8, seed=6), 1)[0]
     assert not np.array_equal(other["inputs"], single[0]["inputs"])
-    shares = [take(batch_dataset(mixture(prepared), global_batch=8, seed=5, process_index=p,
-                                 process_count=2), steps) for p in range(2)]
+    shares = [
+        take(
+            batch_dataset(mixture(prepared), global_batch=8, seed=5, process_index=p, process_count=2), steps
+        )
+        for p in range(2)
+    ]
     for s in range(steps):
         for key in KEYS:
             joined = np.concatenate([shares[0][s][key], shares[1][s][key]])
@@ -145,8 +155,10 @@ def test_weights_are_relative_and_the_config_round_trips(prepared, tmp_path):
     assert mixture(prepared, 7, 3).proportions == mixture(prepared, 0.7, 0.3).proportions == (233, 100)
     sources = f"[{{path: {prepared['a']}, weight: 0.7}}, {{path: {prepared['b']}, weight: 0.3, name: web}}]"
     cfg = config_lib.load_config(None, [f"data.sources={sources}"])
-    assert cfg.data.sources == [SourceConfig(str(prepared["a"]), 0.7),
-                                SourceConfig(str(prepared["b"]), 0.3, "web")]
+    assert cfg.data.sources == [
+        SourceConfig(str(prepared["a"]), 0.7),
+        SourceConfig(str(prepared["b"]), 0.3, "web"),
+    ]
     assert config_lib.source_names(cfg.data) == ["a", "web"]
     config_lib.validate(cfg, 8)
     config_lib.dump_yaml(cfg, str(tmp_path / "config.yaml"))
@@ -161,15 +173,22 @@ def test_bad_mixtures_are_refused_naming_the_key(prepared, tmp_path, capsys):
     cases = [
         ("[]", "data.sources is empty: give at least one {path: DIR, weight: W}"),
         (f"[{{path: {a}, weight: 0}}]", "data.sources[0].weight=0.0: use a positive, finite weight"),
-        (f"[{{path: {a}, weight: 1}}, {{path: {b}, weight: -0.5}}]", "data.sources[1].weight=-0.5: use a positive"),
+        (
+            f"[{{path: {a}, weight: 1}}, {{path: {b}, weight: -0.5}}]",
+            "data.sources[1].weight=-0.5: use a positive",
+        ),
         (f"[{{path: {a}, weight: .nan}}]", "data.sources[0].weight=nan: use a positive, finite"),
         (f"[{{path: {a}, weight: .inf}}]", "data.sources[0].weight=inf: use a positive, finite"),
-        (f"[{{path: {tmp_path}, weight: 1}}]",
-         f"data.sources[0].path='{tmp_path}' is not a directory of prepared shards (no manifest.json): "
-         f"make one with python -m jaxpar.data prepare SOURCES --out {tmp_path}"),
+        (
+            f"[{{path: {tmp_path}, weight: 1}}]",
+            f"data.sources[0].path='{tmp_path}' is not a directory of prepared shards (no manifest.json): "
+            f"make one with python -m jaxpar.data prepare SOURCES --out {tmp_path}",
+        ),
         (f"[{{path: {unfinished}, weight: 1}}]", "its preparation did not finish; run the same"),
-        (f"[{{path: {a}, weight: 1}}, {{path: {a}/, weight: 1}}]",
-         "data.sources[0] and data.sources[1] are both named 'a' in the metrics"),
+        (
+            f"[{{path: {a}, weight: 1}}, {{path: {a}/, weight: 1}}]",
+            "data.sources[0] and data.sources[1] are both named 'a' in the metrics",
+        ),
         (f"[{{path: {a}, wieght: 1}}]", "data.sources[0]: unknown key 'wieght'; it takes path, weight, name"),
         ("[{weight: 1}]", "data.sources[0]: 'path' is missing"),
         (f"[{{path: {a}, weight: heavy}}]", "data.sources[0].weight: expected float, got 'heavy'"),
@@ -187,10 +206,14 @@ def test_bad_mixtures_are_refused_naming_the_key(prepared, tmp_path, capsys):
 
     tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     assert main([tiny, "runtime.cpu_devices=8", f"data.sources=[{{path: {a}, weight: -1}}]"]) == 2
-    assert "config error: data.sources[0].weight=-1.0: use a positive, finite weight" in capsys.readouterr().err
+    assert (
+        "config error: data.sources[0].weight=-1.0: use a positive, finite weight" in capsys.readouterr().err
+    )
     # Shards of another tokenizer: refused when the run opens them, before anything compiles.
     tokenizer = tmp_path / "tokenizer.json"
     data.train_tokenizer(documents(LETTERS["a"], 20, 0), vocab_size=300, out=str(tokenizer))
     other = DataConfig(tokenizer=str(tokenizer), sources=[SourceConfig(str(a), 1.0)])
-    with pytest.raises(ConfigError, match=f"{a}/manifest.json: the shards were prepared with tokenizer 'byte'"):
+    with pytest.raises(
+        ConfigError, match=f"{a}/manifest.json: the shards were prepared with tokenizer 'byte'"
+    ):
         data.training_source(other, None, SEQ)

@@ -20,7 +20,7 @@ def reference_forward(p, tokens, positions, segment_ids, cfg):
     def rope(x):  # [b, s, h, hd], pairs (i, i + hd/2)
         freqs = cfg.rope_theta ** (-np.arange(hd // 2) / (hd // 2))
         ang = positions[:, :, None, None] * freqs
-        a, b = x[..., : hd // 2], x[..., hd // 2:]
+        a, b = x[..., : hd // 2], x[..., hd // 2 :]
         return np.concatenate([a * np.cos(ang) - b * np.sin(ang), b * np.cos(ang) + a * np.sin(ang)], -1)
 
     seq = tokens.shape[1]
@@ -50,8 +50,16 @@ def reference_forward(p, tokens, positions, segment_ids, cfg):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_matches_plain_numpy_forward(tie):
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
-                      tie_embeddings=tie, dtype="float32")
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=48,
+        tie_embeddings=tie,
+        dtype="float32",
+    )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     params = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(model)))
     rng = np.random.default_rng(0)
@@ -85,7 +93,9 @@ def test_every_parameter_has_logical_names_with_layers_axis():
     state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     shapes = nnx.to_pure_dict(state)
-    flat_specs = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    flat_specs = jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
     flat_shapes = dict(jax.tree_util.tree_leaves_with_path(shapes))
     for path, spec in flat_specs:
         shape = flat_shapes[path].shape

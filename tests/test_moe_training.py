@@ -35,12 +35,17 @@ def single_device():
 def test_expert_parallel_training_matches_single_device(layout, single_device):
     trainer = parity_trainer(MOE, LAYOUTS[layout])
     compiled = compile_step(trainer)
-    got = run_parity(trainer, compiled, random_batches(trainer.cfg),
-                     init=None if layout == OWN_INIT else single_device.init)
+    got = run_parity(
+        trainer,
+        compiled,
+        random_batches(trainer.cfg),
+        init=None if layout == OWN_INIT else single_device.init,
+    )
     assert_parity(got, single_device)
     for key in ("aux_loss", "z_loss"):  # (loss and grad_norm: assert_parity)
-        np.testing.assert_allclose([h[key] for h in got.history], [h[key] for h in single_device.history],
-                                   rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(
+            [h[key] for h in got.history], [h[key] for h in single_device.history], rtol=1e-5, err_msg=key
+        )
     assert all(h["dropped_fraction"] == 0.0 for h in got.history)
     loads = [[h["expert_load_max"] for h in run.history] for run in (got, single_device)]
     assert loads[0] == loads[1]
@@ -49,7 +54,8 @@ def test_expert_parallel_training_matches_single_device(layout, single_device):
 
 
 def test_num_experts_not_divisible_by_expert_axis_is_a_config_error():
-    cfg = tiny_config(MOE + ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=8",
-                             "model.moe.num_experts=6"])
+    cfg = tiny_config(
+        MOE + ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=8", "model.moe.num_experts=6"]
+    )
     with pytest.raises(ConfigError, match=r"mesh.expert=8 does not divide model.moe.num_experts=6"):
         config_lib.validate(cfg, 8)

@@ -109,8 +109,9 @@ def holding_at_step_3(held) -> list[str]:
 def env(tmp_path_factory):
     """The processes' environment. The compilation cache lets a rerun skip compiling: only
     process 0 of a multi-process run writes and finds entries (jax 0.10.2), which still helps."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")))
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache"))
+    )
     return env
 
 
@@ -123,19 +124,33 @@ def two_processes(run_dir, *args, grace=30, max_restarts=0, train=None):
     jaxpar.train`), the same launch through `jaxpar.launch.launch(command=...)`."""
     tail = [*args, f"train.run_dir={run_dir}", "runtime.cpu_devices=4"]
     if train is None:
-        return [sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--grace", str(grace),
-                "--max-restarts", str(max_restarts), *tail]
+        return [
+            sys.executable,
+            "-m",
+            "jaxpar.launch",
+            "--nproc",
+            "2",
+            "--grace",
+            str(grace),
+            "--max-restarts",
+            str(max_restarts),
+            *tail,
+        ]
     n = 1 + len(train)  # sys.argv = ["-c", *train, *tail]
-    script = ("import sys; from jaxpar.launch import launch; "
-              f"sys.exit(launch(2, sys.argv[{n}:], command=sys.argv[1:{n}], grace={grace}, "
-              f"max_restarts={max_restarts}))")
+    script = (
+        "import sys; from jaxpar.launch import launch; "
+        f"sys.exit(launch(2, sys.argv[{n}:], command=sys.argv[1:{n}], grace={grace}, "
+        f"max_restarts={max_restarts}))"
+    )
     return [sys.executable, "-c", script, *train, *tail]
 
 
 def run_side_by_side(env, *commands, timeout=300):
     """Runs the commands at once (the machine's cores overlap their start-up); returns stderrs."""
-    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for c in commands]
+    procs = [
+        subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in commands
+    ]
     try:
         errs = []
         for proc in procs:
@@ -157,8 +172,11 @@ def losses(run_dir):
 
 def committed_steps(run_dir):
     path = os.path.join(run_dir, "checkpoints")
-    return sorted(int(n) for n in os.listdir(path) if n.isdigit()
-                  and os.path.exists(os.path.join(path, n, "jaxpar_manifest.json")))
+    return sorted(
+        int(n)
+        for n in os.listdir(path)
+        if n.isdigit() and os.path.exists(os.path.join(path, n, "jaxpar_manifest.json"))
+    )
 
 
 def grad_norms(run_dir):
@@ -171,8 +189,11 @@ def runs(tmp_path_factory, env):
     """4 steps (checkpoints at 2 and 4) as 1 process x 8 devices and as 2 processes x 4, each
     keeping its first step's gradients in <run>.npz."""
     root = tmp_path_factory.mktemp("multiprocess")
-    run_side_by_side(env, one_process(root / "one", *RUN, train=keeping_first_grads(root / "one.npz")),
-                     two_processes(root / "two", *RUN, train=keeping_first_grads(root / "two.npz")))
+    run_side_by_side(
+        env,
+        one_process(root / "one", *RUN, train=keeping_first_grads(root / "one.npz")),
+        two_processes(root / "two", *RUN, train=keeping_first_grads(root / "two.npz")),
+    )
     return root
 
 
@@ -188,7 +209,9 @@ def test_two_processes_match_one_process(runs):
     np.testing.assert_allclose([got_norms[s] for s in got], [want_norms[s] for s in got], rtol=1e-5)
     assert committed_steps(runs / "two") == [2, 4]
     for process in (0, 1):  # one checkpoint, written by both processes
-        assert any((runs / "two" / "checkpoints" / "4" / "params" / f"ocdbt.process_{process}" / "d").iterdir())
+        assert any(
+            (runs / "two" / "checkpoints" / "4" / "params" / f"ocdbt.process_{process}" / "d").iterdir()
+        )
 
 
 def test_two_process_checkpoint_resumes_on_two_processes_and_on_one(runs, env, tmp_path):
@@ -229,7 +252,11 @@ def test_a_killed_process_restarts_the_launch_from_the_last_checkpoint(runs, env
     with open(err_path, "w") as err:
         launcher = subprocess.Popen(
             two_processes(run_dir, *RUN, grace=5, max_restarts=1, train=holding_at_step_3(held)),
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         _wait_for(held.exists, launcher, "process 1 to hold before step 3")
         pids = _child_pids(err_path)
@@ -241,9 +268,11 @@ def test_a_killed_process_restarts_the_launch_from_the_last_checkpoint(runs, env
     report = err_path.read_text()
     assert f"process 1 (pid {pids[1]}) failed: killed by SIGKILL (exit code 137)" in report
     assert "last 40 lines of process 1:" in report
-    assert (f"restart 1 of 1: process 1 (pid {pids[1]}) failed: killed by SIGKILL (exit code 137); "
-            f"starting all 2 processes again from step 2, the newest complete checkpoint in "
-            f"{run_dir / 'checkpoints'}\n") in report
+    assert (
+        f"restart 1 of 1: process 1 (pid {pids[1]}) failed: killed by SIGKILL (exit code 137); "
+        f"starting all 2 processes again from step 2, the newest complete checkpoint in "
+        f"{run_dir / 'checkpoints'}\n"
+    ) in report
     assert report.count("resumed from step 2") == 1  # process 0 of the restart, not a fresh start
     assert report.rstrip().endswith("all 2 processes finished after 1 restart (--max-restarts 1)")
     assert not os.path.exists(f"/proc/{pids[0]}")  # the first attempt's process 0 was stopped
@@ -265,8 +294,9 @@ def slurm_problem() -> str | None:
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return "no Slurm here (sbatch, sinfo); .ci/slurm-up starts a one-node cluster (root, apt-get)"
     try:
-        states = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
-                                timeout=30).stdout.split()
+        states = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30
+        ).stdout.split()
     except subprocess.TimeoutExpired:
         return "sinfo does not answer; .ci/slurm-up starts a one-node cluster"
     if not {"idle", "mixed", "allocated"} & set(states):
@@ -291,16 +321,30 @@ def test_the_slurm_example_matches_one_process(runs, env, tmp_path):
     job_env = {k: v for k, v in env.items() if not k.startswith(("JAXPAR_", "SLURM_"))}
     job_env["JAXPAR_VENV"] = sys.prefix
     batch = config_lib.load_config(TINY_YAML, []).train.batch_size
-    command = ["sbatch", "--wait", f"--job-name={name}", f"--output={out}", "--time=10",
-               "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0",
-               SBATCH, TINY_YAML, "runtime.cpu_devices=4", *RUN[1:],
-               f"train.batch_size={batch}", f"train.run_dir={run_dir}"]
+    command = [
+        "sbatch",
+        "--wait",
+        f"--job-name={name}",
+        f"--output={out}",
+        "--time=10",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--gpus-per-node=0",
+        SBATCH,
+        TINY_YAML,
+        "runtime.cpu_devices=4",
+        *RUN[1:],
+        f"train.batch_size={batch}",
+        f"train.run_dir={run_dir}",
+    ]
     try:
-        job = subprocess.run(command, cwd=ROOT, env=job_env, capture_output=True, text=True,
-                             timeout=420)
+        job = subprocess.run(command, cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=420)
     except subprocess.TimeoutExpired:
         subprocess.run(["scancel", f"--name={name}"], timeout=30)
-        pytest.fail(f"the Slurm job did not finish in 420 s:\n{out.read_text()[-3000:] if out.exists() else ''}")
+        pytest.fail(
+            f"the Slurm job did not finish in 420 s:\n{out.read_text()[-3000:] if out.exists() else ''}"
+        )
     log = out.read_text() if out.exists() else ""
     assert job.returncode == 0, f"{job.stdout}{job.stderr}\n{log[-3000:]}"
     for process in (0, 1):
@@ -354,11 +398,14 @@ def test_the_first_failure_gives_the_exit_code_and_its_last_lines(tmp_path, caps
 def test_sigterm_to_the_launcher_reaches_every_process_once(tmp_path, term_code, max_restarts):
     """A stop the user asks for is no failure to restart, even where the processes then exit
     non-zero (term_code): the launcher exits with their code, after one attempt."""
-    script = ("import sys; from jaxpar.launch import launch; "
-              f"sys.exit(launch(2, command={_children(-1, tmp_path / 'ready', term_code)!r}, "
-              f"max_restarts={max_restarts}))")
-    launcher = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    script = (
+        "import sys; from jaxpar.launch import launch; "
+        f"sys.exit(launch(2, command={_children(-1, tmp_path / 'ready', term_code)!r}, "
+        f"max_restarts={max_restarts}))"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     _wait_for(lambda: len(os.listdir(tmp_path / "ready")) == 2, launcher, "the processes", timeout=30)
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=30)
@@ -366,8 +413,9 @@ def test_sigterm_to_the_launcher_reaches_every_process_once(tmp_path, term_code,
     assert out.count("0: SIGTERM") == 1 and "forwarding SIGTERM" in err
     assert "restart 1" not in err and err.count("processes, coordinator") == 1
     if max_restarts:
-        assert err.rstrip().endswith("not restarting: a stop was requested (SIGTERM) "
-                                     "(0 of --max-restarts 1 used); exit code 1")
+        assert err.rstrip().endswith(
+            "not restarting: a stop was requested (SIGTERM) (0 of --max-restarts 1 used); exit code 1"
+        )
 
 
 # Stand-in processes for restarts: on attempt k (JAXPAR_RESTART_COUNT), process 0 prints its
@@ -401,13 +449,17 @@ def test_restarts_take_a_new_port_until_used_up_then_give_the_last_failures_code
     attempts = re.findall(r"attempt (\d) at 127\.0\.0\.1:(\d+)", out)
     assert [k for k, _ in attempts] == ["0", "1", "2"]
     assert len({port for _, port in attempts}) > 1  # fresh free ports (equal by chance: ~1e-9)
-    first, second = re.findall(r"restart (\d) of 2: process 0 \(pid \d+\) failed: ([^;]*); "
-                               r"starting all 2 processes again from the newest complete "
-                               r"checkpoint \(if any\)\n", err)
+    first, second = re.findall(
+        r"restart (\d) of 2: process 0 \(pid \d+\) failed: ([^;]*); "
+        r"starting all 2 processes again from the newest complete "
+        r"checkpoint \(if any\)\n",
+        err,
+    )
     assert first == ("1", "exit code 4") and second == ("2", "killed by SIGKILL (exit code 137)")
     assert "restart 3" not in err
-    assert err.rstrip().endswith("not restarting: no restarts are left (2 of --max-restarts 2 "
-                                 "used); exit code 5")
+    assert err.rstrip().endswith(
+        "not restarting: no restarts are left (2 of --max-restarts 2 used); exit code 5"
+    )
 
 
 def test_a_run_too_big_for_the_machine_is_not_restarted(capsys):
@@ -415,8 +467,10 @@ def test_a_run_too_big_for_the_machine_is_not_restarted(capsys):
     assert launch(2, command=_attempts("3,0"), max_restarts=2, grace=10) == 3
     out, err = capsys.readouterr()
     assert "restart 1" not in err and "attempt 1" not in out
-    assert err.rstrip().endswith("not restarting: exit code 3 is a run too big for this machine's "
-                                 "memory, which a restart would repeat (0 of --max-restarts 2 used); exit code 3")
+    assert err.rstrip().endswith(
+        "not restarting: exit code 3 is a run too big for this machine's "
+        "memory, which a restart would repeat (0 of --max-restarts 2 used); exit code 3"
+    )
 
 
 def test_a_configuration_error_is_not_restarted(capsys):
@@ -424,8 +478,10 @@ def test_a_configuration_error_is_not_restarted(capsys):
     assert launch(2, command=_attempts("4,2,0"), max_restarts=3, grace=10) == 2
     out, err = capsys.readouterr()
     assert "restart 1 of 3" in err and "restart 2" not in err and "attempt 2" not in out
-    assert err.rstrip().endswith("not restarting: exit code 2 is a configuration error, which a "
-                                 "restart would repeat (1 of --max-restarts 3 used); exit code 2")
+    assert err.rstrip().endswith(
+        "not restarting: exit code 2 is a configuration error, which a "
+        "restart would repeat (1 of --max-restarts 3 used); exit code 2"
+    )
 
 
 def test_without_restarts_a_killed_process_stops_the_launch_with_its_exit_code(capsys):
@@ -448,10 +504,14 @@ def test_a_restart_resumes_from_the_newest_complete_checkpoint(tmp_path, capsys)
     assert launch(2, args, command=_attempts("4,0"), max_restarts=1, grace=10) == 0
     out, err = capsys.readouterr()
     assert re.findall(r"attempt \d at \S+ with (.*)", out) == [str(args), str([*args, "train.resume=auto"])]
-    assert re.search(r"restart 1 of 1: process 0 \(pid \d+\) failed: exit code 4; starting all 2 "
-                     r"processes again from step 2, the newest complete checkpoint in "
-                     + re.escape(str(run_dir / "checkpoints")) + r" \(train\.resume=auto instead of "
-                     r"the command's train\.resume=never: ", err)
+    assert re.search(
+        r"restart 1 of 1: process 0 \(pid \d+\) failed: exit code 4; starting all 2 "
+        r"processes again from step 2, the newest complete checkpoint in "
+        + re.escape(str(run_dir / "checkpoints"))
+        + r" \(train\.resume=auto instead of "
+        r"the command's train\.resume=never: ",
+        err,
+    )
     assert err.rstrip().endswith("all 2 processes finished after 1 restart (--max-restarts 1)")
     for resume, want in [("auto", []), ("2", ["train.resume=auto"])]:
         assert Resumption.plan(str(run_dir), resume).extra_args == want
@@ -493,8 +553,14 @@ def test_steps_that_read_nothing_from_the_device_do_not_wait_on_the_host(env, tm
     queue of dispatched steps on GPUs: 12 steps, logged and saved only at the last, agree at
     step 10 (Preemption.POLL_EVERY) and 12 only, on both processes."""
     out = tmp_path / "polls"
-    command = two_processes(tmp_path / "run", *TINY, "train.steps=12", "train.log_every=100",
-                            "checkpoint.every=0", train=[sys.executable, "-c", COUNT_STOP_POLLS, str(out)])
+    command = two_processes(
+        tmp_path / "run",
+        *TINY,
+        "train.steps=12",
+        "train.log_every=100",
+        "checkpoint.every=0",
+        train=[sys.executable, "-c", COUNT_STOP_POLLS, str(out)],
+    )
     run_side_by_side(env, command)
     for process in (0, 1):
         assert json.loads((tmp_path / f"polls.{process}").read_text()) == {"polls": 12, "agreements": 2}

@@ -24,8 +24,7 @@ from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-NOTEBOOKS = ["01_quickstart", "02_data_fsdp_tensor", "03_pipeline", "04_ring_attention",
-             "05_experts"]
+NOTEBOOKS = ["01_quickstart", "02_data_fsdp_tensor", "03_pipeline", "04_ring_attention", "05_experts"]
 CELL_TIMEOUT_S = 300  # a generous bound per cell; a whole notebook takes ~10-25 s on 2 cores
 
 
@@ -64,9 +63,15 @@ def kernel_env(tmp_path_factory):
             jupyter_dir = tmp_path_factory.mktemp("jupyter")
             kernel_dir = jupyter_dir / "kernels" / "python3"
             kernel_dir.mkdir(parents=True)
-            (kernel_dir / "kernel.json").write_text(json.dumps({
-                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                "display_name": "Python 3 (jaxpar tests)", "language": "python"}))
+            (kernel_dir / "kernel.json").write_text(
+                json.dumps(
+                    {
+                        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                        "display_name": "Python 3 (jaxpar tests)",
+                        "language": "python",
+                    }
+                )
+            )
             path = os.pathsep.join(p for p in (str(jupyter_dir), os.environ.get("JUPYTER_PATH")) if p)
             patch.setenv("JUPYTER_PATH", path)  # read here, where the kernel spec is looked up
             env["JUPYTER_PATH"] = path
@@ -76,8 +81,9 @@ def kernel_env(tmp_path_factory):
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_top_to_bottom(name, kernel_env, tmp_path):
     nb = read(name)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}})
+    client = NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute(env=kernel_env)  # raises CellExecutionError, with the traceback, on any error
     outputs = [o for cell in nb.cells for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
@@ -97,8 +103,9 @@ def test_notebook_is_committed_without_outputs(name):
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("make_notebooks",
-                                                  os.path.join(EXAMPLES, "make_notebooks.py"))
+    spec = importlib.util.spec_from_file_location(
+        "make_notebooks", os.path.join(EXAMPLES, "make_notebooks.py")
+    )
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
     return generator
@@ -154,7 +161,8 @@ def test_notebooks_equal_their_generator():
             committed = f.read()
         assert nbformat.writes(generator.build(name, url)).rstrip() == committed.rstrip(), (
             f"examples/{name}.ipynb differs from examples/make_notebooks.py; run "
-            "python examples/make_notebooks.py")
+            "python examples/make_notebooks.py"
+        )
 
 
 FORK = "https://github.com/someone/jaxpar-fork"
@@ -168,22 +176,31 @@ def write_pyproject(path, urls: str) -> str:
 @pytest.mark.parametrize("written", [FORK, FORK + ".git", FORK + "/"])
 def test_the_generator_takes_the_repository_from_pyproject(written, tmp_path, monkeypatch):
     generator = load_generator()
-    monkeypatch.setattr(generator, "PYPROJECT", write_pyproject(
-        tmp_path / "pyproject.toml", f'[project.urls]\nRepository = "{written}"'))
+    monkeypatch.setattr(
+        generator,
+        "PYPROJECT",
+        write_pyproject(tmp_path / "pyproject.toml", f'[project.urls]\nRepository = "{written}"'),
+    )
     assert generator.main([str(tmp_path / "out")]) == 0
     for name in NOTEBOOKS:
         nb = nbformat.read(tmp_path / "out" / f"{name}.ipynb", as_version=4)
         assert_urls_are(nb, name, FORK)
 
 
-@pytest.mark.parametrize("urls,message", [
-    ('[project.urls]\nRepository = "https://gitlab.com/someone/jaxpar"',
-     "is not of the form https://github.com/OWNER/NAME"),
-    ('[project.urls]\nHomepage = "https://github.com/someone/jaxpar"',
-     "has no [project.urls] Repository"),
-])
-def test_the_generator_refuses_a_repository_colab_cannot_open(urls, message, tmp_path, capsys,
-                                                              monkeypatch):
+@pytest.mark.parametrize(
+    "urls,message",
+    [
+        (
+            '[project.urls]\nRepository = "https://gitlab.com/someone/jaxpar"',
+            "is not of the form https://github.com/OWNER/NAME",
+        ),
+        (
+            '[project.urls]\nHomepage = "https://github.com/someone/jaxpar"',
+            "has no [project.urls] Repository",
+        ),
+    ],
+)
+def test_the_generator_refuses_a_repository_colab_cannot_open(urls, message, tmp_path, capsys, monkeypatch):
     generator = load_generator()
     monkeypatch.setattr(generator, "PYPROJECT", write_pyproject(tmp_path / "pyproject.toml", urls))
     assert generator.main([str(tmp_path / "out")]) == 2

@@ -78,16 +78,24 @@ def pipelined(schedule, mesh, batch):
     @jax.jit
     def run(layer_params, head_params, x, y):
         return pipeline_value_and_grad(
-            stage_fn, functools.partial(head_loss, batch=batch),
-            stack_stages(layer_params, p, v), head_params,
-            split_microbatches(x, m), split_microbatches(y, m), schedule=schedule, mesh=mesh)
+            stage_fn,
+            functools.partial(head_loss, batch=batch),
+            stack_stages(layer_params, p, v),
+            head_params,
+            split_microbatches(x, m),
+            split_microbatches(y, m),
+            schedule=schedule,
+            mesh=mesh,
+        )
+
     return run
 
 
 def single_device(schedule, args):
     """The plain model's loss and grads, laid out like the pipeline's outputs."""
-    loss, (layer_grads, head_grads, x_grads) = jax.jit(
-        jax.value_and_grad(model_loss, argnums=(0, 1, 2)))(*jax.device_get(args))
+    loss, (layer_grads, head_grads, x_grads) = jax.jit(jax.value_and_grad(model_loss, argnums=(0, 1, 2)))(
+        *jax.device_get(args)
+    )
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     return loss, (stack_stages(layer_grads, p, v), head_grads, split_microbatches(x_grads, m))
 
@@ -97,6 +105,7 @@ def assert_close(actual, expected, rtol=1e-5):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         err = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol}"
+
     jax.tree_util.tree_map_with_path(check, actual, expected)
 
 
@@ -108,10 +117,18 @@ def assert_matches_single_device(schedule, mesh, args):
 
 # Every pipe size with every schedule; microbatches below, at and above the stage count.
 CASES = [
-    ("gpipe", 2, 3, 1), ("1f1b", 2, 5, 1), ("interleaved", 2, 4, 2),
-    ("gpipe", 4, 6, 1), ("1f1b", 4, 3, 1), ("interleaved", 4, 4, 2),
-    ("gpipe", 8, 2, 1), ("1f1b", 8, 9, 1), ("interleaved", 8, 8, 2),
-    ("zb", 2, 5, 1), ("zb", 4, 3, 1), ("zb", 8, 9, 1),
+    ("gpipe", 2, 3, 1),
+    ("1f1b", 2, 5, 1),
+    ("interleaved", 2, 4, 2),
+    ("gpipe", 4, 6, 1),
+    ("1f1b", 4, 3, 1),
+    ("interleaved", 4, 4, 2),
+    ("gpipe", 8, 2, 1),
+    ("1f1b", 8, 9, 1),
+    ("interleaved", 8, 8, 2),
+    ("zb", 2, 5, 1),
+    ("zb", 4, 3, 1),
+    ("zb", 8, 9, 1),
 ]
 
 
@@ -127,11 +144,16 @@ def test_pipeline_with_data_and_tensor_axes_matches_single_device(kind, virtual_
     mesh = make_mesh((2, 2, 1, 1, 1, 2))  # pipe=2 data=2 tensor=2, GSPMD (auto) outside 'pipe'
     microbatches = 4
     layer_params, head_params, x, y = toy_problem(microbatches * MICROBATCH)
-    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
     args = (
-        {"w1": put(layer_params["w1"], None, None, "tensor"),
-         "w2": put(layer_params["w2"], None, "tensor", None)},
-        head_params, put(x, ("data", "fsdp")), put(y, ("data", "fsdp")))
+        {
+            "w1": put(layer_params["w1"], None, None, "tensor"),
+            "w2": put(layer_params["w2"], None, "tensor", None),
+        },
+        head_params,
+        put(x, ("data", "fsdp")),
+        put(y, ("data", "fsdp")),
+    )
     schedule = build_schedule(kind, 2, microbatches, virtual_stages)
     assert_matches_single_device(schedule, mesh, args)
 
@@ -139,7 +161,7 @@ def test_pipeline_with_data_and_tensor_axes_matches_single_device(kind, virtual_
 def test_pipeline_on_explicit_mesh_matches_single_device():
     mesh = make_mesh((2, 2, 2, 1, 1, 1), AxisType.Explicit)  # jax.make_mesh's default axis type
     layer_params, head_params, x, y = toy_problem(4 * MICROBATCH)
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))  # noqa: E731
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))
     args = (layer_params, head_params, put(x), put(y))
     assert_matches_single_device(build_schedule("gpipe", 2, 4), mesh, args)
 
@@ -189,19 +211,29 @@ def test_mesh_and_schedule_must_agree():
     layer_params, head_params, x, y = toy_problem(8)
     schedule, mesh = build_schedule("1f1b", 4, 4), make_mesh((2, 4, 1, 1, 1, 1))
     with pytest.raises(ValueError, match="mesh axis pipe=2 but schedule has stages=4"):
-        pipeline_value_and_grad(stage_fn, functools.partial(head_loss, batch=8),
-                                stack_stages(layer_params, 4), head_params,
-                                split_microbatches(x, 4), split_microbatches(y, 4),
-                                schedule=schedule, mesh=mesh)
+        pipeline_value_and_grad(
+            stage_fn,
+            functools.partial(head_loss, batch=8),
+            stack_stages(layer_params, 4),
+            head_params,
+            split_microbatches(x, 4),
+            split_microbatches(y, 4),
+            schedule=schedule,
+            mesh=mesh,
+        )
 
 
 # ----------------------------------------------------------------------------- schedules
 
 # The cost-weighted idle fraction of the lowered program (F=1, B=2; zero-bubble B=1, W=1) is
 # the textbook one, exactly, over a grid of stages, microbatches and chunks per stage.
-GRID = [(kind, p, m, v) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)
-        for kind, v in [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2),
-                        ("interleaved", 3)] if kind != "interleaved" or m % p == 0]
+GRID = [
+    (kind, p, m, v)
+    for p in (2, 3, 4, 8)
+    for m in (1, 2, 3, 4, 5, 8, 16)
+    for kind, v in [("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2), ("interleaved", 3)]
+    if kind != "interleaved" or m % p == 0
+]
 
 
 @pytest.mark.parametrize("kind,stages,microbatches,virtual_stages", GRID)
@@ -234,8 +266,7 @@ def test_issue_17_table():
     assert bubble_fraction(build_schedule("gpipe", 4, 8)) == pytest.approx(3 / 11)
 
 
-@pytest.mark.parametrize("kind,virtual_stages", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
-                                                 ("zb", 1)])
+@pytest.mark.parametrize("kind,virtual_stages", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)])
 def test_schedule_runs_every_action_once_in_dependency_order(kind, virtual_stages):
     p, m, v = 4, 8, virtual_stages
     schedule = build_schedule(kind, p, m, v)
@@ -261,7 +292,7 @@ def test_schedule_runs_every_action_once_in_dependency_order(kind, virtual_stage
 
 def test_every_tick_runs_one_forward_and_one_backward_in_steady_state():
     schedule = build_schedule("1f1b", 4, 16)
-    steady = schedule.ticks[2 * 4 - 2: 16]  # after stage 0's first backward, before its last forward
+    steady = schedule.ticks[2 * 4 - 2 : 16]  # after stage 0's first backward, before its last forward
     assert steady and all(f is not None and b is not None for tick in steady for f, b in zip(*tick))
 
 
@@ -271,10 +302,8 @@ def test_1f1b_stash_does_not_grow_with_microbatches(microbatches):
     # textbook bubble needs 2p-1 stashes there (stash_limit), for any m.
     p = 4
     assert stash_limit("1f1b", p) == 2 * p - 1
-    assert lower_schedule(build_schedule("1f1b", p, microbatches)).stash_slots == min(
-        microbatches, 2 * p - 1)
-    assert lower_schedule(build_schedule("zb", p, microbatches)).stash_slots == min(
-        microbatches, 2 * p - 1)
+    assert lower_schedule(build_schedule("1f1b", p, microbatches)).stash_slots == min(microbatches, 2 * p - 1)
+    assert lower_schedule(build_schedule("zb", p, microbatches)).stash_slots == min(microbatches, 2 * p - 1)
     assert lower_schedule(build_schedule("gpipe", p, microbatches)).stash_slots == microbatches
 
 
@@ -282,10 +311,50 @@ def test_format_schedule():
     text = format_schedule(build_schedule("1f1b", 2, 3))
     lines = text.splitlines()
     # One column per unit of time: a backward is its label and '==' (cost 2); '|' = exchange.
-    assert lines[0].split() == ["stage", "0", "|", "F0", "|", "F1", ".", ".", "|", "F2", "B0", "==",
-                                "|", ".", "B1", "==", "|", "B2", "==", "|"]
-    assert lines[1].split() == ["stage", "1", "|", ".", "|", "F0", "B0", "==", "|", "F1", "B1", "==",
-                                "|", "F2", "B2", "==", "|", ".", ".", "|"]
+    assert lines[0].split() == [
+        "stage",
+        "0",
+        "|",
+        "F0",
+        "|",
+        "F1",
+        ".",
+        ".",
+        "|",
+        "F2",
+        "B0",
+        "==",
+        "|",
+        ".",
+        "B1",
+        "==",
+        "|",
+        "B2",
+        "==",
+        "|",
+    ]
+    assert lines[1].split() == [
+        "stage",
+        "1",
+        "|",
+        ".",
+        "|",
+        "F0",
+        "B0",
+        "==",
+        "|",
+        "F1",
+        "B1",
+        "==",
+        "|",
+        "F2",
+        "B2",
+        "==",
+        "|",
+        ".",
+        ".",
+        "|",
+    ]
     assert lines[2].startswith("bubble 0.2500")  # (p-1)/(m+p-1)
     assert "F0.1" in format_schedule(build_schedule("interleaved", 2, 2, 2))
     assert "W0" in format_schedule(build_schedule("zb", 2, 2))
@@ -305,18 +374,19 @@ def temp_bytes():
     """
     p, layers, microbatch, width, hidden = 2, 4, 256, 16, 64
     mesh = make_mesh((p, 1, 1, 1, 1, 1))
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    stage_params = {"w1": f32(p, layers // p, width, hidden),
-                    "w2": f32(p, layers // p, hidden, width)}
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    stage_params = {"w1": f32(p, layers // p, width, hidden), "w2": f32(p, layers // p, hidden, width)}
     sizes = {}
     for kind in ("gpipe", "1f1b", "zb"):
         for m in (4, 16):
             schedule = build_schedule(kind, p, m)
             head_fn = functools.partial(head_loss, batch=m * microbatch)
-            run = jax.jit(functools.partial(pipeline_value_and_grad, stage_fn, head_fn,
-                                            schedule=schedule, mesh=mesh))
-            compiled = run.lower(stage_params, {"w": f32(width, OUT)}, f32(m, microbatch, width),
-                                 f32(m, microbatch, OUT)).compile()
+            run = jax.jit(
+                functools.partial(pipeline_value_and_grad, stage_fn, head_fn, schedule=schedule, mesh=mesh)
+            )
+            compiled = run.lower(
+                stage_params, {"w": f32(width, OUT)}, f32(m, microbatch, width), f32(m, microbatch, OUT)
+            ).compile()
             sizes[kind, m] = compiled.memory_analysis().temp_size_in_bytes
     return sizes
 
@@ -387,10 +457,42 @@ def test_stage_dependent_zb_picture_and_description():
     schedule = build_schedule("zb", 2, 4, stage_dependent=True)
     lines = format_schedule(schedule).splitlines()
     # One column per tick (each stage its own action), the exchange after every column.
-    assert lines[0].split() == ["stage", "0", "|", "F0", "F1", ".", "B0", "W0", "F2", "B1", "W1",
-                                "F3", "B2", "W2", "B3", "W3"]
-    assert lines[1].split() == ["stage", "1", "|", ".", "F0", "B0", "F1", "B1", "W0", "F2", "B2",
-                                "W1", "F3", "B3", "W2", "W3"]
+    assert lines[0].split() == [
+        "stage",
+        "0",
+        "|",
+        "F0",
+        "F1",
+        ".",
+        "B0",
+        "W0",
+        "F2",
+        "B1",
+        "W1",
+        "F3",
+        "B2",
+        "W2",
+        "B3",
+        "W3",
+    ]
+    assert lines[1].split() == [
+        "stage",
+        "1",
+        "|",
+        ".",
+        "F0",
+        "B0",
+        "F1",
+        "B1",
+        "W0",
+        "F2",
+        "B2",
+        "W1",
+        "F3",
+        "B3",
+        "W2",
+        "W3",
+    ]
     assert lines[2].startswith("bubble 0.0769") and "stage-dependent control flow" in lines[2]
     described = describe_schedule(schedule)
     assert described["control_flow"] == "stage-dependent" and described["ticks"] == 13
@@ -408,8 +510,7 @@ def test_schedule_for_mesh_picks_stage_dependent_zb_only_for_a_collective_free_c
     for axis in ("fsdp", "tensor", "context", "expert"):  # collectives inside the chunk
         assert not schedule_for_mesh(zb, {**base, "data": 2, axis: 2}).stage_dependent
     # fsdp below ZeRO-2 is a row axis (parameters and gradients whole on it): collective-free.
-    assert schedule_for_mesh(zb, {**base, "data": 2, "fsdp": 2},
-                             row_axes=("data", "fsdp")).stage_dependent
+    assert schedule_for_mesh(zb, {**base, "data": 2, "fsdp": 2}, row_axes=("data", "fsdp")).stage_dependent
     # MoE and float8 couple a microbatch's rows (router losses, per-tensor scales): no row axes,
     # so with data > 1 they stay uniform.
     assert not schedule_for_mesh(zb, {**base, "data": 2}, row_axes=()).stage_dependent
@@ -419,11 +520,16 @@ def test_schedule_for_mesh_picks_stage_dependent_zb_only_for_a_collective_free_c
     # The runtime refuses a stage-dependent table on a mesh whose chunk has collectives.
     layer_params, head_params, x, y = toy_problem(8)
     with pytest.raises(ValueError, match="collective-free"):
-        pipeline_value_and_grad(stage_fn, functools.partial(head_loss, batch=8),
-                                stack_stages(layer_params, 2), head_params,
-                                split_microbatches(x, 2), split_microbatches(y, 2),
-                                schedule=build_schedule("zb", 2, 2, stage_dependent=True),
-                                mesh=make_mesh((2, 2, 2, 1, 1, 1)))
+        pipeline_value_and_grad(
+            stage_fn,
+            functools.partial(head_loss, batch=8),
+            stack_stages(layer_params, 2),
+            head_params,
+            split_microbatches(x, 2),
+            split_microbatches(y, 2),
+            schedule=build_schedule("zb", 2, 2, stage_dependent=True),
+            mesh=make_mesh((2, 2, 2, 1, 1, 1)),
+        )
 
 
 def _collectives_in_branches(hlo_text):
@@ -434,12 +540,17 @@ def _collectives_in_branches(hlo_text):
     from jaxpar.hlo import KINDS, parse
 
     comps = parse(hlo_text)
-    called = re.compile(r"(?:body|calls|to_apply|condition|true_computation|false_computation)"
-                        r"=%([\w.\-]+)")
+    called = re.compile(
+        r"(?:body|calls|to_apply|condition|true_computation|false_computation)"
+        r"=%([\w.\-]+)"
+    )
 
     def branches(ins):
-        return [name for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.text)
-                for name in re.findall(r"%([\w.\-]+)", group)]
+        return [
+            name
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.text)
+            for name in re.findall(r"%([\w.\-]+)", group)
+        ]
 
     found, seen = [], set()
 
@@ -453,8 +564,7 @@ def _collectives_in_branches(hlo_text):
             for callee in called.findall(ins.text) + branches(ins):
                 visit(callee)
 
-    conditionals = [ins for comp in comps.values() for ins in comp.instrs
-                    if ins.op == "conditional"]
+    conditionals = [ins for comp in comps.values() for ins in comp.instrs if ins.op == "conditional"]
     for ins in conditionals:
         for name in branches(ins) or called.findall(ins.text):
             visit(name)
@@ -463,12 +573,13 @@ def _collectives_in_branches(hlo_text):
 
 @pytest.mark.parametrize("stages,data,microbatches", [(2, 4, 4), (4, 2, 8)])
 def test_stage_dependent_zb_matches_single_device_without_collectives_in_its_branches(
-        stages, data, microbatches):
+    stages, data, microbatches
+):
     """pipe x data, every other axis 1: each stage switches on its own row; the gradients are
     the single device's, and no collective sits inside the switch (data's sums come after)."""
     mesh = make_mesh((stages, data, 1, 1, 1, 1))
     layer_params, head_params, x, y = toy_problem(microbatches * MICROBATCH, layers=8)
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))  # noqa: E731
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))
     args = (layer_params, head_params, put(x), put(y))
     sizes = dict(zip(AXES, (stages, data, 1, 1, 1, 1)))
     schedule = schedule_for_mesh(build_schedule("zb", stages, microbatches), sizes)
@@ -485,6 +596,6 @@ def test_stage_dependent_zb_matches_single_device_without_collectives_in_its_bra
 def test_stage_dependent_zb_on_explicit_mesh_matches_single_device():
     mesh = make_mesh((2, 4, 1, 1, 1, 1), AxisType.Explicit)  # data manual: rows laid out first
     layer_params, head_params, x, y = toy_problem(4 * MICROBATCH, layers=8)
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))  # noqa: E731
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(("data", "fsdp"))))
     args = (layer_params, head_params, put(x), put(y))
     assert_matches_single_device(build_schedule("zb", 2, 4, stage_dependent=True), mesh, args)

@@ -32,8 +32,7 @@ TIME_LIMIT_S = 420  # the grid takes about 100 s alone on 2 cores; a hang waits 
 
 
 def cells():
-    return [(kind, v, m, pair, zero) for kind, v, m in SCHEDULES for pair in PAIRS
-            for zero in ZERO_STAGES]
+    return [(kind, v, m, pair, zero) for kind, v, m in SCHEDULES for pair in PAIRS for zero in ZERO_STAGES]
 
 
 def run_grid() -> list[dict]:
@@ -59,7 +58,7 @@ def run_grid() -> list[dict]:
         mesh = make_mesh((sizes["pipe"], sizes["data"], sizes["fsdp"], 1, 1, sizes["tensor"]))
         fsdp = "fsdp" if sizes["fsdp"] > 1 else None
         tensor = "tensor" if sizes["tensor"] > 1 else None
-        put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+        put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
         # Megatron's MLP over tensor; ZeRO-3 splits the other weight dim over fsdp.
         p_fsdp = fsdp if zero == 3 else None
         specs = {"w1": (None, p_fsdp, tensor), "w2": (None, tensor, p_fsdp)}
@@ -69,32 +68,65 @@ def run_grid() -> list[dict]:
         # fsdp, so the pipeline splits the rows over it itself, like data's.
         row_axes = ("data", "fsdp") if zero <= 1 else ("data",)
         schedule = schedule_for_mesh(build_schedule(kind, 2, m, v), sizes, row_axes=row_axes)
-        args = ({k: put(a, *specs[k]) for k, a in layer_params.items()}, head_params,
-                put(x, ("data", "fsdp")), put(y, ("data", "fsdp")))
+        args = (
+            {k: put(a, *specs[k]) for k, a in layer_params.items()},
+            head_params,
+            put(x, ("data", "fsdp")),
+            put(y, ("data", "fsdp")),
+        )
         key = (kind, pair, str(specs), str(grad_specs), row_axes)
         if key not in compiled:
-            def run(layer_params, head_params, x, y, schedule=schedule, mesh=mesh,
-                    grad_specs=grad_specs, v=v, m=m, row_axes=row_axes):
+
+            def run(
+                layer_params,
+                head_params,
+                x,
+                y,
+                schedule=schedule,
+                mesh=mesh,
+                grad_specs=grad_specs,
+                v=v,
+                m=m,
+                row_axes=row_axes,
+            ):
                 loss, (stage_grads, head_grads, x_grads) = pipeline_value_and_grad(
-                    stage_fn, functools.partial(head_loss, batch=m * MICROBATCH),
-                    stack_stages(layer_params, 2, v), head_params, split_microbatches(x, m),
-                    split_microbatches(y, m), schedule=schedule, mesh=mesh, row_axes=row_axes)
-                stage_grads = {k: jax.lax.with_sharding_constraint(
-                    g, NamedSharding(mesh, grad_specs[k])) for k, g in stage_grads.items()}
+                    stage_fn,
+                    functools.partial(head_loss, batch=m * MICROBATCH),
+                    stack_stages(layer_params, 2, v),
+                    head_params,
+                    split_microbatches(x, m),
+                    split_microbatches(y, m),
+                    schedule=schedule,
+                    mesh=mesh,
+                    row_axes=row_axes,
+                )
+                stage_grads = {
+                    k: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, grad_specs[k]))
+                    for k, g in stage_grads.items()
+                }
                 return loss, (stage_grads, head_grads, x_grads)
+
             compiled[key] = jax.jit(run)
         if kind not in reference:
             reference[kind] = single_device(schedule, args)
 
         start = time.perf_counter()
         got = jax.device_get(compiled[key](*args))
-        errors = [float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-                  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference[kind]))]
-        results.append({"cell": [kind, v, m, list(pair), zero], "loss": float(got[0]),
-                        "max_error": max(errors), "leaves": len(errors),
-                        "finite": all(bool(np.all(np.isfinite(a))) for a in jax.tree.leaves(got)),
-                        "stage_dependent": schedule.stage_dependent,
-                        "seconds": round(time.perf_counter() - start, 2)})
+        errors = [
+            float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(reference[kind]))
+        ]
+        results.append(
+            {
+                "cell": [kind, v, m, list(pair), zero],
+                "loss": float(got[0]),
+                "max_error": max(errors),
+                "leaves": len(errors),
+                "finite": all(bool(np.all(np.isfinite(a))) for a in jax.tree.leaves(got)),
+                "stage_dependent": schedule.stage_dependent,
+                "seconds": round(time.perf_counter() - start, 2),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -102,12 +134,19 @@ def run_grid() -> list[dict]:
 def test_every_schedule_with_every_axis_pair_and_zero_stage_matches_single_device():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=root,
-                              capture_output=True, text=True, timeout=TIME_LIMIT_S)
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=TIME_LIMIT_S,
+        )
     except subprocess.TimeoutExpired as e:
         done = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"the pipeline grid did not finish in {TIME_LIMIT_S} s (a hung collective?); "
-                    f"finished cells:\n{done[-3000:]}")
+        pytest.fail(
+            f"the pipeline grid did not finish in {TIME_LIMIT_S} s (a hung collective?); "
+            f"finished cells:\n{done[-3000:]}"
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["cell"] for r in results] == [[k, v, m, list(pair), z] for k, v, m, pair, z in cells()]
@@ -116,7 +155,9 @@ def test_every_schedule_with_every_axis_pair_and_zero_stage_matches_single_devic
     # Stage-dependent exactly where the chunk is collective-free: zero-bubble on data x fsdp
     # below ZeRO-2 (both row axes); with tensor, or fsdp at ZeRO-2/3, uniform.
     assert [r["cell"] for r in results if r["stage_dependent"]] == [
-        ["zb", 1, 4, ["data", "fsdp"], 0], ["zb", 1, 4, ["data", "fsdp"], 1]]
+        ["zb", 1, 4, ["data", "fsdp"], 0],
+        ["zb", 1, 4, ["data", "fsdp"], 1],
+    ]
 
 
 if __name__ == "__main__":

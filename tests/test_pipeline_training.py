@@ -30,26 +30,36 @@ from tests.test_pipeline import _collectives_in_branches
 # 8 layers: up to 8 stages; 16 rows of 16 tokens: up to 8 microbatches of 2 rows.
 PIPE = ["model.n_layers=8", "train.batch_size=16", "train.seq_len=16"]
 LAYOUTS = {
-    "pipe2_interleaved": ({"pipe": 2, "data": 4}, ["parallel.pipeline_schedule=interleaved",
-                                                   "parallel.virtual_stages=2", "parallel.microbatches=4"]),
+    "pipe2_interleaved": (
+        {"pipe": 2, "data": 4},
+        ["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2", "parallel.microbatches=4"],
+    ),
     # ZeRO-1: fsdp splits only the rows inside the pipeline (manual there, like data).
-    "pipe4_fsdp2_1f1b_zero1": ({"pipe": 4, "fsdp": 2}, ["parallel.pipeline_schedule=1f1b",
-                                                       "parallel.microbatches=8", "parallel.zero_stage=1"]),
+    "pipe4_fsdp2_1f1b_zero1": (
+        {"pipe": 4, "fsdp": 2},
+        ["parallel.pipeline_schedule=1f1b", "parallel.microbatches=8", "parallel.zero_stage=1"],
+    ),
     "pipe8_gpipe": ({"pipe": 8}, ["parallel.pipeline_schedule=gpipe", "parallel.microbatches=4"]),
     "pipe2_data2_tensor2": ({"pipe": 2, "data": 2, "tensor": 2}, ["parallel.microbatches=4"]),
     "pipe2_fsdp4_zero3": ({"pipe": 2, "fsdp": 4}, ["parallel.zero_stage=3", "parallel.microbatches=2"]),
     # Issue 17's hang: interleaved with fsdp, tensor and ZeRO-3 (its first step never finished).
     "pipe2_fsdp2_tensor2_interleaved_zero3": (
         {"pipe": 2, "fsdp": 2, "tensor": 2},
-        ["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
-         "parallel.microbatches=4", "parallel.zero_stage=3"]),
+        [
+            "parallel.pipeline_schedule=interleaved",
+            "parallel.virtual_stages=2",
+            "parallel.microbatches=4",
+            "parallel.zero_stage=3",
+        ],
+    ),
     # Zero-bubble on a collective-free chunk (pipe x data only): stage-dependent ZB-H1.
     "pipe4_data2_zb": ({"pipe": 4, "data": 2}, ["parallel.pipeline_schedule=zb", "parallel.microbatches=8"]),
     "pipe2_data4_zb": ({"pipe": 2, "data": 4}, ["parallel.pipeline_schedule=zb", "parallel.microbatches=4"]),
     # With fsdp: uniform control flow (the chunk has collectives).
-    "pipe2_data2_fsdp2_zb_zero2": ({"pipe": 2, "data": 2, "fsdp": 2},
-                                   ["parallel.pipeline_schedule=zb", "parallel.microbatches=4",
-                                    "parallel.zero_stage=2"]),
+    "pipe2_data2_fsdp2_zb_zero2": (
+        {"pipe": 2, "data": 2, "fsdp": 2},
+        ["parallel.pipeline_schedule=zb", "parallel.microbatches=4", "parallel.zero_stage=2"],
+    ),
     # Gradient accumulation across pipelined passes: 2 passes of 8 rows, each in 2 microbatches.
     "pipe2_data4_accum2": ({"pipe": 2, "data": 4}, ["parallel.microbatches=2", "parallel.grad_accum=2"]),
     # Ring attention inside a stage: the batch (positions and segment ids with it) is in the
@@ -75,8 +85,12 @@ def single_device():
 def test_pipelined_training_matches_single_device(layout, single_device):
     trainer = trainer_for(*LAYOUTS[layout])
     compiled = compile_step(trainer)
-    got = run_parity(trainer, compiled, random_batches(trainer.cfg),
-                     init=None if layout == OWN_INIT else single_device.init)
+    got = run_parity(
+        trainer,
+        compiled,
+        random_batches(trainer.cfg),
+        init=None if layout == OWN_INIT else single_device.init,
+    )
     assert_parity(got, single_device)
     if layout == "pipe8_gpipe":  # activations and gradients hop between neighbouring stages
         assert report(trainer, compiled)["collectives"]["collective-permute"]["count"] > 0
@@ -88,17 +102,25 @@ def test_pipelined_training_matches_single_device(layout, single_device):
             assert widest == 2 and inside, (widest, inside)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["model.n_layers=6"], r"layers=6"),
-    (["train.batch_size=12", "parallel.microbatches=8"], r"batch=12|batch_size=12"),
-    (["parallel.grad_accum=4"], r"parallel.grad_accum=4 x parallel.microbatches=4 .* multiple of 32"),
-    (["model.moe.num_experts=8", "model.moe.every=4"],
-     r"model.n_layers=8 / model.moe.every=4 = 2 MoE groups do not split over mesh.pipe=4 .* "
-     r"try model.moe.every in \[1, 2\]"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["model.n_layers=6"], r"layers=6"),
+        (["train.batch_size=12", "parallel.microbatches=8"], r"batch=12|batch_size=12"),
+        (["parallel.grad_accum=4"], r"parallel.grad_accum=4 x parallel.microbatches=4 .* multiple of 32"),
+        (
+            ["model.moe.num_experts=8", "model.moe.every=4"],
+            r"model.n_layers=8 / model.moe.every=4 = 2 MoE groups do not split over mesh.pipe=4 .* "
+            r"try model.moe.every in \[1, 2\]",
+        ),
+    ],
+)
 def test_pipeline_config_errors(overrides, match):
-    cfg = tiny_config(PIPE + ["mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
-                              "parallel.microbatches=4"] + overrides)
+    cfg = tiny_config(
+        PIPE
+        + ["mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "parallel.microbatches=4"]
+        + overrides
+    )
     with pytest.raises(ConfigError, match=match):
         config_lib.validate(cfg, 8)
 
@@ -108,8 +130,16 @@ def test_inspect_prints_the_schedule_and_its_bubble():
 
     from tests.test_train import _run
 
-    args = (TINY_YAML, *PIPE, "mesh.pipe=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1",
-            "parallel.microbatches=8", "--schedule")
+    args = (
+        TINY_YAML,
+        *PIPE,
+        "mesh.pipe=4",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "parallel.microbatches=8",
+        "--schedule",
+    )
     proc = _run("jaxpar.inspect", *args, devices=8)
     assert proc.returncode == 0, proc.stderr[-2000:]
     described = json.loads(proc.stdout)
@@ -132,12 +162,21 @@ def test_inspect_schedule_reports_the_control_flow_zero_bubble_runs(capsys):
     from jaxpar.inspect import main
 
     for mesh, flow, bubble in [
-            (["mesh.data=2", "mesh.fsdp=1"], "stage-dependent", 3 / 27),
-            (["mesh.data=1", "mesh.fsdp=2", "parallel.zero_stage=1"], "stage-dependent", 3 / 27),
-            (["mesh.data=1", "mesh.fsdp=2", "parallel.zero_stage=2"], "uniform", 6 / 30),
-            (["mesh.data=2", "mesh.fsdp=1", "model.fp8=true"], "uniform", 6 / 30)]:
-        args = [TINY_YAML, *PIPE, "mesh.pipe=4", "mesh.tensor=1", *mesh,
-                "parallel.pipeline_schedule=zb", "parallel.microbatches=8", "--schedule"]
+        (["mesh.data=2", "mesh.fsdp=1"], "stage-dependent", 3 / 27),
+        (["mesh.data=1", "mesh.fsdp=2", "parallel.zero_stage=1"], "stage-dependent", 3 / 27),
+        (["mesh.data=1", "mesh.fsdp=2", "parallel.zero_stage=2"], "uniform", 6 / 30),
+        (["mesh.data=2", "mesh.fsdp=1", "model.fp8=true"], "uniform", 6 / 30),
+    ]:
+        args = [
+            TINY_YAML,
+            *PIPE,
+            "mesh.pipe=4",
+            "mesh.tensor=1",
+            *mesh,
+            "parallel.pipeline_schedule=zb",
+            "parallel.microbatches=8",
+            "--schedule",
+        ]
         assert main(args) == 0
         described = json.loads(capsys.readouterr().out)
         assert described["control_flow"] == flow
@@ -147,15 +186,15 @@ def test_inspect_schedule_reports_the_control_flow_zero_bubble_runs(capsys):
 
 def test_bf16_pipeline_hands_off_bf16_and_splits_the_vocabulary_over_tensor(single_device):
     """jax 0.10.2 needed float32 hand-offs and a whole vocabulary beside the pipeline; 0.12 not."""
-    trainer = trainer_for({"pipe": 2, "data": 2, "tensor": 2},
-                          ["model.dtype=bfloat16", "parallel.microbatches=4"])
+    trainer = trainer_for(
+        {"pipe": 2, "data": 2, "tensor": 2}, ["model.dtype=bfloat16", "parallel.microbatches=4"]
+    )
     assert "tensor" in str(trainer.state_shardings["params"]["embedding"].spec)
     # The program hands bf16 between stages (XLA:CPU then runs its collectives in float32).
     lowered = trainer.step.lower(trainer.state_shape, trainer.batch_shape()).as_text()
     permutes = [line for line in lowered.splitlines() if "stablehlo.collective_permute" in line]
     assert permutes and all(line.rstrip().endswith("bf16>") for line in permutes), permutes[:2]
-    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg),
-                     init=single_device.init)
+    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), init=single_device.init)
     # bf16 matmuls against the float32 single-device run: the same gradients and trajectory, to
     # bf16's precision.
     errors = relative_errors(got.grads, single_device.grads)
@@ -164,14 +203,12 @@ def test_bf16_pipeline_hands_off_bf16_and_splits_the_vocabulary_over_tensor(sing
 
 
 # MoE inside a stage: 8 layers in 4 groups of a dense and an MoE block, 2 microbatches.
-MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.every=2",
-       "model.moe.shared_experts=1"]
+MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.every=2", "model.moe.shared_experts=1"]
 MOE_MICROBATCHES = 2
 MOE_LAYOUTS = {
     "pipe2_expert2_data2": ({"pipe": 2, "expert": 2, "data": 2}, []),
     # Zero-bubble: a stage's router losses reach its weights in the W slot.
-    "pipe2_expert2_fsdp2_zb": ({"pipe": 2, "expert": 2, "fsdp": 2},
-                               ["parallel.pipeline_schedule=zb"]),
+    "pipe2_expert2_fsdp2_zb": ({"pipe": 2, "expert": 2, "fsdp": 2}, ["parallel.pipeline_schedule=zb"]),
 }
 ROUTER_METRICS = ("aux_loss", "z_loss", "dropped_fraction", "expert_load_min", "expert_load_max")
 
@@ -187,11 +224,10 @@ def moe_single_device():
 def test_pipelined_moe_training_matches_single_device(layout, moe_single_device):
     mesh, extra = MOE_LAYOUTS[layout]
     trainer = trainer_for(mesh, MOE + [f"parallel.microbatches={MOE_MICROBATCHES}"] + extra)
-    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg),
-                     init=moe_single_device.init)
+    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), init=moe_single_device.init)
     assert_parity(got, moe_single_device)
     for key in ROUTER_METRICS:
-        np.testing.assert_allclose([h[key] for h in got.history],
-                                   [h[key] for h in moe_single_device.history], rtol=1e-5,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            [h[key] for h in got.history], [h[key] for h in moe_single_device.history], rtol=1e-5, err_msg=key
+        )
     assert any(h["aux_loss"] > 1.0 for h in got.history)  # the router is not balanced: aux matters

@@ -41,17 +41,21 @@ def test_predicted_memory_within_10_percent_of_compiled(name):
     assert state == pytest.approx(compiled["arguments"], rel=0.01)
 
 
-@pytest.mark.parametrize("stage, mesh, extra", [
-    (0, {"data": 2, "tensor": 2, "pipe": 2}, []),
-    (1, {"fsdp": 4, "tensor": 2}, []),
-    (2, {"fsdp": 2, "expert": 2, "tensor": 2}, ["model.moe.num_experts=4", "model.moe.every=2"]),
-    (3, {"fsdp": 4, "context": 2}, []),
-])
+@pytest.mark.parametrize(
+    "stage, mesh, extra",
+    [
+        (0, {"data": 2, "tensor": 2, "pipe": 2}, []),
+        (1, {"fsdp": 4, "tensor": 2}, []),
+        (2, {"fsdp": 2, "expert": 2, "tensor": 2}, ["model.moe.num_experts=4", "model.moe.every=2"]),
+        (3, {"fsdp": 4, "context": 2}, []),
+    ],
+)
 def test_state_per_device_equals_the_trainers_shardings(stage, mesh, extra):
     """params, gradients and optimizer state per device, as the trainer lays them out (its
     shardings, from the model's own parameters; nothing compiled)."""
-    trainer = trainer_on([f"parallel.zero_stage={stage}", "model.d_model=64", "model.n_layers=4",
-                          *extra], mesh)
+    trainer = trainer_on(
+        [f"parallel.zero_stage={stage}", "model.d_model=64", "model.n_layers=4", *extra], mesh
+    )
     cfg = trainer.cfg
     shapes, shardings = trainer.state_shape, trainer.state_shardings
     sizes = dict(trainer.mesh.shape)
@@ -59,8 +63,11 @@ def test_state_per_device_equals_the_trainers_shardings(stage, mesh, extra):
     assert predicted["params"] == shard_bytes(shapes["params"], shardings["params"])
     assert predicted["gradients"] == shard_bytes(shapes["params"], trainer.grad_shardings)
     moments = [x for x in jax.tree.leaves(shapes["opt_state"]) if x.ndim > 0]
-    moment_shardings = [s for x, s in zip(jax.tree.leaves(shapes["opt_state"]),
-                                          jax.tree.leaves(shardings["opt_state"])) if x.ndim > 0]
+    moment_shardings = [
+        s
+        for x, s in zip(jax.tree.leaves(shapes["opt_state"]), jax.tree.leaves(shardings["opt_state"]))
+        if x.ndim > 0
+    ]
     assert predicted["optimizer"] == shard_bytes(moments, moment_shardings)
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
     assert plan.state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"] == total
@@ -80,8 +87,7 @@ def test_predicted_memory_against_cached_compiled_totals(backend):
     errors = {}
     for layout in LAYOUTS:
         if layout["name"] in cache:
-            predicted = plan.predict_memory_for(MODEL + layout["overrides"], layout["mesh"],
-                                                backend=backend)
+            predicted = plan.predict_memory_for(MODEL + layout["overrides"], layout["mesh"], backend=backend)
             errors[layout["name"]] = predicted["total"] / cache[layout["name"]]["total"] - 1
     within = [n for n, e in errors.items() if abs(e) <= 0.10]
     assert len(errors) >= 25
@@ -90,9 +96,19 @@ def test_predicted_memory_against_cached_compiled_totals(backend):
     spanned = [layout for layout in LAYOUTS if layout["name"] in errors]
     assert {a for layout in spanned for a in layout["mesh"]} == set(MESH_AXES)
     settings = " ".join(o for layout in spanned for o in layout["overrides"])
-    for word in ["zero_stage=0", "zero_stage=1", "zero_stage=2", "zero_stage=3", "remat=dots",
-                 "remat=full", "schedule=1f1b", "schedule=gpipe", "schedule=interleaved",
-                 "schedule=zb", "grad_accum=2"]:
+    for word in [
+        "zero_stage=0",
+        "zero_stage=1",
+        "zero_stage=2",
+        "zero_stage=3",
+        "remat=dots",
+        "remat=full",
+        "schedule=1f1b",
+        "schedule=gpipe",
+        "schedule=interleaved",
+        "schedule=zb",
+        "grad_accum=2",
+    ]:
         assert word in settings, word
 
 
@@ -101,10 +117,14 @@ def test_gpu_backend_keeps_less_under_remat_and_ring():
     the weight casts live in the layer loop (no model-dtype copy of the stack) and the
     recomputed forward's working set is smaller; ring attention keeps fewer block arrays. The
     un-rematerialised program's state and residuals are the same on both."""
+
     def both(name):
         layout = next(layout for layout in LAYOUTS if layout["name"] == name)
-        return [plan.predict_memory_for(MODEL + layout["overrides"], layout["mesh"], kernel="xla",
-                                        backend=b) for b in ("cpu", "gpu")]
+        return [
+            plan.predict_memory_for(MODEL + layout["overrides"], layout["mesh"], kernel="xla", backend=b)
+            for b in ("cpu", "gpu")
+        ]
+
     cpu, gpu = both("data8-z0-full")
     assert gpu["buffers"] < cpu["buffers"] and gpu["activations"] < cpu["activations"]
     cpu, gpu = both("p2-d4-1f1b")
@@ -124,8 +144,7 @@ def test_zero_paper_table_for_its_own_assumptions():
         assert round(got["total"] / GB, 1) == gb
     # The formulas themselves: (2 + 2 + K)Psi, 2Psi + 2Psi + KPsi/N, 2Psi + (2 + K)Psi/N, (2 + 2 + K)Psi/N.
     k = 12
-    exact = {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
-             3: (4 + k) * psi / n}
+    exact = {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n, 3: (4 + k) * psi / n}
     for stage, value in exact.items():
         assert zero_state_bytes(psi, n, stage, 2, 2, k)["total"] == pytest.approx(value)
 
@@ -133,8 +152,17 @@ def test_zero_paper_table_for_its_own_assumptions():
 def test_planner_state_follows_the_zero_rule_with_jaxpar_dtypes():
     """The planner's per-device state of a real model equals the rule for jaxpar's dtypes
     (float32 params and grads, two float32 Adam moments) when every tensor splits evenly."""
-    cfg = config_lib.load_config(None, ["model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=8",
-                                        "model.d_ff=2048", "model.vocab_size=4096", "model.n_layers=4"])
+    cfg = config_lib.load_config(
+        None,
+        [
+            "model.d_model=1024",
+            "model.n_heads=8",
+            "model.n_kv_heads=8",
+            "model.d_ff=2048",
+            "model.vocab_size=4096",
+            "model.n_layers=4",
+        ],
+    )
     psi = plan.state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"]
     sizes = {a: 1 for a in MESH_AXES} | {"fsdp": 8}
     for stage in range(4):
@@ -149,9 +177,17 @@ def test_planner_state_follows_the_zero_rule_with_jaxpar_dtypes():
 
 
 def llama(d, layers, heads, kv, ff, batch, seq, vocab=32000):
-    return [f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
-            f"model.n_kv_heads={kv}", f"model.d_ff={ff}", f"model.vocab_size={vocab}",
-            f"model.max_seq_len={seq}", f"train.batch_size={batch}", f"train.seq_len={seq}"]
+    return [
+        f"model.d_model={d}",
+        f"model.n_layers={layers}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={kv}",
+        f"model.d_ff={ff}",
+        f"model.vocab_size={vocab}",
+        f"model.max_seq_len={seq}",
+        f"train.batch_size={batch}",
+        f"train.seq_len={seq}",
+    ]
 
 
 def best(overrides, gpus, per_node=8, kind="h100", **device_changes):
@@ -203,8 +239,9 @@ def test_context_parallelism_for_long_sequences():
     model rightly prefers cuDNN with data or tensor parallelism.)"""
     model = llama(2048, 16, 16, 1, 8192, batch=8, seq=4096)
     short, _, _ = best(model, 8, kind="a100")
-    long, plans, device = best(model[:-2] + ["model.max_seq_len=32768", "train.seq_len=32768"], 8,
-                               kind="a100")
+    long, plans, device = best(
+        model[:-2] + ["model.max_seq_len=32768", "train.seq_len=32768"], 8, kind="a100"
+    )
     assert short.sizes == {a: 1 for a in MESH_AXES} | {"data": 8}
     assert long.sizes["context"] > 1
     assert "no layout without context parallelism fits" in plan.explain(long, plans, device)
@@ -220,10 +257,15 @@ def test_step_time_uses_the_runtime_schedules_bubble():
     from jaxpar.parallel import schedule as schedule_lib
 
     def bubble(kind, v, mesh):
-        cfg = config_lib.load_config(None, MODEL + [f"mesh.{a}=1" for a in MESH_AXES]
-                                     + [f"mesh.{a}={n}" for a, n in mesh.items()])
-        c = dataclasses.replace(cfg, parallel=dataclasses.replace(
-            cfg.parallel, pipeline_schedule=kind, microbatches=4, virtual_stages=v))
+        cfg = config_lib.load_config(
+            None, MODEL + [f"mesh.{a}=1" for a in MESH_AXES] + [f"mesh.{a}={n}" for a, n in mesh.items()]
+        )
+        c = dataclasses.replace(
+            cfg,
+            parallel=dataclasses.replace(
+                cfg.parallel, pipeline_schedule=kind, microbatches=4, virtual_stages=v
+            ),
+        )
         sizes = config_lib.validate(c, 8)
         return plan.predict_time(c, sizes, plan.DEVICES["h100"], 8)["bubble_fraction"]
 
@@ -244,8 +286,11 @@ def test_enumeration_pipelines_with_accumulation_experts_and_context():
     plans = plan.enumerate_plans(cfg, 8, plan.DEVICES["h100"], 8)
     piped = [p for p in plans if p.sizes["pipe"] > 1]
     assert {p.cfg.parallel.pipeline_schedule for p in piped} == {"gpipe", "1f1b", "interleaved", "zb"}
-    for test in (lambda p: p.cfg.parallel.grad_accum > 1, lambda p: p.sizes["expert"] > 1,
-                 lambda p: p.sizes["context"] > 1):
+    for test in (
+        lambda p: p.cfg.parallel.grad_accum > 1,
+        lambda p: p.sizes["expert"] > 1,
+        lambda p: p.sizes["context"] > 1,
+    ):
         assert any(plan.runnable(p, 8) for p in piped if test(p))
     accum = next(p for p in piped if p.cfg.parallel.grad_accum > 1 and plan.runnable(p, 8))
     cmd = plan.command(accum, None, [], 8, 8)
@@ -260,8 +305,19 @@ def test_cli_json_schema_and_runnable_command(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["plans"]) == 2
     first = out["plans"][0]
-    for key in ("mesh", "zero_stage", "remat", "microbatches", "schedule", "grad_accum",
-                "memory_per_device", "step_time_s", "mfu", "why", "command"):
+    for key in (
+        "mesh",
+        "zero_stage",
+        "remat",
+        "microbatches",
+        "schedule",
+        "grad_accum",
+        "memory_per_device",
+        "step_time_s",
+        "mfu",
+        "why",
+        "command",
+    ):
         assert key in first
     assert set(first["memory_per_device"]) >= {"params", "gradients", "optimizer", "activations", "total"}
     assert 0 < first["mfu"] < 1
@@ -277,14 +333,17 @@ def test_cli_human_table(capsys):
     assert "python -m jaxpar.train configs/gpt2-124m.yaml" in out and "MFU" in out
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--gpus", "8xv100"], ["unknown GPU type 'v100'", "h100", "h200", "a100", "b200"]),
-    (["--gpus", "12xh100"], ["does not divide into nodes of 8", "16"]),
-    (["--gpus", "h100"], ["e.g. --gpus 64xh100"]),
-    ([], ["--gpus is required"]),
-    (["--gpus", "8xh100", "--top", "0"], ["--top"]),
-    (["--gpus", "8xh100", "mesh.tensorr=2"], ["unknown config key"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--gpus", "8xv100"], ["unknown GPU type 'v100'", "h100", "h200", "a100", "b200"]),
+        (["--gpus", "12xh100"], ["does not divide into nodes of 8", "16"]),
+        (["--gpus", "h100"], ["e.g. --gpus 64xh100"]),
+        ([], ["--gpus is required"]),
+        (["--gpus", "8xh100", "--top", "0"], ["--top"]),
+        (["--gpus", "8xh100", "mesh.tensorr=2"], ["unknown config key"]),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(capsys, argv, words):
     assert plan.main(argv) == 2
     err = capsys.readouterr().err

@@ -57,8 +57,11 @@ def corpus(tmp_path_factory):
     import zstandard
 
     (root / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
-    pq.write_table(pa.table({"id": list(range(len(DOCUMENTS))), "text": DOCUMENTS}),
-                   root / "docs.parquet", row_group_size=40)
+    pq.write_table(
+        pa.table({"id": list(range(len(DOCUMENTS))), "text": DOCUMENTS}),
+        root / "docs.parquet",
+        row_group_size=40,
+    )
     (root / "texts").mkdir()
     for n, text in enumerate(["first file\n", "", "third ✓ file"]):
         (root / "texts" / f"{n}.txt").write_text(text)
@@ -74,8 +77,9 @@ def prepared(corpus, tmp_path_factory):
 
 
 def raw_documents(corpus) -> list[str]:
-    return (data.read_documents(DataConfig(source=str(corpus / "docs.jsonl")))
-            + data.read_documents(DataConfig(source=str(corpus / "texts" / "*.txt"))))
+    return data.read_documents(DataConfig(source=str(corpus / "docs.jsonl"))) + data.read_documents(
+        DataConfig(source=str(corpus / "texts" / "*.txt"))
+    )
 
 
 def assert_same_samples(a, b) -> None:
@@ -116,8 +120,7 @@ def test_prepared_shards_give_exactly_the_raw_sources_samples(corpus, prepared, 
 def test_max_documents_takes_the_first_documents_of_prepared_shards(corpus, prepared):
     for n in (1, 37, 152):
         expected = pack(raw_documents(corpus)[:n], ByteTokenizer(), 5)
-        assert_same_samples(shards.PreparedSequences(str(prepared), "byte", 5, max_documents=n),
-                            expected)
+        assert_same_samples(shards.PreparedSequences(str(prepared), "byte", 5, max_documents=n), expected)
 
 
 def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prepared):
@@ -128,10 +131,13 @@ def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prep
     steps = len(raw) // 8 + 3  # into the second epoch
     single = take(batch_dataset(source, global_batch=8, seed=5), steps)
     assert_same_batches(single, take(batch_dataset(raw, global_batch=8, seed=5), steps))
-    assert not np.array_equal(single[0]["inputs"],
-                              take(batch_dataset(source, global_batch=8, seed=6), 1)[0]["inputs"])
-    shares = [take(batch_dataset(source, global_batch=8, seed=5, process_index=p, process_count=2),
-                   steps) for p in range(2)]
+    assert not np.array_equal(
+        single[0]["inputs"], take(batch_dataset(source, global_batch=8, seed=6), 1)[0]["inputs"]
+    )
+    shares = [
+        take(batch_dataset(source, global_batch=8, seed=5, process_index=p, process_count=2), steps)
+        for p in range(2)
+    ]
     for s in range(steps):
         for key in KEYS:
             joined = np.concatenate([shares[0][s][key], shares[1][s][key]])
@@ -148,23 +154,22 @@ def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prep
     # As grain's worker processes receive it: its arguments, opened again (no copy of the index).
     pickled = pickle.dumps(source)
     assert len(pickled) < 1000
-    assert_same_batches(take(batch_dataset(pickle.loads(pickled), global_batch=8, seed=5), 4,
-                             state=state), expected)
+    assert_same_batches(
+        take(batch_dataset(pickle.loads(pickled), global_batch=8, seed=5), 4, state=state), expected
+    )
 
 
 def test_a_trained_tokenizer_prepares_the_same_ids_as_it_encodes(corpus, tmp_path):
     tokenizer = tmp_path / "tokenizer.json"
     data.train_tokenizer(DOCUMENTS, vocab_size=300, out=str(tokenizer))
-    run_prepare([corpus / "docs.jsonl"], tmp_path / "shards", tokenizer=str(tokenizer),
-                shard_tokens=100)
+    run_prepare([corpus / "docs.jsonl"], tmp_path / "shards", tokenizer=str(tokenizer), shard_tokens=100)
     expected = pack(DOCUMENTS, HFTokenizer(str(tokenizer)), 9)
-    assert_same_samples(shards.PreparedSequences(str(tmp_path / "shards"), str(tokenizer), 9),
-                        expected)
+    assert_same_samples(shards.PreparedSequences(str(tmp_path / "shards"), str(tokenizer), 9), expected)
 
 
 def test_compressed_jsonl_and_parquet_hold_the_same_documents(corpus, tmp_path):
     plain = run_prepare([corpus / "docs.jsonl"], tmp_path / "plain")
-    digests = lambda m: [s["sha256"] for s in m["splits"]["train"]["shards"]]  # noqa: E731
+    digests = lambda m: [s["sha256"] for s in m["splits"]["train"]["shards"]]
     for name in ("docs.jsonl.gz", "docs.jsonl.zst", "docs.parquet"):
         manifest = run_prepare([corpus / name], tmp_path / name)
         assert manifest["splits"]["train"]["documents"] == len(DOCUMENTS), name
@@ -179,12 +184,19 @@ def test_preparing_twice_gives_identical_files_and_a_rerun_changes_nothing(corpu
     again = tmp_path / "again"
     run_prepare([corpus / "docs.jsonl", corpus / "texts" / "*.txt"], again, shard_tokens=64)
     assert files_of(again) == files_of(prepared)
-    assert set(files_of(again)) == ({"manifest.json"} | {
-        f"train-{k:05d}.{ext}" for k in range(len(files_of(again)) // 2) for ext in ("bin", "idx")})
+    assert set(files_of(again)) == (
+        {"manifest.json"}
+        | {f"train-{k:05d}.{ext}" for k in range(len(files_of(again)) // 2) for ext in ("bin", "idx")}
+    )
     before = {p.name: p.stat().st_mtime_ns for p in again.iterdir()}
     messages = []
-    shards.prepare([str(corpus / "docs.jsonl"), str(corpus / "texts" / "*.txt")], str(again),
-                   shard_tokens=64, log=messages.append, progress=False)
+    shards.prepare(
+        [str(corpus / "docs.jsonl"), str(corpus / "texts" / "*.txt")],
+        str(again),
+        shard_tokens=64,
+        log=messages.append,
+        progress=False,
+    )
     assert "up to date" in messages[-1]
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == before
 
@@ -215,8 +227,13 @@ def test_an_interrupted_preparation_resumes_to_the_same_shards(corpus, prepared,
         config_lib.validate(cfg, 8)
 
     messages = []
-    shards.prepare([str(corpus / "docs.jsonl"), str(corpus / "texts" / "*.txt")], str(out),
-                   shard_tokens=64, log=messages.append, progress=False)
+    shards.prepare(
+        [str(corpus / "docs.jsonl"), str(corpus / "texts" / "*.txt")],
+        str(out),
+        shard_tokens=64,
+        log=messages.append,
+        progress=False,
+    )
     assert "5 shard(s) already complete" in messages[0]
     assert files_of(out) == files_of(prepared)
     config_lib.validate(cfg, 8)  # a finished directory is a valid data.source
@@ -233,7 +250,7 @@ def test_val_fraction_carves_off_whole_documents(corpus, tmp_path):
             ends = np.fromfile(out / f"{record['name']}.idx", dtype="<i8")
             for begin, end in zip(np.concatenate([[0], ends[:-1]]), ends):
                 assert tokens[end - 1] == ByteTokenizer.eod_id
-                texts[split].append(bytes(tokens[begin:end - 1].astype(np.uint8)).decode())
+                texts[split].append(bytes(tokens[begin : end - 1].astype(np.uint8)).decode())
     assert sorted(texts["train"] + texts["val"]) == sorted(DOCUMENTS)
     assert 0.15 < len(texts["val"]) / len(DOCUMENTS) < 0.45
     assert texts["train"] == [d for d in DOCUMENTS if d not in set(texts["val"])]  # order kept
@@ -259,7 +276,10 @@ def test_bad_sources_exit_2_naming_the_file_and_leave_nothing(corpus, tmp_path, 
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "fine"}\n' * 3000 + b'{"text": "\xff"}\n')
     cases = [
-        ([tmp_path / "other.parquet"], "other.parquet has no column 'text' (data.text_field); it has ['body']"),
+        (
+            [tmp_path / "other.parquet"],
+            "other.parquet has no column 'text' (data.text_field); it has ['body']",
+        ),
         ([tmp_path / "*.none"], "no such file (or nothing matches the glob)"),
         ([tmp_path / "empty.jsonl"], "empty.jsonl (1 bytes)): the files are empty"),
         ([corpus / "docs.jsonl", tmp_path / "bad.jsonl"], "bad.jsonl:3001 is not valid UTF-8"),
@@ -278,8 +298,11 @@ def test_a_truncated_shard_or_another_tokenizer_is_refused_naming_the_file(prepa
     tokenizer = tmp_path / "tokenizer.json"
     data.train_tokenizer(DOCUMENTS, vocab_size=300, out=str(tokenizer))
     cfg = DataConfig(source=str(copy), tokenizer=str(tokenizer))
-    with pytest.raises(ConfigError, match=rf"{copy}/manifest.json: the shards were prepared with "
-                                          rf"tokenizer 'byte' .* but data.tokenizer='{tokenizer}'"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{copy}/manifest.json: the shards were prepared with "
+        rf"tokenizer 'byte' .* but data.tokenizer='{tokenizer}'",
+    ):
         data.packed_source(cfg, HFTokenizer(str(tokenizer)), 8)
     shard = copy / "train-00007.bin"
     shard.write_bytes(shard.read_bytes()[:-2])  # the last token lost
@@ -310,8 +333,7 @@ def test_the_whole_stdlib_prepares_itself_once_and_packs_the_same_stream(tmp_pat
 # --- The benchmark ---------------------------------------------------------------------------------
 
 
-def test_the_loader_benchmark_runs_and_says_whether_it_reaches_the_target(tmp_path, capsys,
-                                                                          monkeypatch):
+def test_the_loader_benchmark_runs_and_says_whether_it_reaches_the_target(tmp_path, capsys, monkeypatch):
     """A smoke run of benchmarks/loader.py (no timing threshold: the numbers are the machine's)."""
     import tempfile
 
@@ -319,8 +341,25 @@ def test_the_loader_benchmark_runs_and_says_whether_it_reaches_the_target(tmp_pa
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its work directory goes
     out = tmp_path / "loader.json"
-    assert loader.main(["--corpus-mb", "2", "--bpe-mb", "0", "--steps", "3", "--repeats", "1",
-                        "--workers", "0", "--json", str(out)]) == 0
+    assert (
+        loader.main(
+            [
+                "--corpus-mb",
+                "2",
+                "--bpe-mb",
+                "0",
+                "--steps",
+                "3",
+                "--repeats",
+                "1",
+                "--workers",
+                "0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     for seq in (1024, 256):
         assert f"seq {seq}: the training path (grain iterator, no workers) gives " in printed
@@ -382,12 +421,19 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
     env = dict(os.environ)  # runtime.cpu_devices sets the device count
     result = subprocess.run(
         [sys.executable, "-c", PEAKS, tmp_path / "small.jsonl", small, tmp_path / "large.jsonl", large],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     line = [x for x in result.stdout.splitlines() if x.startswith("PEAKS")][-1]
     prepare_small, prepare_large, train_small, train_large = json.loads(line.split(" ", 1)[1])
     assert json.loads((large / "manifest.json").read_text())["splits"]["train"]["tokens"] > 200 << 20
     assert prepare_large < 1.1 * prepare_small, (prepare_small, prepare_large)
     assert train_large < 1.1 * train_small, (train_small, train_large)
-    print(f"peak RSS: prepare {prepare_small / 2**20:.0f} -> {prepare_large / 2**20:.0f} MiB, "
-          f"train {train_small / 2**20:.0f} -> {train_large / 2**20:.0f} MiB")
+    print(
+        f"peak RSS: prepare {prepare_small / 2**20:.0f} -> {prepare_large / 2**20:.0f} MiB, "
+        f"train {train_small / 2**20:.0f} -> {train_large / 2**20:.0f} MiB"
+    )

@@ -39,16 +39,18 @@ from tests.test_experts import (
 )
 
 
-def gathered_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                               recv_sizes, *, axis_name):
+def gathered_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
     """`jax.lax.ragged_all_to_all`'s contract from all_gathers (runs on XLA:CPU): slice i of
     each device's operand (input_offsets[i], send_sizes[i] rows) goes to device
     i // (slices per device), written there at output_offsets[i]. A recv_sizes entry that
     differs from the size its sender sends makes the whole result NaN."""
     me = jax.lax.axis_index(axis_name)
     operands = jax.lax.all_gather(operand, axis_name)  # [devices, N, ...]
-    starts, sizes, targets = (jax.lax.all_gather(a, axis_name)
-                              for a in (input_offsets, send_sizes, output_offsets))
+    starts, sizes, targets = (
+        jax.lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets)
+    )
     devices, slices = starts.shape
     per_device = slices // devices
     rows = jnp.arange(output.shape[0])
@@ -73,8 +75,7 @@ def run(layout, dispatch, inputs="random", buffer_factor=None):
     x, params = shard_inputs(mesh, x, params)
 
     def loss(x, params):
-        y, stats = moe_mlp(x, params, mesh=mesh, top_k=TOP_K, dispatch=dispatch,
-                           buffer_factor=buffer_factor)
+        y, stats = moe_mlp(x, params, mesh=mesh, top_k=TOP_K, dispatch=dispatch, buffer_factor=buffer_factor)
         return objective(y, stats["aux_loss"], stats["z_loss"], cotangent), (y, stats)
 
     (_, (y, stats)), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, params)
@@ -99,7 +100,9 @@ def key(sizes):
 LOCAL_LAYOUTS = [{}, {"data": 2, "tensor": 2}, {"data": 2, "fsdp": 2, "context": 2}]
 
 
-@pytest.mark.parametrize("sizes", LOCAL_LAYOUTS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()) or "one")
+@pytest.mark.parametrize(
+    "sizes", LOCAL_LAYOUTS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()) or "one"
+)
 def test_ragged_compute_matches_padded_without_an_expert_axis(sizes):
     ragged = run(key(sizes), "ragged")
     assert_same(ragged, run(key(sizes), "padded"))
@@ -154,7 +157,9 @@ def numpy_ragged_reference(x, params, devices, buffer_rows):
         for t, choice in zip(*np.nonzero(keep)):
             e = top[t, choice]
             gate = tokens[t] @ p["gate"][e]
-            y[t] += weights[t, choice] * ((gate / (1 + np.exp(-gate)) * (tokens[t] @ p["up"][e])) @ p["down"][e])
+            y[t] += weights[t, choice] * (
+                (gate / (1 + np.exp(-gate)) * (tokens[t] @ p["up"][e])) @ p["down"][e]
+            )
         outputs.append(y)
     dropped = 1 - sum(k.sum() for k in kept) / (x.shape[0] * x.shape[1] * TOP_K)
     return np.concatenate(outputs).reshape(x.shape), dropped
@@ -177,8 +182,11 @@ def test_buffer_factor_drops_past_the_buffer_and_counts_it(gathered_exchange):
 
 def test_ragged_with_an_expert_axis_on_cpu_is_refused_up_front():
     x, params, _ = INPUTS
-    with pytest.raises(ConfigError, match=r"model.moe.dispatch=ragged .*XLA:CPU cannot compile "
-                                          r"ragged-all-to-all; use model.moe.dispatch=padded"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.moe.dispatch=ragged .*XLA:CPU cannot compile "
+        r"ragged-all-to-all; use model.moe.dispatch=padded",
+    ):
         moe_mlp(x, params, mesh=make_mesh(expert=2), top_k=TOP_K, dispatch="ragged")
 
 
@@ -203,34 +211,48 @@ def test_auto_is_ragged_only_on_gpu_when_dropless_without_fp8_and_no_costlier():
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.every=2"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.moe.dispatch=ragged", "model.moe.capacity_factor=1.25"],
-     r"model.moe.dispatch=ragged is dropless but model.moe.capacity_factor=1.25"),
-    (["model.moe.dispatch=ragged", "model.fp8=true"],
-     r"model.moe.dispatch=ragged has no float8 grouped GEMM"),
-    (["model.moe.ragged_buffer_factor=0.5"], r"model.moe.ragged_buffer_factor=0.5: use a number >= 1"),
-    (["model.moe.dispatch=padded", "model.moe.ragged_buffer_factor=2"],
-     r"model.moe.ragged_buffer_factor=2.0 sizes the ragged dispatch's buffer, but "
-     r"model.moe.dispatch=padded"),
-    (["model.moe.dispatch=sorted"], r"model.moe.dispatch"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.moe.dispatch=ragged", "model.moe.capacity_factor=1.25"],
+            r"model.moe.dispatch=ragged is dropless but model.moe.capacity_factor=1.25",
+        ),
+        (
+            ["model.moe.dispatch=ragged", "model.fp8=true"],
+            r"model.moe.dispatch=ragged has no float8 grouped GEMM",
+        ),
+        (["model.moe.ragged_buffer_factor=0.5"], r"model.moe.ragged_buffer_factor=0.5: use a number >= 1"),
+        (
+            ["model.moe.dispatch=padded", "model.moe.ragged_buffer_factor=2"],
+            r"model.moe.ragged_buffer_factor=2.0 sizes the ragged dispatch's buffer, but "
+            r"model.moe.dispatch=padded",
+        ),
+        (["model.moe.dispatch=sorted"], r"model.moe.dispatch"),
+    ],
+)
 def test_bad_dispatch_settings_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(None, MOE + overrides), 8)
 
 
 def test_good_dispatch_settings_validate():
-    for overrides in (["model.moe.dispatch=ragged", "model.moe.ragged_buffer_factor=2"],
-                      ["model.moe.dispatch=padded", "model.moe.capacity_factor=1.25"], []):
+    for overrides in (
+        ["model.moe.dispatch=ragged", "model.moe.ragged_buffer_factor=2"],
+        ["model.moe.dispatch=padded", "model.moe.capacity_factor=1.25"],
+        [],
+    ):
         validate(load_config(None, MOE + overrides), 8)
 
 
 # --- The H100 program -------------------------------------------------------------------------
 
+
 def _instructions(text: str, op: str) -> list[str]:
     """HLO instructions of kind `op` (sync or async start), without their metadata."""
-    return [line.split(", metadata=")[0] for line in text.splitlines()
-            if re.search(rf" {op}(-start)?\(", line)]
+    return [
+        line.split(", metadata=")[0] for line in text.splitlines() if re.search(rf" {op}(-start)?\(", line)
+    ]
 
 
 @functools.cache
@@ -240,12 +262,26 @@ def h100_program(dispatch: str):
     pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
     from tests.test_gpu_program import compiled_for
 
-    return compiled_for(4, **{
-        "mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1, "mesh.expert": 4,
-        "parallel.zero_stage": 0, "model.attention": "xla", "model.n_layers": 1,
-        "model.d_model": 128, "model.d_ff": 256, "model.vocab_size": 1024,
-        "model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.every": 1,
-        "model.moe.dispatch": dispatch, "train.seq_len": 128})
+    return compiled_for(
+        4,
+        **{
+            "mesh.data": 1,
+            "mesh.fsdp": 1,
+            "mesh.tensor": 1,
+            "mesh.expert": 4,
+            "parallel.zero_stage": 0,
+            "model.attention": "xla",
+            "model.n_layers": 1,
+            "model.d_model": 128,
+            "model.d_ff": 256,
+            "model.vocab_size": 1024,
+            "model.moe.num_experts": 8,
+            "model.moe.top_k": 2,
+            "model.moe.every": 1,
+            "model.moe.dispatch": dispatch,
+            "train.seq_len": 128,
+        },
+    )
 
 
 def test_h100_program_has_the_ragged_exchange_and_grouped_gemm_not_the_padded_buffers():
@@ -260,8 +296,13 @@ def test_h100_program_has_the_ragged_exchange_and_grouped_gemm_not_the_padded_bu
     assert any(f"(bf16[{tokens * 2},{cfg.model.d_model}]" in line for line in exchanges), exchanges
     # The grouped GEMMs: XLA (jax 0.12) compiles each ragged_dot into GEMMs over the rows it
     # received, named after it; three forward (gate, up, down), more backward.
-    grouped = [line for line in text.splitlines() if 'ragged_dot_general"' in line
-               and re.search(r" (dot|fusion)\(", line) and ("dot(" in line or "gemm_fusion" in line)]
+    grouped = [
+        line
+        for line in text.splitlines()
+        if 'ragged_dot_general"' in line
+        and re.search(r" (dot|fusion)\(", line)
+        and ("dot(" in line or "gemm_fusion" in line)
+    ]
     assert len(grouped) >= 3 * 2, len(grouped)
     # No padded exchange: the only all-to-alls left move integer offsets (the ragged exchange's
     # gradient computes where its slices came from), none the [experts * capacity] buffers ...
@@ -273,8 +314,11 @@ def test_h100_program_has_the_ragged_exchange_and_grouped_gemm_not_the_padded_bu
 
 
 def float_all_to_alls(text: str) -> list[str]:
-    return [line for line in _instructions(text, "all-to-all")
-            if set(re.findall(r"\b(bf16|f16|f32|s32|s64)\[", line.split(" all-to-all")[0])) - {"s32", "s64"}]
+    return [
+        line
+        for line in _instructions(text, "all-to-all")
+        if set(re.findall(r"\b(bf16|f16|f32|s32|s64)\[", line.split(" all-to-all")[0])) - {"s32", "s64"}
+    ]
 
 
 def test_h100_padded_program_exchanges_the_padded_buffers():
@@ -284,8 +328,9 @@ def test_h100_padded_program_exchanges_the_padded_buffers():
     tokens = trainer.cfg.train.batch_size // 4 * trainer.cfg.train.seq_len
     assert not _instructions(text, "ragged-all-to-all")
     buffers = float_all_to_alls(text)
-    assert len(buffers) == 4 and all(f"bf16[{8 * tokens},{trainer.cfg.model.d_model}]" in line
-                                     for line in buffers), buffers
+    assert len(buffers) == 4 and all(
+        f"bf16[{8 * tokens},{trainer.cfg.model.d_model}]" in line for line in buffers
+    ), buffers
 
 
 @pytest.mark.parametrize("expert, picked", [(8, "ragged"), (4, "padded")])

@@ -27,9 +27,19 @@ def losses(run_dir):
 
 def cli(run_dir, *extra, devices=8):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    args = [sys.executable, "-m", "jaxpar.train", TINY_YAML, *TINY, f"train.run_dir={run_dir}",
-            f"runtime.cpu_devices={devices}", *extra]
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        sys.executable,
+        "-m",
+        "jaxpar.train",
+        TINY_YAML,
+        *TINY,
+        f"train.run_dir={run_dir}",
+        f"runtime.cpu_devices={devices}",
+        *extra,
+    ]
+    return subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def wait_for(predicate, proc, timeout=240):
@@ -43,8 +53,9 @@ def wait_for(predicate, proc, timeout=240):
 def committed_steps(run_dir):
     path = os.path.join(run_dir, "checkpoints")
     names = os.listdir(path) if os.path.isdir(path) else []
-    return [int(n) for n in names if n.isdigit()
-            and os.path.exists(os.path.join(path, n, "jaxpar_manifest.json"))]
+    return [
+        int(n) for n in names if n.isdigit() and os.path.exists(os.path.join(path, n, "jaxpar_manifest.json"))
+    ]
 
 
 def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
@@ -65,8 +76,9 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path):
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
-    proc = cli(tmp_path, "train.steps=100000", "checkpoint.every=0", "mesh.data=8", "mesh.fsdp=1",
-               "mesh.tensor=1")
+    proc = cli(
+        tmp_path, "train.steps=100000", "checkpoint.every=0", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"
+    )
     wait_for(lambda: os.path.exists(tmp_path / "metrics.jsonl") and len(losses(tmp_path)) >= 2, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -80,16 +92,36 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference")
-    cfg = config_lib.load_config(TINY_YAML, TINY + ["train.steps=12", "checkpoint.every=6", f"train.run_dir={run_dir}",
-                                               "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    cfg = config_lib.load_config(
+        TINY_YAML,
+        TINY
+        + [
+            "train.steps=12",
+            "checkpoint.every=6",
+            f"train.run_dir={run_dir}",
+            "mesh.data=8",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+        ],
+    )
     train(cfg, config_lib.validate(cfg, 8))
     return run_dir
 
 
 def test_restore_onto_another_mesh_continues_the_run(reference_run, tmp_path):
     shutil.copytree(reference_run / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
-    cfg = config_lib.load_config(TINY_YAML, TINY + ["train.steps=12", "checkpoint.every=6", f"train.run_dir={tmp_path}",
-                                               "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])
+    cfg = config_lib.load_config(
+        TINY_YAML,
+        TINY
+        + [
+            "train.steps=12",
+            "checkpoint.every=6",
+            f"train.run_dir={tmp_path}",
+            "mesh.data=1",
+            "mesh.fsdp=4",
+            "mesh.tensor=2",
+        ],
+    )
     summary = train(cfg, config_lib.validate(cfg, 8))
     assert summary["start_step"] == 6
     want, got = losses(reference_run), losses(tmp_path)
@@ -98,18 +130,44 @@ def test_restore_onto_another_mesh_continues_the_run(reference_run, tmp_path):
 
 def test_checkpoint_of_another_shape_is_a_clear_error(reference_run, tmp_path):
     shutil.copytree(reference_run / "checkpoints", tmp_path / "checkpoints")
-    cfg = config_lib.load_config(TINY_YAML, TINY + ["train.steps=12", f"train.run_dir={tmp_path}", "model.d_model=64",
-                                               "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
-    with pytest.raises(CheckpointMismatchError, match=r"params.blocks.attn.wq: checkpoint has shape \(2, 32, 4, 8\), the model has shape \(2, 64, 4, 16\)"):
+    cfg = config_lib.load_config(
+        TINY_YAML,
+        TINY
+        + [
+            "train.steps=12",
+            f"train.run_dir={tmp_path}",
+            "model.d_model=64",
+            "mesh.data=8",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+        ],
+    )
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"params.blocks.attn.wq: checkpoint has shape \(2, 32, 4, 8\), "
+        r"the model has shape \(2, 64, 4, 16\)",
+    ):
         train(cfg, config_lib.validate(cfg, 8))
 
 
 @pytest.mark.parametrize("on_nan", ["stop", "skip"])
 def test_weights_blown_up_by_the_lr_stop_the_run_unsaved(on_nan, tmp_path):
-    cfg = config_lib.load_config(TINY_YAML, TINY + [
-        "train.steps=4", "checkpoint.every=1", f"train.run_dir={tmp_path}", f"train.on_nan={on_nan}",
-        "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=0",
-        "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    cfg = config_lib.load_config(
+        TINY_YAML,
+        TINY
+        + [
+            "train.steps=4",
+            "checkpoint.every=1",
+            f"train.run_dir={tmp_path}",
+            f"train.on_nan={on_nan}",
+            "optimizer.lr=1e30",
+            "optimizer.clip_norm=0",
+            "optimizer.warmup_steps=0",
+            "mesh.data=8",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+        ],
+    )
     sizes = config_lib.validate(cfg, 8)
     if on_nan == "stop":  # lr 1e30 blows step 1's weights up to ~1e30: their norm overflows
         with pytest.raises(NonFiniteLoss, match=r"at step (\d+)") as info:
@@ -126,10 +184,22 @@ def test_the_host_reads_the_guard_every_log_every_steps_not_every_step(tmp_path)
     """lr 1e30 (step 1 warms up to 5e29) overflows the weights at step 1. The device records
     that; the host, reading only at step 5 (log_every, no checkpoint before), stops then and
     names step 1."""
-    cfg = config_lib.load_config(TINY_YAML, TINY + [
-        "train.steps=8", "train.log_every=5", "checkpoint.every=0", f"train.run_dir={tmp_path}",
-        "optimizer.lr=1e30", "optimizer.clip_norm=0", "optimizer.warmup_steps=2",
-        "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    cfg = config_lib.load_config(
+        TINY_YAML,
+        TINY
+        + [
+            "train.steps=8",
+            "train.log_every=5",
+            "checkpoint.every=0",
+            f"train.run_dir={tmp_path}",
+            "optimizer.lr=1e30",
+            "optimizer.clip_norm=0",
+            "optimizer.warmup_steps=2",
+            "mesh.data=8",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+        ],
+    )
     with pytest.raises(NonFiniteLoss, match=r"at step 1 \(train.on_nan=stop; seen at step 5,"):
         train(cfg, config_lib.validate(cfg, 8))
     metrics = tmp_path / "metrics.jsonl"
@@ -156,8 +226,9 @@ def test_resume_drops_a_truncated_metrics_line_and_says_so(tmp_path, capsys):
     from jaxpar.train import _keep_metrics_until
 
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n'
-                    '{"step": 3, "loss": 3.0}\n{"step": 4, "lo')
+    path.write_text(
+        '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo'
+    )
     _keep_metrics_until(str(tmp_path), 2)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     err = capsys.readouterr().err

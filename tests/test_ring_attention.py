@@ -82,13 +82,12 @@ def assert_matches(got, want, tolerance=TOLERANCE):
 
 
 def context_mesh(context, axis_type):
-    return jax.make_mesh((context,), ("context",), axis_types=(axis_type,),
-                         devices=jax.devices()[:context])
+    return jax.make_mesh((context,), ("context",), axis_types=(axis_type,), devices=jax.devices()[:context])
 
 
 def six_axis_mesh(axis_type, data=2, context=2, tensor=2):
     shape = (1, data, 1, 1, context, tensor)
-    devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
     return Mesh(devices, MESH_AXES, axis_types=(axis_type,) * 6)
 
 
@@ -110,24 +109,28 @@ CASES = [
 @pytest.mark.parametrize("context,causal,layout,kv_heads,packed,axis_type", CASES)
 def test_ring_attention_matches_reference(context, causal, layout, kv_heads, packed, axis_type):
     q, k, v, segment_ids, cotangent = inputs(kv_heads, packed)
-    got = ring(q, k, v, segment_ids, cotangent, mesh=context_mesh(context, axis_type),
-               causal=causal, layout=layout)
+    got = ring(
+        q, k, v, segment_ids, cotangent, mesh=context_mesh(context, axis_type), causal=causal, layout=layout
+    )
     assert_matches(got, reference(q, k, v, segment_ids, cotangent, causal=causal))
 
 
 def test_bfloat16_keeps_dtype_and_stays_close():
     q, k, v, segment_ids, cotangent = inputs(kv_heads=2, packed=True)
     as_bf16 = lambda x: x.astype(jnp.bfloat16)
-    got = ring(as_bf16(q), as_bf16(k), as_bf16(v), segment_ids, cotangent,
-               mesh=context_mesh(2, AxisType.Auto))
+    got = ring(
+        as_bf16(q), as_bf16(k), as_bf16(v), segment_ids, cotangent, mesh=context_mesh(2, AxisType.Auto)
+    )
     assert all(x.dtype == jnp.bfloat16 for x in got)
-    want = reference(*(x.astype(jnp.float32) for x in map(as_bf16, (q, k, v))), segment_ids,
-                     cotangent, causal=True)
+    want = reference(
+        *(x.astype(jnp.float32) for x in map(as_bf16, (q, k, v))), segment_ids, cotangent, causal=True
+    )
     assert_matches(got, want, tolerance=2e-2)  # bf16 inputs and outputs: 8 mantissa bits
 
 
-@pytest.mark.parametrize("axis_type,packed", [
-    (AxisType.Auto, True), (AxisType.Explicit, True), (AxisType.Explicit, False)])
+@pytest.mark.parametrize(
+    "axis_type,packed", [(AxisType.Auto, True), (AxisType.Explicit, True), (AxisType.Explicit, False)]
+)
 def test_six_axis_mesh_with_batch_and_heads_sharded_matches(axis_type, packed):
     mesh = six_axis_mesh(axis_type)  # data=2, context=2, tensor=2
     q, k, v, segment_ids, cotangent = inputs(kv_heads=2, packed=packed)
@@ -170,11 +173,14 @@ def test_permuted_api_issues_only_ppermute_and_matches():
     assert_matches(got, reference(q, k, v, segment_ids, cotangent, causal=True))
 
 
-@pytest.mark.parametrize("layout,context,expected", [
-    ("zigzag", 2, [0, 1, 6, 7, 2, 3, 4, 5]),
-    ("zigzag", 4, [0, 7, 1, 6, 2, 5, 3, 4]),
-    ("contiguous", 4, list(range(8))),
-])
+@pytest.mark.parametrize(
+    "layout,context,expected",
+    [
+        ("zigzag", 2, [0, 1, 6, 7, 2, 3, 4, 5]),
+        ("zigzag", 4, [0, 7, 1, 6, 2, 5, 3, 4]),
+        ("contiguous", 4, list(range(8))),
+    ],
+)
 def test_layout_order_and_round_trip(layout, context, expected):
     np.testing.assert_array_equal(layout_indices(8, context, layout), expected)
     x = jnp.arange(3 * 8 * 2).reshape(3, 8, 2)
@@ -183,19 +189,21 @@ def test_layout_order_and_round_trip(layout, context, expected):
     np.testing.assert_array_equal(permute_from_layout(permuted, context=context, layout=layout), x)
 
 
-@pytest.mark.parametrize("seq,kv_heads,layout,axis_name,message", [
-    (36, 2, "zigzag", "context", "seq=36 is not divisible by 8"),
-    (30, 2, "contiguous", "context", "seq=30 is not divisible by 4"),
-    (32, 3, "zigzag", "context", "heads=4 is not divisible by kv_heads=3"),
-    (32, 2, "striped", "context", "layout='striped' is unknown"),
-    (32, 2, "zigzag", "sequence", "axis_name='sequence' is not a mesh axis"),
-])
+@pytest.mark.parametrize(
+    "seq,kv_heads,layout,axis_name,message",
+    [
+        (36, 2, "zigzag", "context", "seq=36 is not divisible by 8"),
+        (30, 2, "contiguous", "context", "seq=30 is not divisible by 4"),
+        (32, 3, "zigzag", "context", "heads=4 is not divisible by kv_heads=3"),
+        (32, 2, "striped", "context", "layout='striped' is unknown"),
+        (32, 2, "zigzag", "sequence", "axis_name='sequence' is not a mesh axis"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(seq, kv_heads, layout, axis_name, message):
     q = jnp.zeros((BATCH, seq, HEADS, HEAD_DIM))
     k = jnp.zeros((BATCH, seq, kv_heads, HEAD_DIM))
     with pytest.raises(ValueError, match=message):
-        ring_attention(q, k, k, mesh=context_mesh(4, AxisType.Auto), axis_name=axis_name,
-                       layout=layout)
+        ring_attention(q, k, k, mesh=context_mesh(4, AxisType.Auto), axis_name=axis_name, layout=layout)
 
 
 def test_memory_per_device_shrinks_with_context():

@@ -21,8 +21,9 @@ from jaxpar.sample import generate, load_model, main, sample_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # init_std 0.3 (not 0.02) gives peaked logits, so the greedy choices are far from ties.
-TINY = ModelConfig(vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
-                   dtype="float32", init_std=0.3)
+TINY = ModelConfig(
+    vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, dtype="float32", init_std=0.3
+)
 PROMPT = [100, 101, 102, 32, 115, 116]  # "def st"
 MAX_TOKENS = 10  # one length everywhere: generate compiles once per (model, mode)
 
@@ -33,8 +34,8 @@ def random_model(cfg: ModelConfig, seed: int) -> Transformer:
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(seed)
     params = jax.tree.map(
-        lambda s: jnp.asarray(cfg.init_std * rng.standard_normal(s.shape), s.dtype),
-        nnx.to_pure_dict(state))
+        lambda s: jnp.asarray(cfg.init_std * rng.standard_normal(s.shape), s.dtype), nnx.to_pure_dict(state)
+    )
     return nnx.merge(graphdef, params)
 
 
@@ -55,8 +56,8 @@ def padded_full_logits(model, tokens, length):
     """Full-forward logits of `tokens` padded to `length` (one compile for every prefix; the
     causal mask keeps the padding out of the real positions)."""
     padded = np.zeros(length, np.int32)
-    padded[:len(tokens)] = tokens
-    return np.asarray(full_logits(model, jnp.asarray(padded)))[:len(tokens)]
+    padded[: len(tokens)] = tokens
+    return np.asarray(full_logits(model, jnp.asarray(padded)))[: len(tokens)]
 
 
 @nnx.jit
@@ -64,8 +65,9 @@ def decode(model, tokens, positions, cache):
     return model.decode(tokens, positions, cache)
 
 
-@pytest.mark.parametrize("moe", [MoEConfig(), MoEConfig(num_experts=4, top_k=2, every=2)],
-                         ids=["dense", "moe-group"])
+@pytest.mark.parametrize(
+    "moe", [MoEConfig(), MoEConfig(num_experts=4, top_k=2, every=2)], ids=["dense", "moe-group"]
+)
 def test_kv_cache_decode_matches_full_forward_at_every_position(moe):
     cfg = dataclasses.replace(TINY, moe=moe)
     model = random_model(cfg, seed=1)
@@ -78,7 +80,7 @@ def test_kv_cache_decode_matches_full_forward_at_every_position(moe):
     logits, cache = decode(model, tokens[:, :prompt_len], positions[:, :prompt_len], cache)
     steps = [logits]
     for i in range(prompt_len, total):  # then one token at a time
-        logits, cache = decode(model, tokens[:, i:i + 1], positions[:, i:i + 1], cache)
+        logits, cache = decode(model, tokens[:, i : i + 1], positions[:, i : i + 1], cache)
         steps.append(logits)
     assert int(cache.length) == total
     assert cache.k.shape == (cfg.n_layers, batch, 16, cfg.n_kv_heads, cfg.head_dim)
@@ -91,7 +93,7 @@ def test_greedy_generate_equals_argmax_of_the_full_forward_on_the_growing_sequen
     for _ in range(MAX_TOKENS):
         logits = padded_full_logits(model, sequence, len(PROMPT) + MAX_TOKENS)
         sequence.append(int(np.argmax(logits[-1])))
-    assert got == sequence[len(PROMPT):]
+    assert got == sequence[len(PROMPT) :]
 
 
 def test_sampling_is_seeded_and_stays_in_the_top_k(model):
@@ -129,7 +131,7 @@ def test_generate_stops_at_max_seq_len_and_the_stop_token(model):
     assert len(generate(short, PROMPT, 8)) == 10 - len(PROMPT)
     greedy = generate(model, PROMPT, MAX_TOKENS)
     stop = greedy[2]
-    assert generate(model, PROMPT, MAX_TOKENS, stop_token=stop) == greedy[:greedy.index(stop)]
+    assert generate(model, PROMPT, MAX_TOKENS, stop_token=stop) == greedy[: greedy.index(stop)]
     with pytest.raises(ValueError, match="max_seq_len=10"):
         generate(short, list(range(10)), 1)
 
@@ -139,19 +141,40 @@ def test_generate_stops_at_max_seq_len_and_the_stop_token(model):
 
 def _run(module, *args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", module, *args], check=False, capture_output=True,
-                          cwd=ROOT, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        check=False,
+        capture_output=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A 3-step run of a tiny model on 2 devices, checkpointed at step 3."""
     run_dir = tmp_path_factory.mktemp("sample") / "run"
-    proc = _run("jaxpar.train", "model.vocab_size=264", "model.d_model=32", "model.n_layers=2",
-                "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64", "train.batch_size=8",
-                "train.seq_len=32", "train.steps=3", "checkpoint.every=3", "data.max_documents=20",
-                "train.progress=false", "runtime.cpu_devices=2", "mesh.data=2", "mesh.fsdp=1",
-                "mesh.tensor=1", f"train.run_dir={run_dir}")
+    proc = _run(
+        "jaxpar.train",
+        "model.vocab_size=264",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.d_ff=64",
+        "train.batch_size=8",
+        "train.seq_len=32",
+        "train.steps=3",
+        "checkpoint.every=3",
+        "data.max_documents=20",
+        "train.progress=false",
+        "runtime.cpu_devices=2",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        f"train.run_dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert (run_dir / "checkpoints" / "3").is_dir()
     return run_dir
@@ -177,9 +200,14 @@ def test_sample_cli_starts_on_the_cpu_without_a_cuinit_traceback(run_dir):
     left to itself tries the plugin first and logs a cuInit(0) traceback; jaxpar.sample starts as
     jaxpar.train does (jaxpar.mesh.emulate_cpu_devices). Without the plugin nothing is tried, and
     this passes either way."""
-    proc = subprocess.run([sys.executable, "-m", "jaxpar.sample", str(run_dir), "--prompt", "def ",
-                           "--max-tokens", "2"], check=False, capture_output=True, cwd=ROOT,
-                          timeout=300, env=without_jax_platforms())
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpar.sample", str(run_dir), "--prompt", "def ", "--max-tokens", "2"],
+        check=False,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+        env=without_jax_platforms(),
+    )
     err = proc.stderr.decode()
     assert proc.returncode == 0, err[-2000:]
     assert "cuInit" not in err and "Traceback" not in err, err[-2000:]
@@ -197,8 +225,9 @@ def test_sample_cli_errors_exit_2_and_name_the_problem(run_dir, tmp_path, capsys
     contents, prompt, message = ERRORS[case]
     directory = run_dir if contents == "the run" else tmp_path
     if contents == "config.yaml":
-        config_lib.dump_yaml(config_lib.load_config(str(run_dir / "config.yaml")),
-                             str(tmp_path / "config.yaml"))
+        config_lib.dump_yaml(
+            config_lib.load_config(str(run_dir / "config.yaml")), str(tmp_path / "config.yaml")
+        )
     # main() returns the exit code; an uncaught exception (a traceback) would fail the test.
     assert main([str(directory), "--prompt", prompt, "--max-tokens", "8"]) == 2
     assert message in capsys.readouterr().err

@@ -26,16 +26,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _layout(shape, names, kind=AxisType.Auto):
-    mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names,
-                axis_types=(kind,) * len(names))
+    mesh = Mesh(
+        np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names, axis_types=(kind,) * len(names)
+    )
     return Layout(mesh, {"activations": make_rules(shard_embed=False, sequence_parallel=False)})
 
 
 def _constraints(fn, *args) -> list[str]:
     """The lowered program's sharding constraints that name a mesh axis (jax adds its own,
     open ones, around a shard_map)."""
-    return [line for line in jax.jit(fn).lower(*args).as_text().splitlines()
-            if "sharding_constraint" in line and '{"' in line]
+    return [
+        line
+        for line in jax.jit(fn).lower(*args).as_text().splitlines()
+        if "sharding_constraint" in line and '{"' in line
+    ]
 
 
 def test_constrain_reads_the_mesh_and_rules_of_the_scope():
@@ -58,9 +62,11 @@ def test_constrain_inside_a_shard_map_leaves_manual_axes_alone():
     def step(x):
         def body(block):
             return constrain(block * 2, ("layers", "seq", "mlp"))  # layers -> pipe: skipped
+
         with layout.scope():
-            return jax.shard_map(body, mesh=layout.mesh, in_specs=P("pipe"), out_specs=P("pipe"),
-                                 axis_names={"pipe"})(x)
+            return jax.shard_map(
+                body, mesh=layout.mesh, in_specs=P("pipe"), out_specs=P("pipe"), axis_names={"pipe"}
+            )(x)
 
     (line,) = _constraints(step, jnp.zeros((2, 8, 16)))
     assert '{"tensor"}' in line and '"pipe"' not in line.split("sharding_constraint")[1]
@@ -78,8 +84,12 @@ def test_no_module_keeps_its_own_context_state():
 def test_pipelined_head_computes_like_the_unpipelined_one():
     """Same model, pipe=2 against data=2: the matmuls that touch the vocabulary have the same
     operand types (bfloat16 into the forward head, as everywhere in the model)."""
-    overrides = ["model.n_layers=4", "model.dtype=bfloat16", "parallel.microbatches=2",
-                 "train.loss_chunks=1"]  # on configs/tiny.yaml (vocab 264, d_model 32)
+    overrides = [
+        "model.n_layers=4",
+        "model.dtype=bfloat16",
+        "parallel.microbatches=2",
+        "train.loss_chunks=1",
+    ]  # on configs/tiny.yaml (vocab 264, d_model 32)
 
     def vocab_matmuls(mesh):
         trainer = trainer_on(overrides, mesh)
@@ -98,16 +108,18 @@ def test_pipelined_head_computes_like_the_unpipelined_one():
 
 
 def test_the_first_update_moves_and_the_schedule_ends_where_it_says():
-    cfg = config_lib.load_config(None, ["optimizer.lr=0.1", "optimizer.warmup_steps=4",
-                                        "optimizer.min_lr_ratio=0.1", "train.steps=20"])
+    cfg = config_lib.load_config(
+        None, ["optimizer.lr=0.1", "optimizer.warmup_steps=4", "optimizer.min_lr_ratio=0.1", "train.steps=20"]
+    )
     lr = lr_schedule(cfg)
     # count = updates already applied; update n = count + 1
     assert float(lr(0)) == pytest.approx(0.1 / 4)
     assert float(lr(3)) == pytest.approx(0.1)
     assert 0.01 < float(lr(10)) < 0.1
     assert float(lr(19)) == pytest.approx(0.01)
-    no_warmup = config_lib.load_config(None, ["optimizer.lr=0.1", "optimizer.warmup_steps=0",
-                                              "train.steps=1000"])
+    no_warmup = config_lib.load_config(
+        None, ["optimizer.lr=0.1", "optimizer.warmup_steps=0", "train.steps=1000"]
+    )
     assert float(lr_schedule(no_warmup)(0)) == pytest.approx(0.1, rel=1e-4)
 
 
@@ -132,7 +144,6 @@ def test_every_axis_of_the_rules_is_a_mesh_axis():
             rules = make_rules(shard_embed=stage == 3, sequence_parallel=sp)
             assert {a for axes in rules.values() for a in axes} <= set(MESH_AXES)
     assert {a for axes in BASE_RULES.values() for a in axes} == set(MESH_AXES)
-
 
 
 # --- The explicit techniques follow the layout's rules, not a static table ---------------------
@@ -216,11 +227,11 @@ def test_moe_exchange_goes_over_the_axis_of_the_layouts_experts_rule(monkeypatch
         def layer(params, x):
             with layout.scope():
                 return nnx.merge(graphdef, params)(x)[0]
+
         return layer
 
     assert _all_to_all_axes(jax.make_jaxpr(scoped())(params, x).jaxpr) == {("data",)}
-    np.testing.assert_allclose(jax.jit(scoped())(*_on_mesh(layout, params, x)), want, rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(jax.jit(scoped())(*_on_mesh(layout, params, x)), want, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(experts_lib, "rules_in_force", lambda: BASE_RULES)  # the static table
     assert _all_to_all_axes(jax.make_jaxpr(scoped())(params, x).jaxpr) == set()
 

@@ -18,7 +18,9 @@ TINY = ["model.dtype=bfloat16", "parallel.zero_stage=3"]
 
 
 def test_twenty_steps_lower_the_loss_and_write_the_run_dir(tmp_path):
-    cfg = config_lib.load_config(TINY_YAML, TINY + ["train.steps=20", "train.log_every=5", f"train.run_dir={tmp_path}"])
+    cfg = config_lib.load_config(
+        TINY_YAML, TINY + ["train.steps=20", "train.log_every=5", f"train.run_dir={tmp_path}"]
+    )
     summary = train(cfg, config_lib.validate(cfg, 8))
     # first_loss is the loss logged at step 5, after four updates
     assert summary["final_loss"] < summary["first_loss"] - 0.5
@@ -34,14 +36,29 @@ def test_twenty_steps_lower_the_loss_and_write_the_run_dir(tmp_path):
 
 def _run(module, *args, devices=2):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", module, *args, f"runtime.cpu_devices={devices}"],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args, f"runtime.cpu_devices={devices}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_train_cli_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run("jaxpar.train", TINY_YAML, *TINY, "train.steps=3", "train.log_every=1", f"train.run_dir={run_dir}",
-                "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1")
+    proc = _run(
+        "jaxpar.train",
+        TINY_YAML,
+        *TINY,
+        "train.steps=3",
+        "train.log_every=1",
+        f"train.run_dir={run_dir}",
+        "mesh.data=2",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert summary.startswith("done: 3 steps") and "2 devices (data=2)" in summary
@@ -51,7 +68,15 @@ def test_train_cli_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("flag", ["", "--human"])
 def test_inspect_cli_prints_the_report(flag):
-    args = [TINY_YAML, *TINY, "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=1", "parallel.zero_stage=3", "--compare"]
+    args = [
+        TINY_YAML,
+        *TINY,
+        "mesh.data=1",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+        "parallel.zero_stage=3",
+        "--compare",
+    ]
     proc = _run("jaxpar.inspect", *args, *([flag] if flag else []))
     assert proc.returncode == 0, proc.stderr[-2000:]
     if flag:
@@ -78,7 +103,10 @@ def test_presets_load_and_validate(preset):
     cfg = config_lib.load_config(preset)
     devices = cfg.runtime.cpu_devices
     sizes = config_lib.validate(cfg, devices)
-    assert sizes["pipe"] * sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["expert"] * sizes["context"] == devices
+    assert (
+        sizes["pipe"] * sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["expert"] * sizes["context"]
+        == devices
+    )
 
 
 def test_no_cuda_plugin_traceback_on_a_machine_without_a_driver():
@@ -88,9 +116,24 @@ def test_no_cuda_plugin_traceback_on_a_machine_without_a_driver():
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("this machine has an NVIDIA driver")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    proc = subprocess.run([sys.executable, "-m", "jaxpar.inspect", TINY_YAML, *TINY, "runtime.cpu_devices=1",
-                           "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.inspect",
+            TINY_YAML,
+            *TINY,
+            "runtime.cpu_devices=1",
+            "mesh.data=1",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "cuInit" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
@@ -138,8 +181,12 @@ def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
 
     def kernel(device, overrides=(), **mesh):
         cfg = config_lib.load_config(TINY_YAML, TINY + list(overrides))
-        layout = Layout.build({**sizes, **mesh}, zero_stage=0, sequence_parallel=False,
-                              devices=jax.devices()[:max(mesh.values(), default=1)])
+        layout = Layout.build(
+            {**sizes, **mesh},
+            zero_stage=0,
+            sequence_parallel=False,
+            devices=jax.devices()[: max(mesh.values(), default=1)],
+        )
         return resolve_attention(cfg, layout, device).model.attention
 
     assert kernel(h100) == "cudnn"

@@ -73,8 +73,9 @@ def document_index(segment_ids):
     consecutive, but a document's tokens must be contiguous -- as `jaxpar.data` packs them)."""
     boundary = segment_ids[:, 1:] != segment_ids[:, :-1]
     return jnp.concatenate(
-        [jnp.zeros_like(segment_ids[:, :1], dtype=jnp.int32),
-         jnp.cumsum(boundary, axis=1, dtype=jnp.int32)], axis=1)
+        [jnp.zeros_like(segment_ids[:, :1], dtype=jnp.int32), jnp.cumsum(boundary, axis=1, dtype=jnp.int32)],
+        axis=1,
+    )
 
 
 def documents_per_row(segment_ids):
@@ -125,9 +126,15 @@ def kernel_for(cfg, device, *, pipelined: bool = False, ring: bool = False) -> s
         return cfg.attention
     head_dim = cfg.head_dim
     capability = getattr(device, "compute_capability", None) or "0"
-    fits = (device.platform in ("gpu", "cuda") and float(capability) >= 9.0
-            and cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 256
-            and not pipelined and not ring)
+    fits = (
+        device.platform in ("gpu", "cuda")
+        and float(capability) >= 9.0
+        and cfg.dtype in ("bfloat16", "float16")
+        and head_dim % 8 == 0
+        and head_dim <= 256
+        and not pipelined
+        and not ring
+    )
     return "cudnn" if fits else "xla"
 
 
@@ -152,13 +159,11 @@ def attend(q, k, v, segment_ids, *, implementation: str, max_segments: int | Non
     if implementation == "xla":
         if segment_ids is None:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids),
-                                            implementation="xla")
+        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids), implementation="xla")
     _check_cudnn(q, k)
     if segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    return _packed_cudnn(q, k, v, segment_ids,
-                         DEFAULT_MAX_SEGMENTS if max_segments is None else max_segments)
+    return _packed_cudnn(q, k, v, segment_ids, DEFAULT_MAX_SEGMENTS if max_segments is None else max_segments)
 
 
 def _packed_cudnn(q, k, v, segment_ids, max_segments: int):
@@ -166,9 +171,11 @@ def _packed_cudnn(q, k, v, segment_ids, max_segments: int):
     # jax turns token offsets into element offsets (x N * H) in int32, on each device's shard.
     b, t, n, h = _local_shape(q.shape, ("batch", "seq", "heads", None))
     if b * t * n * h >= 2**31:
-        raise ValueError(f"attend(implementation='cudnn'): q holds {b}x{t}x{n}x{h} elements on "
-                         f"one device, past the int32 offsets of cuDNN's packed attention; use "
-                         f"fewer rows per device")
+        raise ValueError(
+            f"attend(implementation='cudnn'): q holds {b}x{t}x{n}x{h} elements on "
+            f"one device, past the int32 offsets of cuDNN's packed attention; use "
+            f"fewer rows per device"
+        )
     seq = q.shape[1]
     max_segments = min(max_segments, seq)  # a row cannot hold more documents than tokens
     offsets, lengths = segment_offsets(segment_ids, max_segments)
@@ -180,12 +187,21 @@ def _packed_cudnn(q, k, v, segment_ids, max_segments: int):
     if max_segments == 1:
         # One slot means one document per row: jax's packed form needs M > 1, and a plain causal
         # call is the same thing (rows with more documents are poisoned below).
-        out = fa.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(q.shape[-1]),
-                                       mask_type=fa.MaskType.CAUSAL)
+        out = fa.dot_product_attention(
+            q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), mask_type=fa.MaskType.CAUSAL
+        )
     else:
         out = fa.dot_product_attention(
-            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-            scale=1.0 / math.sqrt(q.shape[-1]), mask_type=fa.MaskType.CAUSAL)
+            q,
+            k,
+            v,
+            q_seqlen=lengths,
+            kv_seqlen=lengths,
+            q_offsets=offsets,
+            kv_offsets=offsets,
+            scale=1.0 / math.sqrt(q.shape[-1]),
+            mask_type=fa.MaskType.CAUSAL,
+        )
     return poison_overflow(out, segment_ids, max_segments)
 
 
@@ -200,8 +216,9 @@ def poison_overflow(out, segment_ids, max_segments: int):
 
 def _check_shapes(q, k, v, segment_ids):
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"attend: q [B,T,N,H] and k, v [B,T,K,H] expected, got {q.shape}, "
-                         f"{k.shape}, {v.shape}")
+        raise ValueError(
+            f"attend: q [B,T,N,H] and k, v [B,T,K,H] expected, got {q.shape}, {k.shape}, {v.shape}"
+        )
     (b, t, n, h), (kb, kt, kn, kh) = q.shape, k.shape
     if (kb, kt, kh) != (b, t, h) or n % kn:
         raise ValueError(f"attend: k/v {k.shape} do not match q {q.shape} (K heads must divide N)")
@@ -211,12 +228,15 @@ def _check_shapes(q, k, v, segment_ids):
 
 def _check_cudnn(q, k):
     if not (q.dtype == k.dtype and q.dtype in (jnp.bfloat16, jnp.float16)):
-        raise ValueError(f"attend(implementation='cudnn') takes bfloat16 or float16 q/k/v, got "
-                         f"{q.dtype}/{k.dtype} (set model.dtype, or use 'xla')")
+        raise ValueError(
+            f"attend(implementation='cudnn') takes bfloat16 or float16 q/k/v, got "
+            f"{q.dtype}/{k.dtype} (set model.dtype, or use 'xla')"
+        )
     h = q.shape[-1]
     if h % 8 or h > 256:
-        raise ValueError(f"attend(implementation='cudnn'): head_dim must be a multiple of 8 and "
-                         f"at most 256, got {h}")
+        raise ValueError(
+            f"attend(implementation='cudnn'): head_dim must be a multiple of 8 and at most 256, got {h}"
+        )
 
 
 def _local_shape(shape, names):

@@ -152,9 +152,11 @@ class KVCache(NamedTuple):
         """One layer's cache with k, v [batch, seq, kv_heads, head_dim] written at slots
         [length, length + seq). The caller keeps length + seq <= max_len."""
         at = (0, self.length, 0, 0)
-        return KVCache(jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), at),
-                       jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), at),
-                       self.length + k.shape[1])
+        return KVCache(
+            jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), at),
+            jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), at),
+            self.length + k.shape[1],
+        )
 
     def causal_mask(self, seq: int):
         """[1, 1, seq, max_len]: the last `seq` filled slots are the queries; query i (at slot
@@ -178,7 +180,7 @@ class Attention(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.wo = _param(rngs, (n, h, e), ("heads", "head_dim", "embed"), cfg, out_std)
         if cfg.qkv_bias:  # Qwen2: biases on q, k and v (not on the output), zero at init
-            zeros = lambda *shape: jnp.zeros(shape, jnp.dtype(cfg.param_dtype))  # noqa: E731
+            zeros = lambda *shape: jnp.zeros(shape, jnp.dtype(cfg.param_dtype))
             self.bq = nnx.Param(zeros(n, h), out_sharding=("heads", "head_dim"), eager_sharding=False)
             self.bk = nnx.Param(zeros(k, h), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
             self.bv = nnx.Param(zeros(k, h), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
@@ -203,11 +205,23 @@ class Attention(nnx.Module):
             mask = cache.causal_mask(q.shape[1])
             out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask)
         elif self.context_layout is not None:  # context parallel: the ring over `seq`'s axis
-            out = ring_attention_permuted(q, k, v, axis_name=ring_axis(rules_in_force()),
-                                          layout=self.context_layout, segment_ids=segment_ids)
+            out = ring_attention_permuted(
+                q,
+                k,
+                v,
+                axis_name=ring_axis(rules_in_force()),
+                layout=self.context_layout,
+                segment_ids=segment_ids,
+            )
         else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
-            out = attend(q, k, v, segment_ids, implementation=attention_kernel(self.cfg),
-                         max_segments=self.cfg.max_documents_per_row)
+            out = attend(
+                q,
+                k,
+                v,
+                segment_ids,
+                implementation=attention_kernel(self.cfg),
+                max_segments=self.cfg.max_documents_per_row,
+            )
         out = constrain(out, ("batch", "seq", "heads", None))
         out = matmul("bsnh,nhe->bse", out, self.wo[...])
         return out if cache is None else (out, cache)
@@ -224,15 +238,22 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def __call__(self, x):  # [batch, seq, embed]
-        return block_swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...],
-                            fp8=self.cfg.fp8, dtype=jnp.dtype(self.cfg.dtype))
+        return block_swiglu(
+            x,
+            self.w_gate[...],
+            self.w_up[...],
+            self.w_down[...],
+            fp8=self.cfg.fp8,
+            dtype=jnp.dtype(self.cfg.dtype),
+        )
 
 
 class Block(nnx.Module):
     """Pre-norm transformer block; `moe=True` swaps the dense MLP for a mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False,
-                 context_layout: str | None = None):
+    def __init__(
+        self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False, context_layout: str | None = None
+    ):
         self.attn_norm = RMSNorm(cfg)
         self.attn = Attention(cfg, rngs, context_layout)
         self.mlp_norm = RMSNorm(cfg)
@@ -258,8 +279,9 @@ class BlockGroup(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None):
         every = cfg.moe.every
-        self.blocks = nnx.List([Block(cfg, rngs, moe=i == every - 1, context_layout=context_layout)
-                                for i in range(every)])
+        self.blocks = nnx.List(
+            [Block(cfg, rngs, moe=i == every - 1, context_layout=context_layout) for i in range(every)]
+        )
 
     def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
         """Like `Block`; a cache holds the group's layers: k, v [every, batch, max_len, ...]."""
@@ -336,8 +358,9 @@ class Transformer(nnx.Module):
     `context_layout` (zigzag | contiguous, or None) makes attention a ring over the mesh's
     `context` axis on inputs already in that layout (the trainer permutes the batch once)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none",
-                 context_layout: str | None = None):
+    def __init__(
+        self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none", context_layout: str | None = None
+    ):
         self.cfg = cfg
         self.remat = remat
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
@@ -362,8 +385,7 @@ class Transformer(nnx.Module):
         """Runs a stack of layers with this model's block structure: `layer_params` is the
         blocks' state as a pure dict, leaves [layers, ...] (all layers, or a pipeline stage's
         run of them). Returns (x, MoE statistics stacked over those layers, or {})."""
-        return scan_layers(nnx.graphdef(self.blocks), layer_params, x, positions, segment_ids,
-                           self.remat)
+        return scan_layers(nnx.graphdef(self.blocks), layer_params, x, positions, segment_ids, self.remat)
 
     def apply_blocks(self, x, positions, segment_ids):
         """Runs the stacked blocks; returns (x, MoE statistics stacked over layers, or {})."""
@@ -386,17 +408,16 @@ class Transformer(nnx.Module):
         seq, embed], computed in model.dtype with float32 accumulation (jaxpar.models.loss), a
         sequence chunk at a time. Returns (summed NLL, token count)."""
         norm = nnx.merge(nnx.graphdef(self.final_norm), head_params["final_norm"])
-        weight = (head_params["embedding"].T if self.cfg.tie_embeddings
-                  else head_params["lm_head"])
-        return chunked_cross_entropy(norm(h), weight, targets, loss_mask,
-                                     dtype=jnp.dtype(self.cfg.dtype), chunks=chunks)
+        weight = head_params["embedding"].T if self.cfg.tie_embeddings else head_params["lm_head"]
+        return chunked_cross_entropy(
+            norm(h), weight, targets, loss_mask, dtype=jnp.dtype(self.cfg.dtype), chunks=chunks
+        )
 
     def loss(self, batch: dict, *, chunks: int):
         """The whole model on a batch (inputs, targets, positions, segment_ids, loss_mask):
         (summed NLL, token count, MoE statistics stacked over layers or {}). The logits exist
         for seq / chunks positions at a time (all of them when chunks = 1)."""
-        x, stats = self.apply_blocks(self.embed(batch["inputs"]), batch["positions"],
-                                     batch["segment_ids"])
+        x, stats = self.apply_blocks(self.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
         own = self.head_params(nnx.to_pure_dict(nnx.state(self)))
         nll, count = self.head_loss(own, x, batch["targets"], batch["loss_mask"], chunks=chunks)
         return nll, count, stats
@@ -427,8 +448,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     f, v = cfg.d_ff, cfg.vocab_size
     attention = e * n * h + 2 * e * k * h + n * h * e
     moe = moe_layers(cfg)
-    return (cfg.n_layers * attention + (cfg.n_layers - moe) * 3 * e * f
-            + moe * moe_matmul_params(cfg) + e * v)
+    return cfg.n_layers * attention + (cfg.n_layers - moe) * 3 * e * f + moe * moe_matmul_params(cfg) + e * v
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:

@@ -70,11 +70,9 @@ def _read_head_bias(rows, idx, shape):
 
 
 # jaxpar [A, ...] = Hugging Face [A, ...]
-SAME = Layout(lambda rows, idx, shape: rows(*span(idx[0], shape[0]), *idx[1:2]),
-              lambda w: w)
+SAME = Layout(lambda rows, idx, shape: rows(*span(idx[0], shape[0]), *idx[1:2]), lambda w: w)
 # jaxpar [A, B] = Hugging Face [B, A] (a torch Linear)
-TRANSPOSED = Layout(lambda rows, idx, shape: rows(*span(idx[1], shape[1]), idx[0]).T,
-                    lambda w: w.T)
+TRANSPOSED = Layout(lambda rows, idx, shape: rows(*span(idx[1], shape[1]), idx[0]).T, lambda w: w.T)
 # jaxpar [E, N, H] = Hugging Face [N*H, E] (q, k, v projections)
 HEADS_IN = Layout(_read_heads_in, lambda w: w.reshape(w.shape[0], -1).T)
 # jaxpar [N, H, E] = Hugging Face [E, N*H] (the output projection)
@@ -106,16 +104,19 @@ def tensor_table(m: ModelConfig) -> dict[str, Tensor]:
         table["blocks.attn.bq"] = Tensor(attn + "q_proj.bias", True, HEAD_BIAS, (n * h,))
         table["blocks.attn.bk"] = Tensor(attn + "k_proj.bias", True, HEAD_BIAS, (k * h,))
         table["blocks.attn.bv"] = Tensor(attn + "v_proj.bias", True, HEAD_BIAS, (k * h,))
-    table.update({
-        "blocks.attn.wo": Tensor(attn + "o_proj.weight", True, HEADS_OUT, (e, n * h)),
-        "blocks.mlp.w_gate": Tensor(mlp + "gate_proj.weight", True, TRANSPOSED, (f, e)),
-        "blocks.mlp.w_up": Tensor(mlp + "up_proj.weight", True, TRANSPOSED, (f, e)),
-        "blocks.mlp.w_down": Tensor(mlp + "down_proj.weight", True, TRANSPOSED, (e, f)),
-        "blocks.attn_norm.scale": Tensor("model.layers.{l}.input_layernorm.weight", True, SAME, (e,)),
-        "blocks.mlp_norm.scale": Tensor("model.layers.{l}.post_attention_layernorm.weight", True,
-                                        SAME, (e,)),
-        "final_norm.scale": Tensor("model.norm.weight", False, SAME, (e,)),
-    })
+    table.update(
+        {
+            "blocks.attn.wo": Tensor(attn + "o_proj.weight", True, HEADS_OUT, (e, n * h)),
+            "blocks.mlp.w_gate": Tensor(mlp + "gate_proj.weight", True, TRANSPOSED, (f, e)),
+            "blocks.mlp.w_up": Tensor(mlp + "up_proj.weight", True, TRANSPOSED, (f, e)),
+            "blocks.mlp.w_down": Tensor(mlp + "down_proj.weight", True, TRANSPOSED, (e, f)),
+            "blocks.attn_norm.scale": Tensor("model.layers.{l}.input_layernorm.weight", True, SAME, (e,)),
+            "blocks.mlp_norm.scale": Tensor(
+                "model.layers.{l}.post_attention_layernorm.weight", True, SAME, (e,)
+            ),
+            "final_norm.scale": Tensor("model.norm.weight", False, SAME, (e,)),
+        }
+    )
     if not m.tie_embeddings:
         table["lm_head"] = Tensor("lm_head.weight", False, TRANSPOSED, (v, e))
     return table
@@ -163,8 +164,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _refuse(where: str, what: str) -> ConfigError:
-    return ConfigError(f"{where}: {what}; jaxpar converts {', '.join(ARCHITECTURES)} exactly or "
-                       "not at all")
+    return ConfigError(f"{where}: {what}; jaxpar converts {', '.join(ARCHITECTURES)} exactly or not at all")
 
 
 def _check_block(hf: dict, arch: str, where: str) -> None:
@@ -174,24 +174,33 @@ def _check_block(hf: dict, arch: str, where: str) -> None:
         if key in hf and hf[key] != want:
             if key == "attention_bias" and arch == "Qwen2ForCausalLM":
                 continue  # Qwen2 has q/k/v biases whatever this says (transformers ignores it)
-            why = {"attention_bias": " (it adds biases to q, k, v and o; jaxpar has q/k/v biases "
-                                     "for Qwen2 only)"}.get(key, "")
+            why = {
+                "attention_bias": " (it adds biases to q, k, v and o; jaxpar has q/k/v biases for Qwen2 only)"
+            }.get(key, "")
             raise _refuse(where, f"{key}={hf[key]!r}, jaxpar has {want!r}{why}")
     max_len, window = int(hf.get("max_position_embeddings", 2048)), hf.get("sliding_window")
     if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window", False):
-        raise _refuse(where, f"use_sliding_window=true (sliding_window={window}): jaxpar attends "
-                             "to the whole context")
+        raise _refuse(
+            where, f"use_sliding_window=true (sliding_window={window}): jaxpar attends to the whole context"
+        )
     if arch == "MistralForCausalLM" and window is not None and window < max_len:
-        raise _refuse(where, f"sliding_window={window} < max_position_embeddings={max_len}: "
-                             "jaxpar attends to the whole context")
+        raise _refuse(
+            where,
+            f"sliding_window={window} < max_position_embeddings={max_len}: "
+            "jaxpar attends to the whole context",
+        )
     layer_types = hf.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
-        raise _refuse(where, f"layer_types={sorted(set(layer_types))}: jaxpar has full attention "
-                             "in every layer")
+        raise _refuse(
+            where, f"layer_types={sorted(set(layer_types))}: jaxpar has full attention in every layer"
+        )
     d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     if hf.get("head_dim") is not None and int(hf["head_dim"]) * n_heads != d_model:
-        raise _refuse(where, f"head_dim={hf['head_dim']} but hidden_size / num_attention_heads = "
-                             f"{d_model / n_heads:g}; jaxpar's heads are hidden_size / heads wide")
+        raise _refuse(
+            where,
+            f"head_dim={hf['head_dim']} but hidden_size / num_attention_heads = "
+            f"{d_model / n_heads:g}; jaxpar's heads are hidden_size / heads wide",
+        )
 
 
 def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
@@ -203,8 +212,7 @@ def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
     if rope_type == "default":
         return theta, {"type": "none"}
     if rope_type == "llama3":
-        return theta, {"type": "llama3", **{field: cast(rope[key])
-                                            for key, field, cast in LLAMA3_ROPE_KEYS}}
+        return theta, {"type": "llama3", **{field: cast(rope[key]) for key, field, cast in LLAMA3_ROPE_KEYS}}
     raise _refuse(where, f"rope scaling {rope_type!r}: jaxpar has none or llama3")
 
 
@@ -224,8 +232,7 @@ def settings_from_hf(hf: dict, where: str) -> dict:
     settings["rope_theta"], settings["rope_scaling"] = _rope_from_hf(hf, where)
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     if dtype not in DTYPES:
-        raise _refuse(where, f"dtype={dtype!r}: jaxpar reads {', '.join(DTYPES[:-1])} or "
-                             f"{DTYPES[-1]}")
+        raise _refuse(where, f"dtype={dtype!r}: jaxpar reads {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
     return {**settings, "qkv_bias": arch[0] == "Qwen2ForCausalLM", "param_dtype": dtype}
 
 
@@ -234,8 +241,11 @@ def hf_config(m: ModelConfig) -> dict:
     inverse of `settings_from_hf`."""
     qwen2 = m.qkv_bias
     rs = m.rope_scaling
-    rope_scaling = None if rs.type == "none" else {
-        "rope_type": rs.type, **{key: getattr(rs, field) for key, field, _ in LLAMA3_ROPE_KEYS}}
+    rope_scaling = (
+        None
+        if rs.type == "none"
+        else {"rope_type": rs.type, **{key: getattr(rs, field) for key, field, _ in LLAMA3_ROPE_KEYS}}
+    )
     hf = {
         "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
         "model_type": "qwen2" if qwen2 else "llama",

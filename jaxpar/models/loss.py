@@ -92,12 +92,15 @@ def chunked_cross_entropy(h, weight, targets, mask, *, dtype, chunks: int):
     if chunks < 1 or seq % chunks:
         raise ValueError(f"chunks={chunks} must be a positive divisor of the sequence length {seq}")
     if targets.shape != (batch, seq) or mask.shape != (batch, seq):
-        raise ValueError(f"targets {targets.shape} and mask {mask.shape} must be [batch, seq] = "
-                         f"{(batch, seq)}")
+        raise ValueError(
+            f"targets {targets.shape} and mask {mask.shape} must be [batch, seq] = {(batch, seq)}"
+        )
     # The weight gradient's partial sums are kept apart per device holding a part of the rows:
     # [batch parts, seq parts, embed, vocab], each device one [embed, vocab] slice.
-    parts = tuple(n if size % n == 0 else 1 for n, size in
-                  ((_axis_shards("batch"), batch), (_axis_shards("seq"), seq // chunks)))
+    parts = tuple(
+        n if size % n == 0 else 1
+        for n, size in ((_axis_shards("batch"), batch), (_axis_shards("seq"), seq // chunks))
+    )
     total = _summed_nll(h, weight, targets, mask, jnp.dtype(dtype), chunks, parts)
     return total, jnp.sum(mask)
 
@@ -188,13 +191,22 @@ def _summed_nll_bwd(dtype, chunks, parts, residuals, g):
         onehot = jax.lax.broadcasted_iota(targets_c.dtype, logits.shape, 2) == targets_c[..., None]
         d_logits = (jax.nn.softmax(logits, axis=-1) - onehot) * (g * mask_c)[..., None]
         d_logits = constrain(d_logits.astype(w.dtype), ("batch", "seq", "vocab"))
-        d_h = jnp.einsum("bsv,ev->bse", d_logits, w, preferred_element_type=jnp.float32,
-                         **_typed_out(h_c, jax.typeof(h_c).sharding.spec))
+        d_h = jnp.einsum(
+            "bsv,ev->bse",
+            d_logits,
+            w,
+            preferred_element_type=jnp.float32,
+            **_typed_out(h_c, jax.typeof(h_c).sharding.spec),
+        )
         rows, d_rows = _split_rows(h_c.astype(w.dtype), parts), _split_rows(d_logits, parts)
         vocab_spec = P(None, None, None, *jax.typeof(d_logits).sharding.spec[2:])
-        grad_parts = grad_parts + jnp.einsum("mbnse,mbnsv->mnev", rows, d_rows,
-                                             preferred_element_type=jnp.float32,
-                                             **_typed_out(h_c, vocab_spec))
+        grad_parts = grad_parts + jnp.einsum(
+            "mbnse,mbnsv->mnev",
+            rows,
+            d_rows,
+            preferred_element_type=jnp.float32,
+            **_typed_out(h_c, vocab_spec),
+        )
         return grad_parts, d_h.astype(h.dtype)
 
     pieces = tuple(_strided_chunks(x, chunks) for x in (h, targets, mask))
@@ -215,8 +227,13 @@ def _summed_nll_bwd(dtype, chunks, parts, residuals, g):
 _summed_nll.defvjp(_summed_nll_fwd, _summed_nll_bwd)
 
 
-def pick_chunks(seq: int, tokens_per_device: int, vocab_per_device: int,
-                budget_bytes: int = 256 * 2**20, seq_shards: int = 1) -> int:
+def pick_chunks(
+    seq: int,
+    tokens_per_device: int,
+    vocab_per_device: int,
+    budget_bytes: int = 256 * 2**20,
+    seq_shards: int = 1,
+) -> int:
     """The smallest number of chunks for `chunked_cross_entropy` whose per-chunk float32 logits
     fit in `budget_bytes` on one device.
 
@@ -254,6 +271,12 @@ def loss_chunks(cfg: Config, sizes: dict[str, int], rows: int | None = None) -> 
     # the output weight's vocabulary over tensor; one axis cannot split both dims of the logits,
     # so a device holds at least tokens / context by vocab / tensor of them.
     seq_shards = sizes["context"] * (sizes["tensor"] if cfg.parallel.sequence_parallel else 1)
-    rows = (rows or t.batch_size // cfg.parallel.grad_accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
-    return pick_chunks(t.seq_len, max(rows, 1) * t.seq_len // sizes["context"],
-                       cfg.model.vocab_size // sizes["tensor"], seq_shards=seq_shards)
+    rows = (rows or t.batch_size // cfg.parallel.grad_accum) // (
+        sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    )
+    return pick_chunks(
+        t.seq_len,
+        max(rows, 1) * t.seq_len // sizes["context"],
+        cfg.model.vocab_size // sizes["tensor"],
+        seq_shards=seq_shards,
+    )

@@ -53,14 +53,30 @@ class MoEMLP(nnx.Module):
     def __call__(self, x):
         """x [batch, seq, embed] -> (y [batch, seq, embed], router statistics)."""
         dtype = jnp.dtype(self.cfg.dtype)
-        weights = {"router": self.router[...], "gate": self.gate[...], "up": self.up[...],
-                   "down": self.down[...]}
+        weights = {
+            "router": self.router[...],
+            "gate": self.gate[...],
+            "up": self.up[...],
+            "down": self.down[...],
+        }
         # The mesh is the one the step runs under (`Layout.scope`); none: one device.
-        y, stats = moe_mlp(x, weights, top_k=self.cfg.moe.top_k,
-                           capacity_factor=self.cfg.moe.capacity_factor, compute_dtype=dtype,
-                           fp8=self.cfg.fp8, dispatch=self.cfg.moe.dispatch,
-                           buffer_factor=self.cfg.moe.ragged_buffer_factor)
+        y, stats = moe_mlp(
+            x,
+            weights,
+            top_k=self.cfg.moe.top_k,
+            capacity_factor=self.cfg.moe.capacity_factor,
+            compute_dtype=dtype,
+            fp8=self.cfg.fp8,
+            dispatch=self.cfg.moe.dispatch,
+            buffer_factor=self.cfg.moe.ragged_buffer_factor,
+        )
         if self.cfg.moe.shared_experts:
-            y = y + block_swiglu(x, self.shared_gate[...], self.shared_up[...],
-                                 self.shared_down[...], fp8=self.cfg.fp8, dtype=dtype)
+            y = y + block_swiglu(
+                x,
+                self.shared_gate[...],
+                self.shared_up[...],
+                self.shared_down[...],
+                fp8=self.cfg.fp8,
+                dtype=dtype,
+            )
         return y, stats

@@ -60,14 +60,13 @@ def objective(graphdef, params, batch: dict, *, chunks: int):
     if not moe_stats:
         return nll, aux
     aux.update({k: jnp.mean(moe_stats[k]) for k in MOE_MEANS}, expert_load=moe_stats["expert_load"])
-    penalty = router_penalty(model.cfg.moe, moe_stats, jax.lax.stop_gradient(count),
-                             moe_layers(model.cfg))
+    penalty = router_penalty(model.cfg.moe, moe_stats, jax.lax.stop_gradient(count), moe_layers(model.cfg))
     return nll + penalty, aux
 
 
-def pipelined_grads(model, params, batch, *, schedule: Schedule, mesh: jax.sharding.Mesh,
-                    loss_chunks: int, axis_name: str = "pipe",
-                    row_axes: tuple[str, ...] = ("data",)):
+def pipelined_grads(
+    model, params, batch, *, schedule: Schedule, mesh, loss_chunks: int, axis_name="pipe", row_axes=("data",)
+):
     """The gradients of `objective`, summed over the batch, with `model`'s blocks pipelined
     over `axis_name`.
 
@@ -110,25 +109,30 @@ def pipelined_grads(model, params, batch, *, schedule: Schedule, mesh: jax.shard
         stats = {k: jax.lax.stop_gradient(x) for k, x in stats.items()}
         return h, penalty.astype(jnp.float32), {**stats, "penalty": jax.lax.stop_gradient(penalty)}
 
-    def head(head_params, h, targets):
-        return model.head_loss(head_params, h, targets["targets"], targets["loss_mask"],
-                               chunks=loss_chunks)[0]
+    def head(head_params, h, t):  # the summed NLL of the targets t
+        return model.head_loss(head_params, h, t["targets"], t["loss_mask"], chunks=loss_chunks)[0]
 
     def embed(table):
         return nnx.merge(graphdef, {**params, "embedding": table}).embed(batch["inputs"])
 
     x, embed_vjp = jax.vjp(embed, params["embedding"])
     micro = split_microbatches(batch, m)
-    args = (head, stack_stages(params["blocks"], p, v), model.head_params(params),
-            split_microbatches(x, m), {k: micro[k] for k in ("targets", "loss_mask")})
+    args = (
+        head,
+        stack_stages(params["blocks"], p, v),
+        model.head_params(params),
+        split_microbatches(x, m),
+        {k: micro[k] for k in ("targets", "loss_mask")},
+    )
     side = (micro["positions"], micro["segment_ids"], micro["loss_mask"])
     if layers:
         value, (stage_grads, head_grads, input_grads), stats = pipeline_value_grad_and_stats(
-            moe_blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name)
+            moe_blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name
+        )
     else:
         value, (stage_grads, head_grads, input_grads) = pipeline_value_and_grad(
-            blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name,
-            row_axes=row_axes)
+            blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name, row_axes=row_axes
+        )
     (embedding_grad,) = embed_vjp(merge_microbatches(input_grads))
     grads = {**head_grads, "blocks": unstack_stages(stage_grads, p, v)}
     grads["embedding"] = embedding_grad + head_grads.get("embedding", 0.0)  # tied: both uses

@@ -176,15 +176,23 @@ def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
     the whole tensor: `amax_axes` are the manual mesh axes its pieces are spread over.
     """
     if fp8:
-        return swiglu(h.astype(compute_dtype), gate, up, down,
-                      project_in=lambda x, w: fp8_einsum("esd,edm->esm", x, w, amax_axes),
-                      project_out=lambda x, w: fp8_einsum("esm,emd->esd", x, w, amax_axes,
-                                                          jnp.float32))
+        return swiglu(
+            h.astype(compute_dtype),
+            gate,
+            up,
+            down,
+            project_in=lambda x, w: fp8_einsum("esd,edm->esm", x, w, amax_axes),
+            project_out=lambda x, w: fp8_einsum("esm,emd->esd", x, w, amax_axes, jnp.float32),
+        )
     h, gate, up, down = (a.astype(compute_dtype) for a in (h, gate, up, down))
-    return swiglu(h, gate, up, down,
-                  project_in=functools.partial(jnp.einsum, "esd,edm->esm"),
-                  project_out=functools.partial(jnp.einsum, "esm,emd->esd",
-                                                preferred_element_type=jnp.float32))
+    return swiglu(
+        h,
+        gate,
+        up,
+        down,
+        project_in=functools.partial(jnp.einsum, "esd,edm->esm"),
+        project_out=functools.partial(jnp.einsum, "esm,emd->esd", preferred_element_type=jnp.float32),
+    )
 
 
 def _mesh_axes(mesh, names):
@@ -192,8 +200,11 @@ def _mesh_axes(mesh, names):
     already manual (an enclosing shard_map's). Others are skipped."""
     names = (names,) if isinstance(names, str) else tuple(names)
     kinds = dict(zip(mesh.axis_names, mesh.axis_types))
-    return tuple(name for name in names if name in kinds and mesh.shape[name] > 1
-                 and kinds[name] != jax.sharding.AxisType.Manual)
+    return tuple(
+        name
+        for name in names
+        if name in kinds and mesh.shape[name] > 1 and kinds[name] != jax.sharding.AxisType.Manual
+    )
 
 
 def _check_shapes(x, params, sizes, expert_axes, token_axes, seq_axes, tensor_axes):
@@ -224,8 +235,11 @@ def _on_explicit_axes(x, spec, mesh):
     """x laid out as `spec` says on the mesh's Explicit axes (a shard_map wants its explicit
     inputs already where its in_specs put them; on Auto axes it moves them itself)."""
     explicit = set(mesh.explicit_axes)
-    keep = lambda dim: dim if dim is not None and set(  # noqa: E731
-        (dim,) if isinstance(dim, str) else dim) <= explicit else None
+
+    def keep(dim):
+        names = (dim,) if isinstance(dim, str) else dim
+        return dim if dim is not None and set(names) <= explicit else None
+
     spec = P(*(keep(dim) for dim in tuple(spec) + (None,) * (x.ndim - len(spec))))
     current = tuple(jax.typeof(x).sharding.spec)
     if current + (None,) * (x.ndim - len(current)) == tuple(spec):
@@ -233,9 +247,69 @@ def _on_explicit_axes(x, spec, mesh):
     return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
-def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None,
-            compute_dtype=jnp.float32, token_axes=None, seq_axes=None, tensor_axes=None,
-            fp8=False, dispatch="auto", buffer_factor=None):
+def _layer_axes(mesh, axis_name, token_axes, seq_axes, tensor_axes):
+    """The mesh axes of the experts, the tokens along the batch and the sequence, and the hidden
+    units: the names given, else the rules in force; only axes of `mesh` larger than 1 and not
+    already manual."""
+    if axis_name is not None and axis_name not in mesh.axis_names:
+        raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}")
+    rules = rules_in_force()
+    expert_axes = _mesh_axes(mesh, rules.get("experts", ()) if axis_name is None else axis_name)
+    token_axes = _mesh_axes(mesh, rules.get("batch", ()) if token_axes is None else token_axes)
+    token_axes += tuple(a for a in expert_axes if a not in token_axes)
+    seq_axes = _mesh_axes(mesh, rules.get("seq", ()) if seq_axes is None else seq_axes)
+    tensor_axes = _mesh_axes(mesh, rules.get("mlp", ()) if tensor_axes is None else tensor_axes)
+    return expert_axes, token_axes, seq_axes, tensor_axes
+
+
+def _dispatch_on(
+    mesh, dispatch, capacity_factor, fp8, top_k, params, expert_axes, expert_devices, buffer_factor
+):
+    """`dispatch` resolved for the platform of `mesh` (`resolve_dispatch`); ragged exchanges on
+    CPU devices are a ConfigError."""
+    device = None if mesh.empty else getattr(mesh.abstract_mesh, "abstract_device", None)
+    platform = device.platform if device is not None else jax.default_backend()
+    dispatch = resolve_dispatch(
+        dispatch,
+        capacity_factor,
+        platform,
+        fp8,
+        top_k=top_k,
+        local_experts=params["router"].shape[-1] // expert_devices,
+        buffer_factor=buffer_factor,
+    )
+    if (
+        dispatch == "ragged"
+        and expert_devices > 1
+        and platform == "cpu"
+        and _ragged_all_to_all is jax.lax.ragged_all_to_all
+    ):
+        from jaxpar.config import ConfigError
+
+        raise ConfigError(
+            f"model.moe.dispatch=ragged with {expert_devices} expert devices "
+            f"(mesh axes {expert_axes}) on CPU: XLA:CPU cannot compile ragged-all-to-all; use "
+            "model.moe.dispatch=padded (or auto, which picks it on CPU), or mesh.expert=1"
+        )
+    return dispatch
+
+
+def moe_mlp(
+    x,
+    params,
+    *,
+    mesh=None,
+    axis_name=None,
+    top_k,
+    capacity_factor=None,
+    compute_dtype=jnp.float32,
+    token_axes=None,
+    seq_axes=None,
+    tensor_axes=None,
+    fp8=False,
+    dispatch="auto",
+    buffer_factor=None,
+):
     """Mixture-of-experts SwiGLU MLP with the experts split over mesh axis `axis_name`.
 
     x: GLOBAL [batch, seq, embed]; batch split over `token_axes` and the expert axis, seq over
@@ -278,33 +352,18 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
     before dropping)}, all global.
     """
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    if axis_name is not None and axis_name not in mesh.axis_names:
-        raise ValueError(f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}")
-    rules = rules_in_force()
-    expert_axes = _mesh_axes(mesh, rules.get("experts", ()) if axis_name is None else axis_name)
-    token_axes = _mesh_axes(mesh, rules.get("batch", ()) if token_axes is None else token_axes)
-    token_axes += tuple(a for a in expert_axes if a not in token_axes)
-    seq_axes = _mesh_axes(mesh, rules.get("seq", ()) if seq_axes is None else seq_axes)
-    tensor_axes = _mesh_axes(mesh, rules.get("mlp", ()) if tensor_axes is None else tensor_axes)
+    expert_axes, token_axes, seq_axes, tensor_axes = _layer_axes(
+        mesh, axis_name, token_axes, seq_axes, tensor_axes
+    )
     sizes = dict(mesh.shape)
     _check_shapes(x, params, sizes, expert_axes, token_axes, seq_axes, tensor_axes)
     expert_devices = math.prod(sizes[a] for a in expert_axes)
-    device = None if mesh.empty else getattr(mesh.abstract_mesh, "abstract_device", None)
-    platform = device.platform if device is not None else jax.default_backend()
-    dispatch = resolve_dispatch(dispatch, capacity_factor, platform, fp8, top_k=top_k,
-                                local_experts=params["router"].shape[-1] // expert_devices,
-                                buffer_factor=buffer_factor)
-    if (dispatch == "ragged" and expert_devices > 1 and platform == "cpu"
-            and _ragged_all_to_all is jax.lax.ragged_all_to_all):
-        from jaxpar.config import ConfigError
-
-        raise ConfigError(
-            f"model.moe.dispatch=ragged with {expert_devices} expert devices "
-            f"(mesh axes {expert_axes}) on CPU: XLA:CPU cannot compile ragged-all-to-all; use "
-            "model.moe.dispatch=padded (or auto, which picks it on CPU), or mesh.expert=1")
-    program, in_specs = _moe_program(mesh, expert_axes, expert_devices, token_axes, seq_axes,
-                                     tensor_axes, top_k, capacity_factor, jnp.dtype(compute_dtype),
-                                     fp8, dispatch, buffer_factor, _ragged_all_to_all)
+    dispatch = _dispatch_on(
+        mesh, dispatch, capacity_factor, fp8, top_k, params, expert_axes, expert_devices, buffer_factor
+    )
+    layout = (expert_axes, expert_devices, token_axes, seq_axes, tensor_axes)
+    options = (top_k, capacity_factor, jnp.dtype(compute_dtype), fp8, dispatch, buffer_factor)
+    program, in_specs = _moe_program(mesh, *layout, *options, _ragged_all_to_all)
     args = (x, params["router"], params["gate"], params["up"], params["down"])
     if mesh.empty:
         return program(*args)
@@ -314,8 +373,17 @@ def moe_mlp(x, params, *, mesh=None, axis_name=None, top_k, capacity_factor=None
     return _on_explicit_axes(y, x_spec, mesh), stats
 
 
-def _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes,
-                           top_k, capacity_factor, compute_dtype, fp8=False):
+def _expert_parallel_layer(
+    expert_axes,
+    expert_devices,
+    token_axes,
+    seq_axes,
+    tensor_axes,
+    top_k,
+    capacity_factor,
+    compute_dtype,
+    fp8=False,
+):
     """The layer on one device's block of tokens, with all experts' weights for the experts it
     holds (all of them when `expert_axes` is empty)."""
     all_token_axes = token_axes + seq_axes
@@ -334,7 +402,8 @@ def _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes, te
         row = jnp.where(kept, routing.expert_index * capacity + position, num_experts * capacity)
         source_token = jnp.full(num_experts * capacity, batch * seq, jnp.int32)
         source_token = source_token.at[row.reshape(-1)].set(
-            jnp.repeat(jnp.arange(batch * seq, dtype=jnp.int32), top_k), mode="drop")
+            jnp.repeat(jnp.arange(batch * seq, dtype=jnp.int32), top_k), mode="drop"
+        )
         padded = jnp.concatenate([tokens, jnp.zeros((1, embed), tokens.dtype)])  # empty slot -> 0
         send = padded[source_token].astype(compute_dtype)  # [E * capacity, embed]
 
@@ -346,8 +415,15 @@ def _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes, te
         received = swap(send).reshape(expert_devices, local_experts, capacity, embed)
         received = received.transpose(1, 0, 2, 3).reshape(local_experts, -1, embed)
 
-        out = swiglu_experts(received, gate, up, down, compute_dtype,  # [local_E, src * C, embed]
-                             fp8, tuple(dict.fromkeys(all_token_axes + expert_axes + tensor_axes)))
+        out = swiglu_experts(
+            received,
+            gate,
+            up,
+            down,
+            compute_dtype,  # [local_E, src * C, embed]
+            fp8,
+            tuple(dict.fromkeys(all_token_axes + expert_axes + tensor_axes)),
+        )
         if tensor_axes:
             out = jax.lax.psum(out, tensor_axes)  # sum the partial products of the mlp slices
         out = out.astype(compute_dtype).reshape(local_experts, expert_devices, capacity, embed)
@@ -386,8 +462,9 @@ DISPATCHES = ("auto", "padded", "ragged")
 _ragged_all_to_all = jax.lax.ragged_all_to_all
 
 
-def resolve_dispatch(dispatch, capacity_factor, platform, fp8=False, *, top_k=1,
-                     local_experts=1, buffer_factor=None):
+def resolve_dispatch(
+    dispatch, capacity_factor, platform, fp8=False, *, top_k=1, local_experts=1, buffer_factor=None
+):
     """`dispatch` ("auto" | "padded" | "ragged") made concrete for devices of `platform`.
 
     auto: "ragged" on GPU in dropless mode without fp8 where XLA's lowering of the grouped GEMM
@@ -399,14 +476,18 @@ def resolve_dispatch(dispatch, capacity_factor, platform, fp8=False, *, top_k=1,
         raise ValueError(f"dispatch={dispatch!r}: use one of {DISPATCHES}")
     if dispatch == "auto":
         no_more_work = min(top_k, local_experts) == 1 or buffer_factor is not None
-        return ("ragged" if platform in ("gpu", "cuda") and capacity_factor is None and not fp8
-                and no_more_work else "padded")
+        return (
+            "ragged"
+            if platform in ("gpu", "cuda") and capacity_factor is None and not fp8 and no_more_work
+            else "padded"
+        )
     if dispatch == "ragged" and capacity_factor is not None:
-        raise ValueError(f"dispatch='ragged' is dropless: it takes capacity_factor=None, got "
-                         f"{capacity_factor}; use dispatch='padded' for capacity routing")
+        raise ValueError(
+            f"dispatch='ragged' is dropless: it takes capacity_factor=None, got "
+            f"{capacity_factor}; use dispatch='padded' for capacity routing"
+        )
     if dispatch == "ragged" and fp8:
-        raise ValueError("dispatch='ragged' has no float8 grouped GEMM: use dispatch='padded' "
-                         "with fp8")
+        raise ValueError("dispatch='ragged' has no float8 grouped GEMM: use dispatch='padded' with fp8")
     return dispatch
 
 
@@ -433,18 +514,31 @@ def grouped_swiglu(rows, group_sizes, gate, up, down, compute_dtype):
     sum are not computed); gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
     Returns [rows, embed] float32, the same numbers as `swiglu_experts` on the same rows."""
     rows, gate, up, down = (a.astype(compute_dtype) for a in (rows, gate, up, down))
-    return swiglu(rows, gate, up, down,
-                  project_in=lambda x, w: jax.lax.ragged_dot(x, w, group_sizes),
-                  project_out=lambda x, w: jax.lax.ragged_dot(
-                      x, w, group_sizes, preferred_element_type=jnp.float32))
+    return swiglu(
+        rows,
+        gate,
+        up,
+        down,
+        project_in=lambda x, w: jax.lax.ragged_dot(x, w, group_sizes),
+        project_out=lambda x, w: jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32),
+    )
 
 
 def _exclusive_cumsum(a, axis=-1):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes, top_k,
-                  compute_dtype, buffer_factor, ragged_all_to_all):
+def _ragged_layer(
+    expert_axes,
+    expert_devices,
+    token_axes,
+    seq_axes,
+    tensor_axes,
+    top_k,
+    compute_dtype,
+    buffer_factor,
+    ragged_all_to_all,
+):
     """The ragged (dropless) layer on one device's block of tokens; see the module docstring.
     `ragged_all_to_all`: the exchange, `jax.lax.ragged_all_to_all` or an equivalent."""
     all_token_axes = token_axes + seq_axes
@@ -452,7 +546,6 @@ def _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes
     def local(x_block, router_w, gate, up, down):
         batch, seq, embed = x_block.shape
         num_experts = router_w.shape[-1]
-        local_experts = num_experts // expert_devices
         n_tokens = batch * seq
         tokens = x_block.reshape(n_tokens, embed)
         routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes)
@@ -470,42 +563,18 @@ def _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes
                 out = jax.lax.psum(out, tensor_axes)
             kept_rows = jnp.sum(counts)
         else:
-            me = jax.lax.axis_index(expert_axes)
-            # Sizes first: every device's rows per expert, [source, expert].
-            all_counts = jax.lax.all_gather(counts, expert_axes, axis=0, tiled=False)
-            sent = all_counts.reshape(expert_devices, expert_devices, local_experts)  # [s, j, l]
-            # Receiver j's buffer: its local expert 0's rows from sources 0, 1, ..., then local
-            # expert 1's, ...: each expert's rows contiguous, ready for the grouped GEMM.
-            expert_start = _exclusive_cumsum(jnp.sum(sent, axis=0), axis=-1)  # [j, l]
-            chunk_start = expert_start[None] + _exclusive_cumsum(sent, axis=0)  # [s, j, l]
-            rows = ragged_receive_rows(n_tokens, top_k, num_experts, expert_devices, buffer_factor)
-            # Rows past the buffer are not sent (only with a buffer factor below the worst case).
-            kept = jnp.clip(rows - chunk_start, 0, sent)  # [s, j, l]
-            # A slice that starts past the buffer sends nothing; keep its offset in range anyway.
-            chunk_start = jnp.minimum(chunk_start, rows)
-            source_start = _exclusive_cumsum(all_counts, axis=-1)  # [s, e]: where s's rows start
-
-            def exchange(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes):
-                # Zeros varying over the expert axes like `operand`: an unvarying buffer would
-                # have to be made varying, whose gradient is a psum of the whole buffer.
-                output = jax.lax.full_like(operand, 0, shape=(out_rows, embed))
-                return ragged_all_to_all(operand, output, input_offsets, send_sizes,
-                                         output_offsets, recv_sizes, axis_name=expert_axes)
-
-            # One slice per expert: slice e goes to device e // local_experts.
-            received = exchange(send, rows, source_start[me], kept[me].reshape(-1),
-                                chunk_start[me].reshape(-1), kept[:, me].reshape(-1))
-            group_sizes = jnp.sum(kept[:, me], axis=0)  # [local_experts]
-            out = grouped_swiglu(received, group_sizes, gate, up, down, compute_dtype)
-            if tensor_axes:
-                out = jax.lax.psum(out, tensor_axes)  # sum the partial products of the mlp slices
-            # Back: each slice to its source, at the place it was sent from; dropped rows stay 0.
-            out = exchange(out.astype(compute_dtype), top_k * n_tokens,
-                           chunk_start[:, me].reshape(-1), kept[:, me].reshape(-1),
-                           jax.lax.dynamic_slice_in_dim(source_start, me * local_experts,
-                                                        local_experts, axis=1).reshape(-1),
-                           kept[me].reshape(-1))
-            kept_rows = jnp.sum(kept[me])
+            out, kept_rows = _ragged_experts(
+                send,
+                counts,
+                (gate, up, down),
+                expert_axes,
+                expert_devices,
+                tensor_axes,
+                top_k,
+                compute_dtype,
+                buffer_factor,
+                ragged_all_to_all,
+            )
         # Unsort: row i of `out` is queue entry order[i].
         per_choice = jnp.zeros_like(out).at[order].set(out).reshape(top_k, n_tokens, embed)
         y = jnp.einsum("tk,ktd->td", routing.expert_weight, per_choice.astype(jnp.float32))
@@ -516,29 +585,142 @@ def _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes
     return local
 
 
+def _ragged_experts(
+    send,
+    counts,
+    weights,
+    expert_axes,
+    expert_devices,
+    tensor_axes,
+    top_k,
+    compute_dtype,
+    buffer_factor,
+    ragged_all_to_all,
+):
+    """Rows `send` (sorted by expert, `counts` per expert) through the experts spread over
+    `expert_axes` and back: sizes gathered, one ragged exchange there, the grouped GEMMs, one
+    back. Returns (the rows in `send`'s order, dropped rows 0; how many were kept)."""
+    gate, up, down = weights
+    num_experts = counts.shape[0]
+    local_experts = num_experts // expert_devices
+    n_tokens = send.shape[0] // top_k
+    embed = send.shape[1]
+    me = jax.lax.axis_index(expert_axes)
+    # Sizes first: every device's rows per expert, [source, expert].
+    all_counts = jax.lax.all_gather(counts, expert_axes, axis=0, tiled=False)
+    sent = all_counts.reshape(expert_devices, expert_devices, local_experts)  # [s, j, l]
+    # Receiver j's buffer: its local expert 0's rows from sources 0, 1, ..., then local
+    # expert 1's, ...: each expert's rows contiguous, ready for the grouped GEMM.
+    expert_start = _exclusive_cumsum(jnp.sum(sent, axis=0), axis=-1)  # [j, l]
+    chunk_start = expert_start[None] + _exclusive_cumsum(sent, axis=0)  # [s, j, l]
+    rows = ragged_receive_rows(n_tokens, top_k, num_experts, expert_devices, buffer_factor)
+    # Rows past the buffer are not sent (only with a buffer factor below the worst case).
+    kept = jnp.clip(rows - chunk_start, 0, sent)  # [s, j, l]
+    # A slice that starts past the buffer sends nothing; keep its offset in range anyway.
+    chunk_start = jnp.minimum(chunk_start, rows)
+    source_start = _exclusive_cumsum(all_counts, axis=-1)  # [s, e]: where s's rows start
+
+    def exchange(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes):
+        # Zeros varying over the expert axes like `operand`: an unvarying buffer would
+        # have to be made varying, whose gradient is a psum of the whole buffer.
+        output = jax.lax.full_like(operand, 0, shape=(out_rows, embed))
+        return ragged_all_to_all(
+            operand,
+            output,
+            input_offsets,
+            send_sizes,
+            output_offsets,
+            recv_sizes,
+            axis_name=expert_axes,
+        )
+
+    # One slice per expert: slice e goes to device e // local_experts.
+    received = exchange(
+        send,
+        rows,
+        source_start[me],
+        kept[me].reshape(-1),
+        chunk_start[me].reshape(-1),
+        kept[:, me].reshape(-1),
+    )
+    group_sizes = jnp.sum(kept[:, me], axis=0)  # [local_experts]
+    out = grouped_swiglu(received, group_sizes, gate, up, down, compute_dtype)
+    if tensor_axes:
+        out = jax.lax.psum(out, tensor_axes)  # sum the partial products of the mlp slices
+    # Back: each slice to its source, at the place it was sent from; dropped rows stay 0.
+    out = exchange(
+        out.astype(compute_dtype),
+        top_k * n_tokens,
+        chunk_start[:, me].reshape(-1),
+        kept[:, me].reshape(-1),
+        jax.lax.dynamic_slice_in_dim(source_start, me * local_experts, local_experts, axis=1).reshape(-1),
+        kept[me].reshape(-1),
+    )
+    kept_rows = jnp.sum(kept[me])
+    return out, kept_rows
+
+
 @functools.lru_cache(maxsize=64)
-def _moe_program(mesh, expert_axes, expert_devices, token_axes, seq_axes, tensor_axes, top_k,
-                 capacity_factor, compute_dtype, fp8=False, dispatch="padded", buffer_factor=None,
-                 exchange=None):
+def _moe_program(
+    mesh,
+    expert_axes,
+    expert_devices,
+    token_axes,
+    seq_axes,
+    tensor_axes,
+    top_k,
+    capacity_factor,
+    compute_dtype,
+    fp8=False,
+    dispatch="padded",
+    buffer_factor=None,
+    exchange=None,
+):
     """(the jitted layer, its in_specs): one shard_map manual over the axes it uses (a plain
     function when it uses none). Jitted and cached, so that a call outside `jax.jit` compiles
     once rather than running the shard_map's body op by op. `exchange`: the ragged exchange the
     layer is traced with (part of the cache key, so that swapping it retraces)."""
     if dispatch == "ragged":
-        local = _ragged_layer(expert_axes, expert_devices, token_axes, seq_axes, tensor_axes,
-                              top_k, compute_dtype, buffer_factor, exchange)
+        local = _ragged_layer(
+            expert_axes,
+            expert_devices,
+            token_axes,
+            seq_axes,
+            tensor_axes,
+            top_k,
+            compute_dtype,
+            buffer_factor,
+            exchange,
+        )
     else:
-        local = _expert_parallel_layer(expert_axes, expert_devices, token_axes, seq_axes,
-                                       tensor_axes, top_k, capacity_factor, compute_dtype, fp8)
+        local = _expert_parallel_layer(
+            expert_axes,
+            expert_devices,
+            token_axes,
+            seq_axes,
+            tensor_axes,
+            top_k,
+            capacity_factor,
+            compute_dtype,
+            fp8,
+        )
     tensor = tensor_axes or None
     expert = expert_axes or None
-    in_specs = (P(token_axes or None, seq_axes or None, None), P(), P(expert, None, tensor),
-                P(expert, None, tensor), P(expert, tensor, None))
+    in_specs = (
+        P(token_axes or None, seq_axes or None, None),
+        P(),
+        P(expert, None, tensor),
+        P(expert, None, tensor),
+        P(expert, tensor, None),
+    )
     manual = set(expert_axes + token_axes + seq_axes + tensor_axes)
     if mesh.empty or not manual:
         program = jax.jit(local)
     else:
         stats_spec = {"aux_loss": P(), "z_loss": P(), "dropped_fraction": P(), "expert_load": P()}
-        program = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs,
-                                        out_specs=(in_specs[0], stats_spec), axis_names=manual))
+        program = jax.jit(
+            jax.shard_map(
+                local, mesh=mesh, in_specs=in_specs, out_specs=(in_specs[0], stats_spec), axis_names=manual
+            )
+        )
     return program, in_specs

@@ -67,18 +67,20 @@ def stack_stages(layer_params, stages: int, virtual_stages: int = 1):
 
     def stack(a):
         if a.shape[0] % (p * v):
-            raise ValueError(f"layers={a.shape[0]} is not divisible by "
-                             f"stages*virtual_stages={p}*{v}={p * v}")
+            raise ValueError(f"layers={a.shape[0]} is not divisible by stages*virtual_stages={p}*{v}={p * v}")
         chunks = a.reshape(v, p, a.shape[0] // (p * v), *a.shape[1:])
         return chunks.swapaxes(0, 1).reshape(p * v, *chunks.shape[2:])
+
     return jax.tree.map(stack, layer_params)
 
 
 def unstack_stages(stage_params, stages: int, virtual_stages: int = 1):
     """Inverse of `stack_stages`: [stages*v, layers_per_chunk, ...] -> [layers, ...]."""
+
     def unstack(a):
         chunks = a.reshape(stages, virtual_stages, *a.shape[1:]).swapaxes(0, 1)
         return chunks.reshape(-1, *a.shape[2:])
+
     return jax.tree.map(unstack, stage_params)
 
 
@@ -88,10 +90,12 @@ def split_microbatches(batch, microbatches: int):
     Microbatch i holds rows i, i+m, i+2m, ...: a batch dim sharded over data/fsdp in blocks stays
     sharded the same way on the microbatch dim, without communication.
     """
+
     def split(a):
         if a.shape[0] % microbatches:
             raise ValueError(f"batch={a.shape[0]} does not split into microbatches={microbatches}")
         return a.reshape(a.shape[0] // microbatches, microbatches, *a.shape[1:]).swapaxes(0, 1)
+
     return jax.tree.map(split, batch)
 
 
@@ -111,12 +115,16 @@ def _residual_layout(chunk_fn, chunk_params, x, side):
         _, pullback = _chunk_vjp(chunk_fn, params, h, side)
         leaves, found["treedef"] = jax.tree.flatten(pullback)
         if not all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves):
-            raise RuntimeError("jax.vjp's pullback is not a pytree of arrays in this jax "
-                                      f"{jax.__version__}; the pipeline stashes those arrays")
+            raise RuntimeError(
+                "jax.vjp's pullback is not a pytree of arrays in this jax "
+                f"{jax.__version__}; the pipeline stashes those arrays"
+            )
         found["source"] = _param_sources(leaves, params)
-        found["constants"] = {k: leaf for k, (leaf, src) in enumerate(zip(leaves, found["source"]))
-                              if src == CONSTANT}
+        found["constants"] = {
+            k: leaf for k, (leaf, src) in enumerate(zip(leaves, found["source"])) if src == CONSTANT
+        }
         return [leaf for leaf, src in zip(leaves, found["source"]) if src == STASHED]
+
     shapes = jax.eval_shape(trace, chunk_params, x)
     return found["treedef"], found["source"], found["constants"], shapes
 
@@ -134,6 +142,7 @@ def _param_sources(leaves, params) -> list[int]:
         if isinstance(leaf, np.ndarray):
             return CONSTANT
         return next((k for k, q in enumerate(param_leaves) if leaf is q), STASHED)
+
     return [source(leaf) for leaf in leaves]
 
 
@@ -141,6 +150,7 @@ def _chunk_vjp(chunk_fn, params, h, side):
     """jax.vjp of one chunk as the runtime runs it: chunk_fn(params, h, side) -> (h, loss,
     stats); the pullback takes (dh, dloss), stats are not differentiated. Returns ((h, loss,
     stats), pullback)."""
+
     def chunk(p_, h_):
         y, loss, stats = chunk_fn(p_, h_, side)
         return (y, loss), stats
@@ -212,11 +222,19 @@ def pipeline_value_and_grad(
         def chunk_fn(params, h, _):  # no loss of its own, no statistics
             return stage_fn(params, h), jnp.zeros((), jnp.float32), {}
     else:
+
         def chunk_fn(params, h, side_i):
             return stage_fn(params, h, side_i), jnp.zeros((), jnp.float32), {}
 
-    loss, grads, _ = _run(_Program(chunk_fn, head_fn, schedule, axis_name, row_axes), mesh,
-                          stage_params, head_params, inputs, targets, side)
+    loss, grads, _ = _run(
+        _Program(chunk_fn, head_fn, schedule, axis_name, row_axes),
+        mesh,
+        stage_params,
+        head_params,
+        inputs,
+        targets,
+        side,
+    )
     return loss, grads
 
 
@@ -243,8 +261,15 @@ def pipeline_value_grad_and_stats(
     [stages*v, ...] in `stack_stages` order. No row axes: a chunk's own loss is not a sum over
     rows, so every mesh axis but `axis_name` stays automatic (GSPMD reduces over data inside).
     """
-    return _run(_Program(chunk_fn, head_fn, schedule, axis_name, ()), mesh,
-                stage_params, head_params, inputs, targets, side)
+    return _run(
+        _Program(chunk_fn, head_fn, schedule, axis_name, ()),
+        mesh,
+        stage_params,
+        head_params,
+        inputs,
+        targets,
+        side,
+    )
 
 
 class _Program(NamedTuple):
@@ -264,24 +289,29 @@ def _check(program: _Program, mesh, stage_params, inputs) -> None:
     schedule, axis_name, rows_axes = program.schedule, program.axis_name, program.rows_axes
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     if mesh.shape[axis_name] != p:
-        raise ValueError(
-            f"mesh axis {axis_name}={mesh.shape[axis_name]} but schedule has stages={p}")
+        raise ValueError(f"mesh axis {axis_name}={mesh.shape[axis_name]} but schedule has stages={p}")
     if schedule.stage_dependent and not collective_free(dict(mesh.shape), axis_name, rows_axes):
         raise ValueError(
             f"a stage-dependent schedule needs a collective-free chunk: every mesh axis but "
             f"{axis_name!r} and the row axes {rows_axes} of size 1 (a chunk with its own loss: "
-            f"no row axes), got {dict(mesh.shape)}")
+            f"no row axes), got {dict(mesh.shape)}"
+        )
     row_devices = int(np.prod([mesh.shape[a] for a in rows_axes]))
     if inputs.shape[1] % row_devices:
-        raise ValueError(f"microbatch rows={inputs.shape[1]} do not split over "
-                         f"{'x'.join(rows_axes)}={row_devices}")
+        raise ValueError(
+            f"microbatch rows={inputs.shape[1]} do not split over {'x'.join(rows_axes)}={row_devices}"
+        )
     for leaf in jax.tree.leaves(stage_params):
         if leaf.shape[0] != p * v:
-            raise ValueError(f"stage_params leading dim {leaf.shape[0]} != "
-                             f"stages*virtual_stages={p}*{v}; lay them out with stack_stages")
+            raise ValueError(
+                f"stage_params leading dim {leaf.shape[0]} != "
+                f"stages*virtual_stages={p}*{v}; lay them out with stack_stages"
+            )
     if inputs.shape[0] != m:
-        raise ValueError(f"inputs leading dim {inputs.shape[0]} != microbatches={m}; "
-                         "reshape to [microbatches, microbatch, ...]")
+        raise ValueError(
+            f"inputs leading dim {inputs.shape[0]} != microbatches={m}; "
+            "reshape to [microbatches, microbatch, ...]"
+        )
 
 
 def _run(program: _Program, mesh, stage_params, head_params, inputs, targets, side):
@@ -298,15 +328,21 @@ def _run(program: _Program, mesh, stage_params, head_params, inputs, targets, si
     axis_name = program.axis_name
     rows = P(None, rows_axes or None)  # [microbatches, rows, ...]: rows split over rows_axes
     mapped = jax.shard_map(
-        functools.partial(_device_loop, program), mesh=mesh, axis_names={axis_name, *rows_axes},
+        functools.partial(_device_loop, program),
+        mesh=mesh,
+        axis_names={axis_name, *rows_axes},
         in_specs=(P(axis_name), P(), rows, rows, rows),
         out_specs=(P(), (P(axis_name), P(), rows), P(axis_name)),
         # The carried buffers start equal on every stage and become per-stage after the first
         # ppermute; skipping the replication check avoids pvary/pcast, whose API moves in 0.10-0.12.
-        check_vma=False)
+        check_vma=False,
+    )
     return mapped(
-        _split_over(stage_params, mesh, axis_name), head_params,
-        *(_split_over(tree, mesh, rows_axes, dim=1) for tree in (inputs, targets, side)))
+        _split_over(stage_params, mesh, axis_name),
+        head_params,
+        *(_split_over(tree, mesh, rows_axes, dim=1) for tree in (inputs, targets, side)),
+    )
+
 
 def _split_over(tree, mesh, axis_name: str | tuple[str, ...], dim: int = 0):
     """On a mesh whose `axis_name` (one axis or several) is Explicit, shard_map wants its inputs
@@ -323,10 +359,9 @@ def _split_over(tree, mesh, axis_name: str | tuple[str, ...], dim: int = 0):
     def put(leaf):
         spec = (list(jax.typeof(leaf).sharding.spec) if dim == 0 else []) + [None] * leaf.ndim
         spec[dim] = axis_name
-        return jax.sharding.reshard(leaf, NamedSharding(mesh, P(*spec[:leaf.ndim])))
+        return jax.sharding.reshard(leaf, NamedSharding(mesh, P(*spec[: leaf.ndim])))
 
     return jax.tree.map(put, tree)
-
 
 
 # ----------------------------------------------------------------------------- one device's loop
@@ -360,11 +395,22 @@ class _Device:
     def build(cls, program: _Program, stage_params, head_params, inputs, targets, side):
         h, chunk0 = jnp.zeros_like(inputs[0]), jax.tree.map(lambda a: _index(a, 0), stage_params)
         side0 = jax.tree.map(lambda a: _index(a, 0), side)
-        treedef, sources, constants, stash_shapes = _residual_layout(program.chunk_fn, chunk0, h,
-                                                                     side0)
+        treedef, sources, constants, stash_shapes = _residual_layout(program.chunk_fn, chunk0, h, side0)
         stats_shapes = jax.eval_shape(program.chunk_fn, chunk0, h, side0)[2]
-        return cls(program, lower_schedule(program.schedule), stage_params, head_params, inputs,
-                   targets, side, treedef, sources, constants, stash_shapes, stats_shapes)
+        return cls(
+            program,
+            lower_schedule(program.schedule),
+            stage_params,
+            head_params,
+            inputs,
+            targets,
+            side,
+            treedef,
+            sources,
+            constants,
+            stash_shapes,
+            stats_shapes,
+        )
 
     @property
     def stage(self):
@@ -428,14 +474,18 @@ def _initial_carry(dev: _Device) -> _Carry:
     return _Carry(
         acts=buffer(lowered.activation_slots + 1, h),
         grads=buffer(lowered.gradient_slots + 1, h),
-        stash=[buffer(lowered.stash_slots, jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding))
-               for s in dev.stash_shapes],
+        stash=[
+            buffer(lowered.stash_slots, jnp.zeros(s.shape, s.dtype, out_sharding=s.sharding))
+            for s in dev.stash_shapes
+        ],
         stage_grads=jax.tree.map(jnp.zeros_like, dev.stage_params),
         head_grads=jax.tree.map(jnp.zeros_like, dev.head_params),
         input_grads=jnp.zeros_like(dev.inputs),
         loss=jnp.zeros((), jnp.float32),
-        stats=jax.tree.map(lambda s: jnp.zeros((dev.program.schedule.virtual_stages, *s.shape),
-                                               s.dtype), dev.stats_shapes))
+        stats=jax.tree.map(
+            lambda s: jnp.zeros((dev.program.schedule.virtual_stages, *s.shape), s.dtype), dev.stats_shapes
+        ),
+    )
 
 
 class _ForwardOut(NamedTuple):
@@ -457,9 +507,14 @@ class _BackwardOut(NamedTuple):
 
 def _no_forward(dev: _Device, carry: _Carry, row: Row) -> _ForwardOut:
     h = dev.h_zeros()
-    return _ForwardOut(send_act=h, stash=[_index(b, row.f_stash_slot) for b in carry.stash],
-                       loss=jnp.zeros((), jnp.float32), stats=dev.stats_zeros(),
-                       dhead=dev.head_zeros(), head_cotangent=h)
+    return _ForwardOut(
+        send_act=h,
+        stash=[_index(b, row.f_stash_slot) for b in carry.stash],
+        loss=jnp.zeros((), jnp.float32),
+        stats=dev.stats_zeros(),
+        dhead=dev.head_zeros(),
+        head_cotangent=h,
+    )
 
 
 def _no_backward(dev: _Device) -> _BackwardOut:
@@ -470,16 +525,17 @@ def _pullback(dev: _Device, carry: _Carry, chunk, slot):
     """The pullback of `chunk`, rebuilt from stash slot `slot` and the chunk's params."""
     param_leaves = jax.tree.leaves(dev.chunk_params(chunk))
     rest = iter([_index(b, slot) for b in carry.stash])
-    leaves = [param_leaves[src] if src >= 0 else dev.constants[k] if src == CONSTANT else next(rest)
-              for k, src in enumerate(dev.sources)]
+    leaves = [
+        param_leaves[src] if src >= 0 else dev.constants[k] if src == CONSTANT else next(rest)
+        for k, src in enumerate(dev.sources)
+    ]
     return jax.tree.unflatten(dev.treedef, leaves)
 
 
 def _chunk_forward(dev: _Device, carry: _Carry, row: Row):
     """The forward a row's F fields name: (its input, its microbatch, the chunk's (output, own
     loss, stats), the pullback's leaves to stash)."""
-    h = jnp.where(row.f_first == 1, _index(dev.inputs, row.f_microbatch),
-                  _index(carry.acts, row.f_act_slot))
+    h = jnp.where(row.f_first == 1, _index(dev.inputs, row.f_microbatch), _index(carry.acts, row.f_act_slot))
     params = dev.chunk_params(row.f_chunk)
     out, pullback = _chunk_vjp(dev.program.chunk_fn, params, h, dev.side_of(row.f_microbatch))
     leaves = jax.tree.leaves(pullback)
@@ -492,8 +548,7 @@ def _chunk_forward(dev: _Device, carry: _Carry, row: Row):
 def _head(dev: _Device, y, microbatch):
     """The head on the last chunk's output y: (float32 loss, head gradients, y's cotangent)."""
     targets = jax.tree.map(lambda a: _index(a, microbatch), dev.targets)
-    loss, (dhead, dy) = jax.value_and_grad(dev.program.head_fn, argnums=(0, 1))(
-        dev.head_params, y, targets)
+    loss, (dhead, dy) = jax.value_and_grad(dev.program.head_fn, argnums=(0, 1))(dev.head_params, y, targets)
     return loss.astype(jnp.float32), dhead, dy.astype(dev.inputs.dtype)
 
 
@@ -505,14 +560,20 @@ def _forward_slot(dev: _Device, carry: _Carry, row: Row, head_runs) -> _ForwardO
     kept = [_index(b, row.f_stash_slot) for b in carry.stash]
     stash = [jnp.where(on, x, old) for x, old in zip(new, kept)]
     loss, dhead, dy = jax.lax.cond(
-        head_runs, lambda: _head(dev, y, microbatch),
-        lambda: (jnp.zeros((), jnp.float32), dev.head_zeros(), dev.h_zeros()))
+        head_runs,
+        lambda: _head(dev, y, microbatch),
+        lambda: (jnp.zeros((), jnp.float32), dev.head_zeros(), dev.h_zeros()),
+    )
     mine = on & (row.f_head == 1)
     loss = jnp.where(mine, loss, 0.0) + jnp.where(on, own_loss.astype(jnp.float32), 0.0)
-    return _ForwardOut(send_act=y.astype(h.dtype), stash=stash, loss=loss,
-                       stats=jax.tree.map(lambda x: jnp.where(on, x, 0), stats),
-                       dhead=jax.tree.map(lambda d: jnp.where(mine, d, 0), dhead),
-                       head_cotangent=dy)
+    return _ForwardOut(
+        send_act=y.astype(h.dtype),
+        stash=stash,
+        loss=loss,
+        stats=jax.tree.map(lambda x: jnp.where(on, x, 0), stats),
+        dhead=jax.tree.map(lambda d: jnp.where(mine, d, 0), dhead),
+        head_cotangent=dy,
+    )
 
 
 def _backward_slot(dev: _Device, carry: _Carry, row: Row) -> _BackwardOut:
@@ -546,7 +607,8 @@ def _idle(dev: _Device, carry: _Carry, row: Row):
 def _forward(dev: _Device, carry: _Carry, row: Row, with_head: bool):
     h, microbatch, (y, own_loss, stats), stash = _chunk_forward(dev, carry, row)
     out = _no_forward(dev, carry, row)._replace(
-        send_act=y.astype(h.dtype), loss=own_loss.astype(jnp.float32), stats=stats, stash=stash)
+        send_act=y.astype(h.dtype), loss=own_loss.astype(jnp.float32), stats=stats, stash=stash
+    )
     if with_head:  # the last chunk: its head's loss, gradient and cotangent
         loss, dhead, dy = _head(dev, y, microbatch)
         out = out._replace(loss=out.loss + loss, dhead=dhead, head_cotangent=dy)
@@ -556,18 +618,20 @@ def _forward(dev: _Device, carry: _Carry, row: Row, with_head: bool):
 def _input_gradient(dev: _Device, carry: _Carry, row: Row):  # B
     pullback = _pullback(dev, carry, row.b_chunk, row.b_stash_slot)
     _, dh = pullback((_index(carry.grads, row.b_grad_slot), jnp.ones((), jnp.float32)))
-    return (_no_forward(dev, carry, row),
-            _no_backward(dev)._replace(send_grad=dh.astype(dev.inputs.dtype)))
+    return (_no_forward(dev, carry, row), _no_backward(dev)._replace(send_grad=dh.astype(dev.inputs.dtype)))
 
 
 def _weight_gradient(dev: _Device, carry: _Carry, row: Row):  # W
-    return (_no_forward(dev, carry, row),
-            _no_backward(dev)._replace(dparams=_weight_slot(dev, carry, row)))
+    return (_no_forward(dev, carry, row), _no_backward(dev)._replace(dparams=_weight_slot(dev, carry, row)))
 
 
-_BRANCHES = {Work.IDLE: _idle, Work.FORWARD: functools.partial(_forward, with_head=False),
-             Work.FORWARD_AND_HEAD: functools.partial(_forward, with_head=True),
-             Work.INPUT_GRADIENT: _input_gradient, Work.WEIGHT_GRADIENT: _weight_gradient}
+_BRANCHES = {
+    Work.IDLE: _idle,
+    Work.FORWARD: functools.partial(_forward, with_head=False),
+    Work.FORWARD_AND_HEAD: functools.partial(_forward, with_head=True),
+    Work.INPUT_GRADIENT: _input_gradient,
+    Work.WEIGHT_GRADIENT: _weight_gradient,
+}
 
 
 # What both control flows do with the results of a tick's actions.
@@ -581,20 +645,23 @@ def _add_forward(dev: _Device, carry: _Carry, row: Row, fo: _ForwardOut) -> _Car
     """A row's forward results written into the carry: its stash slot, loss, chunk statistics,
     head gradients, and the head's cotangent into the gradient slot its backward reads (a
     scratch slot when this forward ran no head)."""
-    head_cotangent_to = jnp.where((row.f_on == 1) & (row.f_head == 1), row.f_grad_slot,
-                                  dev.lowered.gradient_slots)
+    head_cotangent_to = jnp.where(
+        (row.f_on == 1) & (row.f_head == 1), row.f_grad_slot, dev.lowered.gradient_slots
+    )
     return carry._replace(
         stash=[_update(buf, x, row.f_stash_slot) for buf, x in zip(carry.stash, fo.stash)],
         loss=carry.loss + fo.loss,
         stats=_add_to_chunk(carry.stats, row.f_chunk, fo.stats),
         head_grads=jax.tree.map(jnp.add, carry.head_grads, fo.dhead),
-        grads=_update(carry.grads, fo.head_cotangent, head_cotangent_to))
+        grads=_update(carry.grads, fo.head_cotangent, head_cotangent_to),
+    )
 
 
 def _add_input_grad(carry: _Carry, row: Row, send_grad) -> _Carry:
     """The first chunk's B: its input gradient is the embedded microbatch's."""
-    input_grad = jnp.where((row.b_on == 1) & (row.b_first == 1), send_grad,
-                           _index(carry.input_grads, row.b_microbatch))
+    input_grad = jnp.where(
+        (row.b_on == 1) & (row.b_first == 1), send_grad, _index(carry.input_grads, row.b_microbatch)
+    )
     return carry._replace(input_grads=_update(carry.input_grads, input_grad, row.b_microbatch))
 
 
@@ -604,8 +671,10 @@ def _exchange(dev: _Device, carry: _Carry, row: Row, send_act, send_grad) -> _Ca
     to_next, to_prev = dev.ring_pairs()
     arrived_act = jax.lax.ppermute(send_act, dev.program.axis_name, to_next)
     arrived_grad = jax.lax.ppermute(send_grad, dev.program.axis_name, to_prev)
-    return carry._replace(acts=_update(carry.acts, arrived_act, row.recv_act_slot),
-                          grads=_update(carry.grads, arrived_grad, row.recv_grad_slot))
+    return carry._replace(
+        acts=_update(carry.acts, arrived_act, row.recv_act_slot),
+        grads=_update(carry.grads, arrived_grad, row.recv_grad_slot),
+    )
 
 
 def _uniform_tick(dev: _Device, carry: _Carry, xs):
@@ -613,20 +682,24 @@ def _uniform_tick(dev: _Device, carry: _Carry, xs):
     are the tick's, the same on every device (module docstring), then the exchange."""
     table_rows, running, head_runs = xs
     row = dev.row(table_rows)  # this device's actions (the same on its stage)
-    fo = jax.lax.cond(running[0] == 1,
-                      lambda c: _forward_slot(dev, c, row, head_runs == 1),
-                      lambda c: _no_forward(dev, c, row), carry)
+    fo = jax.lax.cond(
+        running[0] == 1,
+        lambda c: _forward_slot(dev, c, row, head_runs == 1),
+        lambda c: _no_forward(dev, c, row),
+        carry,
+    )
     carry = _add_forward(dev, carry, row, fo)
-    bo = jax.lax.cond(running[1] == 1, lambda c: _backward_slot(dev, c, row),
-                      lambda c: _no_backward(dev), carry)
+    bo = jax.lax.cond(
+        running[1] == 1, lambda c: _backward_slot(dev, c, row), lambda c: _no_backward(dev), carry
+    )
     carry = _add_input_grad(carry, row, bo.send_grad)
     if dev.zero_bubble:  # slot W
-        dw = jax.lax.cond(running[2] == 1, lambda c: _weight_slot(dev, c, row),
-                          lambda c: dev.param_zeros(), carry)
+        dw = jax.lax.cond(
+            running[2] == 1, lambda c: _weight_slot(dev, c, row), lambda c: dev.param_zeros(), carry
+        )
         carry = carry._replace(stage_grads=_add_to_chunk(carry.stage_grads, row.w_chunk, dw))
     else:
-        carry = carry._replace(
-            stage_grads=_add_to_chunk(carry.stage_grads, row.b_chunk, bo.dparams))
+        carry = carry._replace(stage_grads=_add_to_chunk(carry.stage_grads, row.b_chunk, bo.dparams))
     return _exchange(dev, carry, row, fo.send_act, bo.send_grad), None
 
 
@@ -645,6 +718,7 @@ def _reduce(dev: _Device, carry: _Carry):
     """The sums across devices, once, after the loop: (loss, (stage_grads, head_grads,
     input_grads), stats). Each microbatch's head and input gradient came from one stage (a psum
     over the pipe axis gathers them); with manual row axes every device summed its own rows."""
+
     # Summed in float32: a bfloat16 all-reduce here aborts XLA:CPU's AllReducePromotion pass
     # ("Invalid binary instruction opcode copy", jax 0.12.0.1) once data and tensor are > 1.
     def psum(x, axes):
@@ -664,9 +738,13 @@ def _device_loop(program: _Program, stage_params, head_params, inputs, targets, 
     dev = _Device.build(program, stage_params, head_params, inputs, targets, side)
     lowered = dev.lowered
     if program.schedule.stage_dependent:
-        carry, _ = jax.lax.scan(functools.partial(_stage_tick, dev), _initial_carry(dev),
-                                jnp.asarray(lowered.table))
+        carry, _ = jax.lax.scan(
+            functools.partial(_stage_tick, dev), _initial_carry(dev), jnp.asarray(lowered.table)
+        )
     else:
-        carry, _ = jax.lax.scan(functools.partial(_uniform_tick, dev), _initial_carry(dev), (
-            jnp.asarray(lowered.table), jnp.asarray(lowered.running), jnp.asarray(lowered.heads)))
+        carry, _ = jax.lax.scan(
+            functools.partial(_uniform_tick, dev),
+            _initial_carry(dev),
+            (jnp.asarray(lowered.table), jnp.asarray(lowered.running), jnp.asarray(lowered.heads)),
+        )
     return _reduce(dev, carry)

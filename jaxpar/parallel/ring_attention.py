@@ -42,8 +42,10 @@ def _check_layout(seq_len, context, layout):
         raise ValueError(f"layout={layout!r} is unknown; use one of {sorted(LAYOUT_CHUNKS)}")
     pieces = LAYOUT_CHUNKS[layout] * context
     if seq_len % pieces:
-        raise ValueError(f"seq={seq_len} is not divisible by {pieces} (= {LAYOUT_CHUNKS[layout]} "
-                         f"x context={context}), as layout={layout!r} needs")
+        raise ValueError(
+            f"seq={seq_len} is not divisible by {pieces} (= {LAYOUT_CHUNKS[layout]} "
+            f"x context={context}), as layout={layout!r} needs"
+        )
 
 
 def layout_indices(seq_len: int, context: int, layout: str) -> np.ndarray:
@@ -79,7 +81,7 @@ def _permute(x, context, layout, axis, inverse):
     # The sequence is split over Explicit mesh axes: JAX types no reshape or slice of it that
     # moves tokens between devices, so gather it (all-gather), reorder, and split it again.
     mesh = jax.typeof(x).sharding.mesh
-    whole = P(*spec[:axis], None, *spec[axis + 1:])
+    whole = P(*spec[:axis], None, *spec[axis + 1 :])
     y = _zigzag(jax.sharding.reshard(x, NamedSharding(mesh, whole)), context, axis, inverse)
     return jax.sharding.reshard(y, NamedSharding(mesh, P(*spec)))
 
@@ -171,6 +173,7 @@ class _Ring:
     def run(self, kv, home, travel, accumulate):
         """At steps t = 0 .. c-1: ``home, travel = accumulate(kv, home, travel)`` with ``kv`` the
         (k, v, seg, pos) block of device i - t. ``travel`` moves with ``kv`` and one hop more."""
+
         def step(_, carry):
             kv, home, travel = carry
             home, travel = accumulate(kv, home, travel)
@@ -197,7 +200,7 @@ def _group(x, kv_heads):
 
 
 def _add(chunks, index, value):
-    return chunks[:index] + (chunks[index] + value,) + chunks[index + 1:]
+    return chunks[:index] + (chunks[index] + value,) + chunks[index + 1 :]
 
 
 def _forward_shard(ring, q, k, v, seg, pos):
@@ -215,12 +218,13 @@ def _forward_shard(ring, q, k, v, seg, pos):
         def update(a, b, acc):  # acc: (out, lse) so far, per query chunk
             mask = _mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal)
             block = _block_forward(q_chunks[a], k_chunks[b], v_chunks[b], mask, scale)
-            return acc[:a] + (_merge(*acc[a], *block),) + acc[a + 1:]
+            return acc[:a] + (_merge(*acc[a], *block),) + acc[a + 1 :]
 
         return ring.over_pairs(pos, kv[3], update, acc), travel
 
-    acc = tuple((jnp.zeros_like(x, jnp.float32), jnp.full_like(x[..., 0], -jnp.inf, jnp.float32))
-                for x in q_chunks)
+    acc = tuple(
+        (jnp.zeros_like(x, jnp.float32), jnp.full_like(x[..., 0], -jnp.inf, jnp.float32)) for x in q_chunks
+    )
     acc, _ = ring.run((k, v, seg, pos), acc, (), accumulate)
     out, lse = (jnp.concatenate(x, axis=1) for x in zip(*acc))
     return out.reshape(q.shape).astype(q.dtype), lse.reshape(q.shape[:3])
@@ -235,7 +239,8 @@ def _backward_shard(ring, q, k, v, seg, pos, out, lse, dout):
     scale, kv_heads = 1.0 / math.sqrt(q.shape[-1]), k.shape[2]
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     q_chunks, do_chunks, lse_chunks, delta_chunks = (
-        ring.split(_group(x, kv_heads)) for x in (q, dout, lse, delta))
+        ring.split(_group(x, kv_heads)) for x in (q, dout, lse, delta)
+    )
     q_segs, q_pos = ring.split(seg), ring.split(pos)
 
     def accumulate(kv, dq, dkv):
@@ -244,8 +249,15 @@ def _backward_shard(ring, q, k, v, seg, pos, out, lse, dout):
         def update(a, b, grads):  # grads: chunks of dq (stays home), dk and dv (travel)
             mask = _mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal)
             dq_ab, dk_ab, dv_ab = _block_backward(
-                q_chunks[a], k_chunks[b], v_chunks[b], mask, do_chunks[a], lse_chunks[a],
-                delta_chunks[a], scale)
+                q_chunks[a],
+                k_chunks[b],
+                v_chunks[b],
+                mask,
+                do_chunks[a],
+                lse_chunks[a],
+                delta_chunks[a],
+                scale,
+            )
             dq, dk, dv = grads
             return _add(dq, a, dq_ab), _add(dk, b, dk_ab), _add(dv, b, dv_ab)
 
@@ -253,8 +265,7 @@ def _backward_shard(ring, q, k, v, seg, pos, out, lse, dout):
         return dq, (dk, dv)
 
     zeros = lambda x: tuple(jnp.zeros_like(chunk, jnp.float32) for chunk in ring.split(x))
-    dq, dkv = ring.run((k, v, seg, pos), zeros(_group(q, kv_heads)), (zeros(k), zeros(v)),
-                       accumulate)
+    dq, dkv = ring.run((k, v, seg, pos), zeros(_group(q, kv_heads)), (zeros(k), zeros(v)), accumulate)
     dq, dk, dv = (jnp.concatenate(x, axis=1) for x in (dq, *dkv))
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -299,8 +310,9 @@ class _Specs:
 
 def _reshard(x, spec, mesh):
     """x moved to ``spec`` on the explicit mesh axes (shard_map moves auto axes itself)."""
-    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-                if kind == jax.sharding.AxisType.Explicit}
+    explicit = {
+        name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Explicit
+    }
     spec = P(*(dim if dim and set(_names(dim)) <= explicit else None for dim in spec))
     if P(*_explicit_spec(x)) == spec:
         return x
@@ -313,8 +325,16 @@ def _per_device(ring, fn, in_specs, out_specs):
     named in ``in_specs``; auto axes stay auto. Jitted (and cached) so that a call outside
     ``jax.jit`` compiles the ring once rather than running its body op by op."""
     manual = {name for spec in in_specs for dim in spec for name in _names(dim)}
-    return jax.jit(jax.shard_map(functools.partial(fn, ring), mesh=ring.mesh, in_specs=in_specs,
-                                 out_specs=out_specs, axis_names=manual, check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            functools.partial(fn, ring),
+            mesh=ring.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=manual,
+            check_vma=False,
+        )
+    )
 
 
 def _sharded(ring, fn, args, in_specs, out_specs):
@@ -337,8 +357,9 @@ def _forward_specs(specs, segment_ids):
 
 def _ring_forward(ring, specs, q, k, v, segment_ids, positions):
     args = (q, k, v, segment_ids, positions)
-    out, lse = _sharded(ring, _forward_shard, args, _forward_specs(specs, segment_ids),
-                        (specs.rows, specs.lse))
+    out, lse = _sharded(
+        ring, _forward_shard, args, _forward_specs(specs, segment_ids), (specs.rows, specs.lse)
+    )
     return out, (*args, out, lse)
 
 
@@ -359,8 +380,7 @@ def _resolve_mesh(mesh):
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
-            raise ValueError("ring attention needs a mesh: pass mesh=... or set one with "
-                             "jax.set_mesh(mesh)")
+            raise ValueError("ring attention needs a mesh: pass mesh=... or set one with jax.set_mesh(mesh)")
     return mesh
 
 
@@ -373,15 +393,18 @@ def _context(q, k, mesh, axis_name, layout):
         raise ValueError(f"heads={q.shape[2]} is not divisible by kv_heads={k.shape[2]}")
     q_heads, k_heads = (_explicit_spec(x)[2] for x in (q, k))  # explicit axes only
     if q_heads != k_heads:
-        raise ValueError(f"heads are sharded over {q_heads} but kv_heads over {k_heads}; on "
-                         "explicit mesh axes shard both alike (or use auto axes)")
+        raise ValueError(
+            f"heads are sharded over {q_heads} but kv_heads over {k_heads}; on "
+            "explicit mesh axes shard both alike (or use auto axes)"
+        )
     if axis_name in _names(_explicit_spec(q)[0]) + _names(q_heads):
         raise ValueError(f"q's batch or heads are sharded over the ring axis {axis_name!r}")
     return mesh.shape[axis_name]
 
 
-def ring_attention_permuted(q, k, v, *, mesh=None, axis_name="context", causal=True,
-                            layout="zigzag", segment_ids=None):
+def ring_attention_permuted(
+    q, k, v, *, mesh=None, axis_name="context", causal=True, layout="zigzag", segment_ids=None
+):
     """Ring attention on sequences already in ``layout`` order (see :func:`permute_to_layout`).
 
     q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim], kv_heads dividing
@@ -412,8 +435,9 @@ def ring_attention_permuted(q, k, v, *, mesh=None, axis_name="context", causal=T
     return _ring_attention(ring, specs, q, k, v, segment_ids.astype(jnp.int32), positions)
 
 
-def ring_attention(q, k, v, *, mesh=None, axis_name="context", causal=True, layout="zigzag",
-                   segment_ids=None):
+def ring_attention(
+    q, k, v, *, mesh=None, axis_name="context", causal=True, layout="zigzag", segment_ids=None
+):
     """Full softmax attention of q, k, v (and segment_ids), computed as a ring over ``axis_name``.
 
     Same arguments and result as :func:`ring_attention_permuted`, in ordinary sequence order:
@@ -425,7 +449,14 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="context", causal=True, layo
     to_layout = functools.partial(permute_to_layout, context=context, layout=layout)
     if segment_ids is not None:
         segment_ids = to_layout(segment_ids)
-    out = ring_attention_permuted(to_layout(q), to_layout(k), to_layout(v), mesh=mesh,
-                                  axis_name=axis_name, causal=causal, layout=layout,
-                                  segment_ids=segment_ids)
+    out = ring_attention_permuted(
+        to_layout(q),
+        to_layout(k),
+        to_layout(v),
+        mesh=mesh,
+        axis_name=axis_name,
+        causal=causal,
+        layout=layout,
+        segment_ids=segment_ids,
+    )
     return permute_from_layout(out, context=context, layout=layout)

@@ -101,8 +101,10 @@ class Schedule:
         """The slots that run, in execution order: `actions[n][stage]`, an Action or None. With
         stage-dependent control flow a tick is one slot: each stage's action, whatever its phase."""
         if self.stage_dependent:
-            merged = (tuple(next((row[s] for row in tick if row[s] is not None), None)
-                            for s in range(self.stages)) for tick in self.ticks)
+            merged = (
+                tuple(next((row[s] for row in tick if row[s] is not None), None) for s in range(self.stages))
+                for tick in self.ticks
+            )
             return tuple(row for row in merged if any(row))
         return tuple(row for tick in self.ticks for row in tick if any(row))
 
@@ -124,8 +126,15 @@ def textbook_bubble(kind: str, stages: int, microbatches: int, virtual_stages: i
 # ----------------------------------------------------------------------------- validation
 
 
-def validate_pipeline(kind: str, stages: int, microbatches: int, virtual_stages: int = 1,
-                      *, layers: int | None = None, batch: int | None = None) -> None:
+def validate_pipeline(
+    kind: str,
+    stages: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    *,
+    layers: int | None = None,
+    batch: int | None = None,
+) -> None:
     """Raise ValueError, naming the numbers, unless the pipeline layout is possible."""
     p, m, v = stages, microbatches, virtual_stages
     if kind not in SCHEDULES:
@@ -137,11 +146,12 @@ def validate_pipeline(kind: str, stages: int, microbatches: int, virtual_stages:
     if kind != Kind.INTERLEAVED and v != 1:
         raise ValueError(f"{kind} runs one chunk per stage; virtual_stages={v} needs 'interleaved'")
     if kind == Kind.INTERLEAVED and m % p:
-        raise ValueError(f"interleaved needs microbatches={m} divisible by stages={p}; "
-                         f"try microbatches={max(p, m - m % p)} or {m + p - m % p}")
+        raise ValueError(
+            f"interleaved needs microbatches={m} divisible by stages={p}; "
+            f"try microbatches={max(p, m - m % p)} or {m + p - m % p}"
+        )
     if layers is not None and layers % (p * v):
-        raise ValueError(f"layers={layers} is not divisible by "
-                         f"stages*virtual_stages={p}*{v}={p * v}")
+        raise ValueError(f"layers={layers} is not divisible by stages*virtual_stages={p}*{v}={p * v}")
     if batch is not None and batch % m:
         raise ValueError(f"batch={batch} does not split into microbatches={m} equal microbatches")
 
@@ -153,10 +163,12 @@ def _phase_order(p: int, m: int, v: int, phase: Phase) -> list[Action]:
     """The order in which a stage runs its m*v actions of one phase: microbatches in groups of p,
     every chunk of a group before the next group (Megatron-LM's interleaved order; with v=1
     simply 0..m-1); backward phases visit the chunks in reverse."""
+
     def order(k: int) -> Action:
         group, within = divmod(k, p * v)
         chunk = within // p
         return Action(phase, group * p + within % p, chunk if phase == F else v - 1 - chunk)
+
     return [order(k) for k in range(m * v)]
 
 
@@ -169,8 +181,9 @@ def stash_limit(kind: str, stages: int, virtual_stages: int = 1) -> int | None:
     return 2 * stages - 1 + (virtual_stages - 1) * stages
 
 
-def build_schedule(kind: str, stages: int, microbatches: int, virtual_stages: int = 1, *,
-                   stage_dependent: bool = False) -> Schedule:
+def build_schedule(
+    kind: str, stages: int, microbatches: int, virtual_stages: int = 1, *, stage_dependent: bool = False
+) -> Schedule:
     """Schedule `kind` ('gpipe', '1f1b', 'interleaved', 'zb') as ticks of slots of Actions.
 
     `stage_dependent` (zero-bubble only) builds the ZB-H1 table for stage-dependent control flow
@@ -181,8 +194,7 @@ def build_schedule(kind: str, stages: int, microbatches: int, virtual_stages: in
     kind = Kind(kind)
     if stage_dependent:
         if kind != Kind.ZERO_BUBBLE:
-            raise ValueError(f"stage-dependent control flow is built for 'zb' only, not "
-                             f"{kind.value!r}")
+            raise ValueError(f"stage-dependent control flow is built for 'zb' only, not {kind.value!r}")
         return _build_zb_h1(stages, microbatches)
     return _UniformBuilder(kind, stages, microbatches, virtual_stages).build()
 
@@ -216,19 +228,21 @@ class _UniformBuilder:
         """Whether stage s may run action a in slot k of tick t (`tick`: its slots so far)."""
         c, i = a.chunk * self.p + s, a.microbatch
         if a.phase == F:
-            return ((c == 0 or self._done(F, i, c - 1, (t, 0)))
-                    and (self.limit is None or self.stashed[s] < self.limit))
+            return (c == 0 or self._done(F, i, c - 1, (t, 0))) and (
+                self.limit is None or self.stashed[s] < self.limit
+            )
         if a.phase == B:
-            return (self._done(F, i, c, (t, k))
-                    and (c == self.last or self._done(B, i, c + 1, (t, 0)))
-                    and (self.kind != Kind.GPIPE or self.cursor[F][s] == self.n))
+            return (
+                self._done(F, i, c, (t, k))
+                and (c == self.last or self._done(B, i, c + 1, (t, 0)))
+                and (self.kind != Kind.GPIPE or self.cursor[F][s] == self.n)
+            )
         return self._done(B, i, c, (t, k)) and tick[1][0] is not None  # W: with stage 0's B
 
     def _slot(self, t: int, k: int, phase: Phase, tick: list) -> tuple[Action | None, ...]:
         row = []
         for s in range(self.p):
-            a = (self.queues[phase][self.cursor[phase][s]]
-                 if self.cursor[phase][s] < self.n else None)
+            a = self.queues[phase][self.cursor[phase][s]] if self.cursor[phase][s] < self.n else None
             row.append(a if a is not None and self._ready(a, s, t, k, tick) else None)
         for s, a in enumerate(row):
             if a is not None:
@@ -303,8 +317,9 @@ def _build_zb_h1(p: int, m: int) -> Schedule:
                 nxt[a.phase][s] += 1
                 stashed[s] += _STASH_CHANGE[a.phase]
                 previous[s] = a.phase
-        ticks.append(tuple(tuple(a if a is not None and a.phase == phase else None for a in row)
-                           for phase in Phase))
+        ticks.append(
+            tuple(tuple(a if a is not None and a.phase == phase else None for a in row) for phase in Phase)
+        )
     return Schedule(Kind.ZERO_BUBBLE, p, m, 1, (F, B, W), tuple(ticks), stage_dependent=True)
 
 
@@ -323,8 +338,9 @@ def row_axes_for(model_cfg, zero_stage: int) -> tuple[str, ...]:
     return ("data", "fsdp") if zero_stage <= 1 else ("data",)
 
 
-def collective_free(sizes: dict[str, int], axis_name: str = "pipe",
-                    row_axes: tuple[str, ...] = ("data",)) -> bool:
+def collective_free(
+    sizes: dict[str, int], axis_name: str = "pipe", row_axes: tuple[str, ...] = ("data",)
+) -> bool:
     """Whether a chunk's forward and backward run without collectives on a mesh of these axis
     sizes: every axis but `axis_name` and the row axes (`row_axes_for`) has size 1.
 
@@ -339,15 +355,22 @@ def collective_free(sizes: dict[str, int], axis_name: str = "pipe",
     return all(size == 1 for name, size in sizes.items() if name not in (axis_name, *row_axes))
 
 
-def schedule_for_mesh(schedule: Schedule, sizes: dict[str, int], axis_name: str = "pipe", *,
-                      row_axes: tuple[str, ...] = ("data",)) -> Schedule:
+def schedule_for_mesh(
+    schedule: Schedule,
+    sizes: dict[str, int],
+    axis_name: str = "pipe",
+    *,
+    row_axes: tuple[str, ...] = ("data",),
+) -> Schedule:
     """The schedule the runtime executes on a mesh of these axis sizes, with these row axes
     (`row_axes_for`): zero-bubble becomes the stage-dependent ZB-H1 table where the chunk is
     collective-free (`collective_free`); every other schedule and layout runs as built."""
-    if (schedule.kind == Kind.ZERO_BUBBLE and not schedule.stage_dependent
-            and collective_free(sizes, axis_name, row_axes)):
-        return build_schedule(Kind.ZERO_BUBBLE, schedule.stages, schedule.microbatches,
-                              stage_dependent=True)
+    if (
+        schedule.kind == Kind.ZERO_BUBBLE
+        and not schedule.stage_dependent
+        and collective_free(sizes, axis_name, row_axes)
+    ):
+        return build_schedule(Kind.ZERO_BUBBLE, schedule.stages, schedule.microbatches, stage_dependent=True)
     return schedule
 
 
@@ -360,10 +383,13 @@ def tick_costs(schedule: Schedule) -> list[int]:
     each stage's own action, so it lasts the dearest one."""
     cost = phase_costs(schedule.kind)
     if schedule.stage_dependent:
-        return [max((cost[a.phase] for row in tick for a in row if a is not None), default=0)
-                for tick in schedule.ticks]
-    return [sum(cost[phase] for phase, row in zip(schedule.slots, tick) if any(row))
-            for tick in schedule.ticks]
+        return [
+            max((cost[a.phase] for row in tick for a in row if a is not None), default=0)
+            for tick in schedule.ticks
+        ]
+    return [
+        sum(cost[phase] for phase, row in zip(schedule.slots, tick) if any(row)) for tick in schedule.ticks
+    ]
 
 
 def bubble_fraction(schedule: Schedule) -> float:
@@ -396,8 +422,11 @@ def _timeline_cells(schedule: Schedule, s: int, width: int) -> list[str]:
         if schedule.stage_dependent:
             a = next((row[s] for row in tick if row[s] is not None), None)
             length = 0 if a is None else costs[a.phase]
-            cells += [_label(schedule, a).ljust(width)] + ["=" * width] * (length - 1) + (
-                ["." * width] * (tick_cost - max(length, 1)))
+            cells += (
+                [_label(schedule, a).ljust(width)]
+                + ["=" * width] * (length - 1)
+                + (["." * width] * (tick_cost - max(length, 1)))
+            )
             continue
         for phase, row in zip(schedule.slots, tick):
             if any(row):
@@ -410,8 +439,11 @@ def _timeline_cells(schedule: Schedule, s: int, width: int) -> list[str]:
 
 
 def _label(schedule: Schedule, a: Action | None) -> str:
-    return "." if a is None else f"{a.phase}{a.microbatch}" + (
-        f".{a.chunk}" if schedule.virtual_stages > 1 else "")
+    return (
+        "."
+        if a is None
+        else f"{a.phase}{a.microbatch}" + (f".{a.chunk}" if schedule.virtual_stages > 1 else "")
+    )
 
 
 def format_schedule(schedule: Schedule) -> str:
@@ -421,15 +453,19 @@ def format_schedule(schedule: Schedule) -> str:
     stage-dependent control flow a tick is one column (each stage's own action) followed by the
     exchange, so no '|' is drawn."""
     width = max(len(_label(schedule, a)) for tick in schedule.ticks for row in tick for a in row)
-    lines = [(f"stage {s} | " + " ".join(_timeline_cells(schedule, s, width))).rstrip()
-             for s in range(schedule.stages)]
+    lines = [
+        (f"stage {s} | " + " ".join(_timeline_cells(schedule, s, width))).rstrip()
+        for s in range(schedule.stages)
+    ]
     costs = phase_costs(schedule.kind)
     cost_text = " ".join(f"{phase}={costs[phase]}" for phase in schedule.slots)
     flow = "stage-dependent" if schedule.stage_dependent else "uniform"
-    lines.append(f"bubble {bubble_fraction(schedule):.4f} (idle / stages x time, {cost_text}; "
-                 f"{schedule.kind}, stages={schedule.stages}, microbatches={schedule.microbatches}, "
-                 f"virtual_stages={schedule.virtual_stages}, {flow} control flow; "
-                 f"time {schedule_time(schedule)}, {len(schedule.ticks)} ticks)")
+    lines.append(
+        f"bubble {bubble_fraction(schedule):.4f} (idle / stages x time, {cost_text}; "
+        f"{schedule.kind}, stages={schedule.stages}, microbatches={schedule.microbatches}, "
+        f"virtual_stages={schedule.virtual_stages}, {flow} control flow; "
+        f"time {schedule_time(schedule)}, {len(schedule.ticks)} ticks)"
+    )
     return "\n".join(lines)
 
 
@@ -439,15 +475,22 @@ def describe_schedule(schedule: Schedule) -> dict[str, Any]:
     "stage-dependent"), time, ticks, buffer slots and the timeline."""
     lowered = lower_schedule(schedule)
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
-    return {"schedule": schedule.kind.value, "stages": p, "microbatches": m, "virtual_stages": v,
-            "costs": {phase.value: cost for phase, cost in phase_costs(schedule.kind).items()},
-            "bubble": bubble_fraction(schedule),
-            "textbook_bubble": textbook_bubble(schedule.kind, p, m, v),
-            "control_flow": "stage-dependent" if schedule.stage_dependent else "uniform",
-            "time": schedule_time(schedule), "ticks": len(schedule.ticks),
-            "stash_slots": lowered.stash_slots, "activation_slots": lowered.activation_slots,
-            "gradient_slots": lowered.gradient_slots,
-            "timeline": format_schedule(schedule).splitlines()}
+    return {
+        "schedule": schedule.kind.value,
+        "stages": p,
+        "microbatches": m,
+        "virtual_stages": v,
+        "costs": {phase.value: cost for phase, cost in phase_costs(schedule.kind).items()},
+        "bubble": bubble_fraction(schedule),
+        "textbook_bubble": textbook_bubble(schedule.kind, p, m, v),
+        "control_flow": "stage-dependent" if schedule.stage_dependent else "uniform",
+        "time": schedule_time(schedule),
+        "ticks": len(schedule.ticks),
+        "stash_slots": lowered.stash_slots,
+        "activation_slots": lowered.activation_slots,
+        "gradient_slots": lowered.gradient_slots,
+        "timeline": format_schedule(schedule).splitlines(),
+    }
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -525,15 +568,14 @@ class Lowered(NamedTuple):
     gradient_slots: int
 
 
-def _allocate(lifetimes: dict[Any, tuple[tuple[int, int], tuple[int, int]]]
-              ) -> tuple[dict[Any, int], int]:
+def _allocate(lifetimes: dict[Any, tuple[tuple[int, int], tuple[int, int]]]) -> tuple[dict[Any, int], int]:
     """Slots for values written at (tick, position) w and last read at r > w, greedily; a slot is
     free again for a write strictly after its last read."""
     busy_until: list[tuple[int, int]] = []
     slot_of = {}
     for key, (w, r) in sorted(lifetimes.items(), key=lambda kv: kv[1]):
         slot = next((k for k, until in enumerate(busy_until) if until < w), len(busy_until))
-        busy_until[slot:slot + 1] = [r]
+        busy_until[slot : slot + 1] = [r]
         slot_of[key] = slot
     return slot_of, len(busy_until)
 
@@ -557,9 +599,13 @@ def _buffer_slots(schedule: Schedule) -> _Slots:
     backward, read by B and W)."""
     p, v = schedule.stages, schedule.virtual_stages
     last = p * v - 1
-    when = {(a.phase, a.microbatch, a.chunk * p + s): t
-            for t, tick in enumerate(schedule.ticks) for row in tick
-            for s, a in enumerate(row) if a is not None}
+    when = {
+        (a.phase, a.microbatch, a.chunk * p + s): t
+        for t, tick in enumerate(schedule.ticks)
+        for row in tick
+        for s, a in enumerate(row)
+        if a is not None
+    }
     freed_by = W if W in schedule.slots else B  # the stash's and the cotangent's last reader
     acts, stash, grads = ([{} for _ in range(p)] for _ in range(3))
     for (phase, i, c), t in when.items():
@@ -576,8 +622,9 @@ def _buffer_slots(schedule: Schedule) -> _Slots:
     return _Slots(act, stash_slot, grad, n_act, n_stash, n_grad)
 
 
-def _lower_action(rows: list[list[Row]], t: int, s: int, a: Action, schedule: Schedule,
-                  slots: _Slots) -> None:
+def _lower_action(
+    rows: list[list[Row]], t: int, s: int, a: Action, schedule: Schedule, slots: _Slots
+) -> None:
     """Write action `a` of stage s in tick t into its row, and into the rows of the stage its
     exchange sends to, where the arriving value is stored."""
     p = schedule.stages
@@ -603,17 +650,25 @@ def _lower_action(rows: list[list[Row]], t: int, s: int, a: Action, schedule: Sc
         row.w_on, row.w_chunk = 1, a.chunk
         row.w_stash_slot, row.w_grad_slot = slots.stash[s][i, c], slots.grad[s][i, c]
     if schedule.stage_dependent:  # the one action of this row
-        row.work = {F: Work.FORWARD_AND_HEAD if c == last else Work.FORWARD,
-                    B: Work.INPUT_GRADIENT, W: Work.WEIGHT_GRADIENT}[a.phase]
+        row.work = {
+            F: Work.FORWARD_AND_HEAD if c == last else Work.FORWARD,
+            B: Work.INPUT_GRADIENT,
+            W: Work.WEIGHT_GRADIENT,
+        }[a.phase]
 
 
 def lower_schedule(schedule: Schedule) -> Lowered:
     """Turn a Schedule into the int tables the shard_map scans over, with buffer slots assigned."""
     p, slots = schedule.stages, _buffer_slots(schedule)
     # Reads and writes that mean nothing go to the scratch slots (one past the last).
-    scratch = dict(f_act_slot=slots.n_act, f_grad_slot=slots.n_grad, b_grad_slot=slots.n_grad,
-                   w_grad_slot=slots.n_grad, recv_act_slot=slots.n_act,
-                   recv_grad_slot=slots.n_grad)
+    scratch = dict(
+        f_act_slot=slots.n_act,
+        f_grad_slot=slots.n_grad,
+        b_grad_slot=slots.n_grad,
+        w_grad_slot=slots.n_grad,
+        recv_act_slot=slots.n_act,
+        recv_grad_slot=slots.n_grad,
+    )
     rows = [[Row(**scratch) for _ in range(p)] for _ in schedule.ticks]
     running = np.zeros((len(schedule.ticks), len(schedule.slots)), np.int32)
     heads = np.zeros((len(schedule.ticks),), np.int32)
@@ -626,6 +681,7 @@ def lower_schedule(schedule: Schedule) -> Lowered:
                     _lower_action(rows, t, s, a, schedule, slots)
                     if a.phase == F and a.chunk * p + s == last:
                         heads[t] = 1
-    table = np.array([[dataclasses.astuple(row) for row in tick_rows] for tick_rows in rows],
-                     np.int32).reshape(len(schedule.ticks), p, len(FIELDS))
+    table = np.array(
+        [[dataclasses.astuple(row) for row in tick_rows] for tick_rows in rows], np.int32
+    ).reshape(len(schedule.ticks), p, len(FIELDS))
     return Lowered(table, running, heads, slots.n_act, slots.n_stash, slots.n_grad)
