@@ -71,6 +71,7 @@ class ConfigError(ValueError):
 class MoEConfig:
     num_experts: int = 0  # 0 = dense model (no MoE layers)
     top_k: int = 2  # experts per token
+    norm_topk: bool = True  # top_k > 1: the chosen experts' probs renormalised to sum 1 (Mixtral)
     every: int = 1  # an MoE MLP every n-th block (1 = all blocks), dense MLP elsewhere
     capacity_factor: float | None = None  # None = dropless; else slots = cf * tokens * top_k / E
     shared_experts: int = 0  # always-on experts (DeepSeek style), added to the routed output
@@ -114,6 +115,8 @@ class ModelConfig:
     init_std: float = 0.02  # weights ~ N(0, init_std^2); output projections / sqrt(2 * n_layers)
     tie_embeddings: bool = False  # output head shares the embedding table
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    head_dim: int | None = None  # one attention head's width; None = d_model / n_heads
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotation (Qwen3)
     dtype: Dtype = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
     param_dtype: Dtype = "float32"  # parameters and optimizer state
     fp8: bool = (
@@ -126,9 +129,10 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (off by default)
 
     @property
-    def head_dim(self) -> int:
-        """The width of one attention head, d_model / n_heads: every use reads it here."""
-        return self.d_model // self.n_heads
+    def head_width(self) -> int:
+        """The width of one attention head, model.head_dim or else d_model / n_heads: every use
+        reads it here."""
+        return self.head_dim or self.d_model // self.n_heads
 
 
 @dataclass
@@ -977,12 +981,13 @@ def _validate_model(cfg: Config) -> None:
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
             f"try n_kv_heads in {_divisors(m.n_heads)}"
         )
-    _require_divides("model.n_heads", m.n_heads, "model.d_model", m.d_model)
-    if m.head_dim % 2:
-        raise ConfigError(
-            f"model.d_model/model.n_heads = {m.head_dim} is odd; rotary embeddings "
-            "need an even head dimension"
-        )
+    if m.head_dim is None:
+        _require_divides("model.n_heads", m.n_heads, "model.d_model", m.d_model)
+    elif m.head_dim < 2:
+        raise ConfigError(f"model.head_dim={m.head_dim}: must be at least 2 (or null: d_model / n_heads)")
+    if m.head_width % 2:
+        what = "model.head_dim" if m.head_dim else "model.d_model/model.n_heads"
+        raise ConfigError(f"{what} = {m.head_width} is odd; rotary embeddings need an even head dimension")
     rs = m.rope_scaling
     if rs.type == "llama3" and not (
         rs.factor >= 1 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_len >= 1

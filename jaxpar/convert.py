@@ -12,15 +12,15 @@ end-of-document token). Parameters keep the checkpoint's dtype (config.json's `d
 `torch_dtype`: float32, bfloat16 or float16), so `to-hf` gives back the same bytes. `to-hf` is
 `python -m jaxpar.export` (which stays as an alias).
 
-What converts: `LlamaForCausalLM` (Llama 2, 3, 3.1, 3.2, TinyLlama), `MistralForCausalLM` and
-`Qwen2ForCausalLM` (biases on q/k/v: model.qkv_bias), with grouped-query attention, tied or untied
-embeddings, rotary scaling none or `llama3`. Everything else is refused by name with exit 2 and
-nothing written: another architecture, a sliding window that would cut attention short, another
-rope scaling, biases jaxpar lacks, a head_dim other than hidden_size / num_attention_heads, an
-activation other than silu. The family is `jaxpar.models.llama_hf`: config.json both ways and
-one table of tensors, which `to-hf` writes with as well. The checkpoint is checked before anything is
-written: every tensor the config implies present with its shape, nothing unknown, every byte inside its
-file; and as it is read, every value finite (a NaN or infinity names the tensor, and the output is removed).
+What converts: the families of `jaxpar.models.families`, one file each (config.json both ways
+and one table of tensors, which `to-hf` writes with as well): Llama (`LlamaForCausalLM`: Llama 2,
+3, 3.1, 3.2, TinyLlama; `MistralForCausalLM`; `Qwen2ForCausalLM`), Qwen3, Mixtral and Qwen3-MoE.
+What a family cannot represent is refused by name with exit 2 and nothing written: another
+architecture, a sliding window that would cut attention short, another rope scaling, biases
+jaxpar lacks, an activation other than silu, and what each family file lists. The checkpoint is
+checked before anything is written: every tensor the config implies present with its shape,
+nothing unknown, every byte inside its file; and as it is read, every value finite (a NaN or
+infinity names the tensor, and the output is removed).
 
 Loading is sharded, one tensor at a time. `load_hf_params` places each parameter with
 `jax.make_array_from_callback` onto its sharding on the target mesh; for each device's shard the
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -50,7 +51,8 @@ import numpy as np
 from jaxpar import cli
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, ModelConfig
-from jaxpar.models import llama_hf
+from jaxpar.models import families
+from jaxpar.models.families import common as family_common
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors some checkpoints carry that hold no weights: old Llama-2 conversions store RoPE's
@@ -70,8 +72,11 @@ ARCHITECTURE_KEYS = (
     "norm_eps",
     "tie_embeddings",
     "qkv_bias",
-    "moe",
+    "head_dim",
+    "qk_norm",
 )
+# model.moe.* of the weights' shape and routing; the layer's training settings stay the user's.
+MOE_ARCHITECTURE_KEYS = ("num_experts", "top_k", "every", "d_ff", "norm_topk", "shared_experts")
 
 
 def _np_dtype(name: str):
@@ -99,7 +104,7 @@ def read_hf_config(hf_dir: str) -> dict:
 
 def hf_model_config(hf_dir: str) -> ModelConfig:
     """The ModelConfig of a Hugging Face model directory (its config.json)."""
-    settings = llama_hf.settings_from_hf(read_hf_config(hf_dir), os.path.join(hf_dir, "config.json"))
+    settings = families.settings_from_hf(read_hf_config(hf_dir), os.path.join(hf_dir, "config.json"))
     return config_lib.build_config({"model": settings}).model
 
 
@@ -108,11 +113,9 @@ def hf_model_config(hf_dir: str) -> ModelConfig:
 
 def expected_tensors(m: ModelConfig) -> dict[str, tuple]:
     """Every Hugging Face tensor name the model has -> its shape."""
-    out = {}
-    for t in llama_hf.tensor_table(m).values():
-        for layer in range(m.n_layers) if t.stacked else [None]:
-            out[t.hf_name.format(l=layer)] = t.hf_shape
-    return out
+    return {
+        name: t.hf_shape for t in families.tensor_table(m).values() for _, _, name in t.instances(m.n_layers)
+    }
 
 
 # --- safetensors files -------------------------------------------------------------------------
@@ -224,7 +227,7 @@ def check_tensors(tensors: dict[str, TensorInfo], m: ModelConfig, hf_dir: str) -
         )
         if not known:
             raise ConfigError(
-                f"{info.file}: tensor {name} is not part of a {'/'.join(llama_hf.ARCHITECTURES)}"
+                f"{info.file}: tensor {name} is not part of a {'/'.join(families.ARCHITECTURES)}"
                 " jaxpar can represent; refusing an approximate conversion"
             )
 
@@ -297,6 +300,25 @@ def _unflat(flat: dict) -> dict:
     return tree
 
 
+def _shard_reader(t, readers: dict, shape: tuple):
+    """shard(idx) of jaxpar's array of `shape` for `t`: the stacked axes (scan units, experts)
+    pick Hugging Face tensors, the rest is read from each by the tensor's layout."""
+    stacked = t.stacked_axes
+
+    def shard(idx):
+        ranges = [range(*family_common.span(i, n)) for i, n in zip(idx[:stacked], shape[:stacked])]
+        blocks = {
+            index: t.layout.read(readers[index], idx[stacked:], shape[stacked:])
+            for index in itertools.product(*ranges)
+        }
+        if not stacked:
+            return np.ascontiguousarray(blocks[()])
+        out = np.stack([blocks[index] for index in itertools.product(*ranges)])
+        return out.reshape(*(len(r) for r in ranges), *out.shape[1:])
+
+    return shard
+
+
 def load_hf_params(
     hf_dir: str, m: ModelConfig, shapes: dict, shardings: dict, tensors: dict[str, TensorInfo] | None = None
 ) -> dict:
@@ -307,32 +329,22 @@ def load_hf_params(
 
     tensors = tensors if tensors is not None else checkpoint_tensors(hf_dir)
     check_tensors(tensors, m, hf_dir)
-    table = llama_hf.tensor_table(m)
+    table = families.tensor_table(m)
     flat_shapes, flat_shardings = _flat(shapes), _flat(shardings)
     if set(flat_shapes) != set(table):
         raise ConfigError(
             f"the model's parameters {sorted(flat_shapes)} do not match the conversion table {sorted(table)}"
         )
     out = {}
-    for path, (name, stacked, layout, _) in table.items():
+    for path, t in table.items():
         like = flat_shapes[path]
         dtype = _np_dtype(np.dtype(like.dtype).name)
-        if stacked:
-            readers = [
-                _rows_reader(tensors[name.format(l=layer)], dtype, name.format(l=layer))
-                for layer in range(m.n_layers)
-            ]
-
-            def shard(idx, readers=readers, read=layout.read, shape=like.shape[1:]):
-                first, last = llama_hf.span(idx[0], len(readers))
-                return np.stack([read(readers[layer], idx[1:], shape) for layer in range(first, last)])
-        else:
-            reader = _rows_reader(tensors[name], dtype, name)
-
-            def shard(idx, reader=reader, read=layout.read, shape=like.shape):
-                return np.ascontiguousarray(read(reader, idx, shape))
-
-        out[path] = jax.make_array_from_callback(like.shape, flat_shardings[path], shard)
+        readers = {
+            index: _rows_reader(tensors[name], dtype, name) for index, _, name in t.instances(m.n_layers)
+        }
+        out[path] = jax.make_array_from_callback(
+            like.shape, flat_shardings[path], _shard_reader(t, readers, like.shape)
+        )
     return _unflat(out)
 
 
@@ -370,21 +382,31 @@ def _set_value(value):
 
 
 def merge_model(source: ModelConfig, user: ModelConfig, user_keys: dict, where: str) -> ModelConfig:
-    """`user`'s model settings with the architecture (ARCHITECTURE_KEYS) and max_seq_len of
-    `source`; a setting the user gave for an architecture key that disagrees is refused."""
+    """`user`'s model settings with the architecture (ARCHITECTURE_KEYS, MOE_ARCHITECTURE_KEYS)
+    and max_seq_len of `source`; a setting the user gave for an architecture key that disagrees
+    is refused. The MoE layer's training settings (capacity, losses, dispatch) stay the user's."""
+    changes = _architecture(source, user, user_keys, ARCHITECTURE_KEYS, "model.", where)
+    user_moe = user_keys.get("moe") if isinstance(user_keys.get("moe"), dict) else {}
+    moe = _architecture(source.moe, user.moe, user_moe, MOE_ARCHITECTURE_KEYS, "model.moe.", where)
+    changes["moe"] = dataclasses.replace(user.moe, **moe)
+    if "max_seq_len" not in user_keys:
+        changes["max_seq_len"] = source.max_seq_len
+    return dataclasses.replace(user, **changes)
+
+
+def _architecture(source, user, user_keys: dict, keys: tuple, prefix: str, where: str) -> dict:
+    """{key: source's value} for `keys`, refusing a user-given value that disagrees."""
     changes = {}
-    for key in ARCHITECTURE_KEYS:
+    for key in keys:
         theirs, mine = getattr(source, key), getattr(user, key)
         if key in user_keys and theirs != mine:
             shown = dataclasses.asdict(theirs) if dataclasses.is_dataclass(theirs) else theirs
             raise ConfigError(
-                f"model.{key}={_set_value(user_keys[key])!r}, but {where} has "
-                f"model.{key}={shown!r}; leave it unset (the weights decide it)"
+                f"{prefix}{key}={_set_value(user_keys[key])!r}, but {where} has "
+                f"{prefix}{key}={shown!r}; leave it unset (the weights decide it)"
             )
         changes[key] = theirs
-    if "max_seq_len" not in user_keys:
-        changes["max_seq_len"] = source.max_seq_len
-    return dataclasses.replace(user, **changes)
+    return changes
 
 
 def _tokenizer_files(hf_dir: str) -> list[str]:

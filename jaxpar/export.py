@@ -1,16 +1,18 @@
 """`python -m jaxpar.export RUN_DIR --out DIR [--max-shard-bytes N] [--step N]`: a run's newest
-intact checkpoint as a Hugging Face Llama checkpoint (safetensors + config.json). The same command
+intact checkpoint as a Hugging Face checkpoint of its family (safetensors + config.json). The same command
 is `python -m jaxpar.convert to-hf` (jaxpar.convert also imports: from-hf).
 
 The params are restored alone (not the optimizer state) onto one CPU device, renamed and laid out
-as `LlamaForCausalLM` expects (`jaxpar.models.llama_hf`, the table import reads with too): our
+as its family's `*ForCausalLM` expects (`jaxpar.models.families`, the table import reads with too): our
 einsum weights [in, ..., out] become torch `Linear` weights [out, in] (reshape, then transpose),
 and the stacked [layers, ...] arrays are split into one tensor per layer. Tensors keep the parameter dtype
 (model.param_dtype, float32 by default). The files follow `save_pretrained`: one
 `model.safetensors` when everything fits in `--max-shard-bytes`, otherwise
 `model-00001-of-0000N.safetensors` ... plus `model.safetensors.index.json` (the weight map).
-Mixture-of-experts models have no Llama counterpart and are refused. A model with q/k/v biases
-(model.qkv_bias) is written as `Qwen2ForCausalLM`, any other as `LlamaForCausalLM`; rotary scaling
+The family that writes the model decides the architecture (`jaxpar.models.families.family_of_model`):
+q/k/v biases `Qwen2ForCausalLM`, per-head q/k norms `Qwen3ForCausalLM`, MoE in every block
+`MixtralForCausalLM`, MoE with q/k norms `Qwen3MoeForCausalLM`, any other `LlamaForCausalLM`; a
+model no family writes (shared experts, say) is refused by name. Rotary scaling
 (model.rope_scaling) goes into config.json's rope_scaling.
 
 The tokenizer goes along: the run's tokenizer.json (and the tokenizer_config.json beside it, if
@@ -32,29 +34,25 @@ import numpy as np
 
 from jaxpar import cli
 from jaxpar.config import ConfigError, ModelConfig, check_writable_dir
-from jaxpar.models import llama_hf
+from jaxpar.models import families
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default "5GB"
 
 
 def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """jaxpar params (nested dict of arrays, as in the train state) -> {Hugging Face Llama name:
-    numpy array}, in the order `LlamaForCausalLM.state_dict()` lists them, through the tensor
-    table import reads with (`jaxpar.models.llama_hf.tensor_table`).
+    """jaxpar params (nested dict of arrays, as in the train state) -> {Hugging Face name: numpy
+    array}, through the tensor table import reads with, of the family that writes the model
+    (`jaxpar.models.families`; a ConfigError when none does).
 
     q/k/v_proj.weight: wq [E, N, H] -> [N*H, E]; o_proj.weight: wo [N, H, E] -> [E, N*H];
     gate/up_proj.weight: [E, F] -> [F, E]; down_proj.weight: [F, E] -> [E, F];
     lm_head.weight: [E, V] -> [V, E], absent when model.tie_embeddings (HF ties it to the
     embedding). Norm scales and the embedding [V, E] are copied as they are; with
-    model.qkv_bias, q/k/v_proj.bias: [N, H] -> [N*H].
+    model.qkv_bias, q/k/v_proj.bias: [N, H] -> [N*H]. MoE: the router [E, X] -> [X, E], and
+    each expert's matrices as their own tensors, transposed like the dense MLP's.
     """
-    if model_cfg.moe.num_experts:
-        raise ConfigError(
-            "model.moe.num_experts > 0: a mixture-of-experts model has no Hugging "
-            "Face Llama counterpart; only dense models can be exported"
-        )
     flat = {key: _to_numpy(value) for key, value in _flatten(params).items()}
-    return llama_hf.hf_tensors(flat, model_cfg)
+    return families.hf_tensors(flat, model_cfg)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -209,7 +207,7 @@ def export(
     eod_id = write_tokenizer(cfg, out)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(
-            {**llama_hf.hf_config(cfg.model), **({} if eod_id is None else {"eos_token_id": eod_id})},
+            {**families.hf_config(cfg.model), **({} if eod_id is None else {"eos_token_id": eod_id})},
             f,
             indent=2,
         )

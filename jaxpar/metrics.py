@@ -33,7 +33,8 @@ PEAK_BF16_FLOPS = {
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
+    # Attention's scores and weighted sum: 12 x layers x (query heads x head width) x seq.
+    return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_width * seq_len
 
 
 def peak_flops(device: jax.Device) -> float | None:

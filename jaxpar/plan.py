@@ -174,7 +174,7 @@ def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | 
     """(name, shape, logical names) of every parameter of `jaxpar.models.llama.Transformer`,
     stacked blocks with their leading `layers` axis (tests/test_plan.py checks it against the
     model itself)."""
-    e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_width
     f, v = m.d_ff, m.vocab_size
     moe = m.moe
     units = scan_length(m)  # the stacked blocks' leading axis: blocks, or groups of moe.every
@@ -390,7 +390,7 @@ def shape_for(cfg: Config, sizes: dict[str, int], rows: int) -> Shape:
         between=between,
         heads=m.n_heads // tensor,
         kv_heads=m.n_kv_heads // tensor,
-        head_dim=m.head_dim,
+        head_dim=m.head_width,
         d_ff=m.d_ff // tensor,
         vocab=m.vocab_size // tensor,
     )
@@ -673,7 +673,7 @@ def _model_parallel_times(
     per_layer = 4 + (2 if p.remat == "full" else 0)
     comm["tensor"] = layers * per_layer * ring(act, tensor, "all-reduce") / bandwidth(("tensor",))
     # context: K and V blocks go c - 1 hops forward; K, V, dK, dV backward.
-    kv = (t.batch_size // dp) * (t.seq_len // context) * 2 * (m.n_kv_heads // tensor) * m.head_dim * a
+    kv = (t.batch_size // dp) * (t.seq_len // context) * 2 * (m.n_kv_heads // tensor) * m.head_width * a
     ring_time = layers * (context - 1) * 3 * kv / bandwidth(("context",)) if is_ring(sizes) else 0.0
     comm["context"] = max(0.0, ring_time - attention_s)
     # expert: two all-to-alls of the routed tokens per MoE layer forward, two backward.

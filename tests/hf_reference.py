@@ -101,11 +101,48 @@ VARIANTS = {
         "<|endoftext|>",
         None,
     ),
+    # Qwen3: per-head q/k norms, heads wider than hidden_size / heads (24 > 16), GQA; float32.
+    "qwen3-wide-heads": (
+        "Qwen3Config",
+        dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
+        "float32",
+        "<|endoftext|>",
+        None,
+    ),
+    # Mixtral: 4 experts, top-2, GQA, theta 1e6; one safetensors tensor per expert; float32.
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        "float32",
+        "<|endoftext|>",
+        None,
+    ),
+    # Qwen3-MoE: a dense layer then an MoE layer (decoder_sparse_step 2), experts narrower than
+    # the dense MLP, norm_topk_prob, heads narrower than hidden_size / heads (12 < 16); float32.
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            head_dim=12,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        "float32",
+        "<|endoftext|>",
+        None,
+    ),
 }
 MODELS = {
     "LlamaConfig": "LlamaForCausalLM",
     "MistralConfig": "MistralForCausalLM",
     "Qwen2Config": "Qwen2ForCausalLM",
+    "Qwen3Config": "Qwen3ForCausalLM",
+    "MixtralConfig": "MixtralForCausalLM",
+    "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
 }
 
 
@@ -152,7 +189,11 @@ def build(out: str) -> None:
         # The reference is the saved weights in float32 (what jaxpar reads, upcast).
         model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
         with torch.no_grad():
-            results[f"{name}/logits"] = model(torch.tensor(TOKENS)).logits.float().numpy()
+            moe = hasattr(config, "num_experts_per_tok")
+            output = model(torch.tensor(TOKENS), **({"output_router_logits": True} if moe else {}))
+            results[f"{name}/logits"] = output.logits.float().numpy()
+            if moe:  # each MoE layer's (token, choice) pairs per expert, as jaxpar's expert_load
+                results[f"{name}/expert_load"] = expert_load(output.router_logits, config)
             gen = model.generate(
                 torch.tensor([PROMPT]),
                 max_new_tokens=NEW_TOKENS,
@@ -168,6 +209,17 @@ def build(out: str) -> None:
         results[f"{name}/greedy"] = gen.sequences[0, len(PROMPT) :].numpy()
         results[f"{name}/margin"] = np.float32((top2[:, 0] - top2[:, 1]).min())
     np.savez(os.path.join(out, "reference.npz"), tokens=TOKENS, prompt=np.array(PROMPT), **results)
+
+
+def expert_load(router_logits, config) -> np.ndarray:
+    """[MoE layers, experts] int32: how many (token, choice) pairs each layer's router sends to
+    each expert (the top num_experts_per_tok of each token's logits)."""
+    experts = router_logits[0].shape[-1]
+    loads = []
+    for layer_logits in router_logits:
+        chosen = layer_logits.float().topk(config.num_experts_per_tok, dim=-1).indices.reshape(-1)
+        loads.append(np.bincount(chosen.numpy(), minlength=experts))
+    return np.stack(loads).astype(np.int32)
 
 
 def logits(out: str, pairs: list[str]) -> None:

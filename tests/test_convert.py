@@ -33,14 +33,33 @@ from jaxpar import config as config_lib
 from jaxpar import convert
 from jaxpar import export as export_lib
 from jaxpar import sharding as sharding_lib
-from jaxpar.models import Transformer
+from jaxpar.models import Transformer, families
 from jaxpar.sample import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")
 REFERENCE = os.path.join(ROOT, "tests", "hf_reference.py")
-VARIANTS = ["llama3-tied-scaled", "llama2-gqa-sharded", "mistral", "qwen2-bias-tied"]
+VARIANTS = [
+    "llama3-tied-scaled",
+    "llama2-gqa-sharded",
+    "mistral",
+    "qwen2-bias-tied",
+    "qwen3-wide-heads",
+    "mixtral",
+    "qwen3-moe",
+]
+MOE_VARIANTS = {"mixtral", "qwen3-moe"}
+EXPORTED_AS = {  # the class transformers loads a variant's export with (Mistral is written as Llama)
+    "llama3-tied-scaled": "LlamaForCausalLM",
+    "llama2-gqa-sharded": "LlamaForCausalLM",
+    "mistral": "LlamaForCausalLM",
+    "qwen2-bias-tied": "Qwen2ForCausalLM",
+    "qwen3-wide-heads": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3-moe": "Qwen3MoeForCausalLM",
+}
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+MOE_MESH = {"expert": 2, "fsdp": 2, "tensor": 2}  # the batch split over fsdp x expert = 4 rows
 ATOL = 1e-4
 
 
@@ -94,13 +113,14 @@ def _on_mesh(cfg, mesh: dict[str, int]):
 
 
 def _forward(cfg, layout):
+    """jit(params, tokens) -> (float32 logits, MoE statistics or {})."""
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]
 
     @jax.jit
     def logits(params, tokens):
         with layout.scope():
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-            return nnx.merge(graphdef, params)(tokens, positions, jnp.ones_like(tokens))[0]
+            return nnx.merge(graphdef, params)(tokens, positions, jnp.ones_like(tokens))
 
     return logits
 
@@ -113,18 +133,28 @@ def _max_diff(a, b) -> float:
 def test_logits_match_transformers_on_an_fsdp_x_tensor_mesh(hf, variant):
     root, ref = hf
     cfg = _config(root / variant)
-    layout, shapes, shardings = _on_mesh(cfg, MESH)
+    moe = variant in MOE_VARIANTS
+    layout, shapes, shardings = _on_mesh(cfg, MOE_MESH if moe else MESH)
     params = convert.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
-    wq = params["blocks"]["attn"]["wq"]
-    assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 16)  # [L, E/fsdp, N/tensor, H]
+    m = cfg.model
+    blocks = params["blocks"]
+    attn = blocks["attn"] if "attn" in blocks else next(iter(blocks["blocks"].values()))["attn"]
+    units = m.n_layers // (m.moe.every if moe else 1)
+    want_shard = (units, m.d_model // 2, m.n_heads // 2, m.head_width)  # [L, E/fsdp, N/tensor, H]
+    assert attn["wq"].sharding.shard_shape(attn["wq"].shape) == want_shard
     forward = _forward(cfg, layout)
     tokens = jnp.asarray(ref["tokens"], jnp.int32)
     want = ref[f"{variant}/logits"]
-    assert _max_diff(forward(params, tokens), want) <= ATOL
+    if moe:  # four rows for the four token devices: the reference's two, twice
+        got, stats = forward(params, jnp.concatenate([tokens, tokens]))
+        assert _max_diff(got, np.concatenate([want, want])) <= ATOL
+        # The same expert choices: each MoE layer's (token, choice) pairs per expert.
+        np.testing.assert_array_equal(stats["expert_load"], 2 * ref[f"{variant}/expert_load"])
+        return
+    assert _max_diff(forward(params, tokens)[0], want) <= ATOL
 
     # The same check catches what a wrong conversion would do.
-    attn = params["blocks"]["attn"]
-    n, h = cfg.model.n_heads, cfg.model.head_dim
+    n, h = m.n_heads, m.head_width
     interleave = np.concatenate([np.arange(0, h, 2), np.arange(1, h, 2)])  # rotate-half <-> pairs
     wrong = {
         "q/k in the interleaved rotary layout": {
@@ -135,22 +165,20 @@ def test_logits_match_transformers_on_an_fsdp_x_tensor_mesh(hf, variant):
             "wq": attn["wq"].reshape(*attn["wq"].shape[:2], h, n).swapaxes(-1, -2)
         },
     }
-    if cfg.model.qkv_bias:
+    if m.qkv_bias:
         wrong["q/k/v biases dropped"] = {b: jnp.zeros_like(attn[b]) for b in ("bq", "bk", "bv")}
+    if m.qk_norm:
+        wrong["q and k norms swapped"] = {"q_norm": attn["k_norm"], "k_norm": attn["q_norm"]}
     for what, change in wrong.items():
-        bad = {**params, "blocks": {**params["blocks"], "attn": {**attn, **change}}}
-        assert _max_diff(forward(bad, tokens), want) > 100 * ATOL, what
-    swapped = {
-        **params["blocks"],
-        "attn_norm": params["blocks"]["mlp_norm"],
-        "mlp_norm": params["blocks"]["attn_norm"],
-    }
-    assert _max_diff(forward({**params, "blocks": swapped}, tokens), want) > 100 * ATOL
-    if cfg.model.rope_scaling.type != "none":
+        bad = {**params, "blocks": {**blocks, "attn": {**attn, **change}}}
+        assert _max_diff(forward(bad, tokens)[0], want) > 100 * ATOL, what
+    swapped = {**blocks, "attn_norm": blocks["mlp_norm"], "mlp_norm": blocks["attn_norm"]}
+    assert _max_diff(forward({**params, "blocks": swapped}, tokens)[0], want) > 100 * ATOL
+    if m.rope_scaling.type != "none":
         plain = dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, rope_scaling=config_lib.RopeScalingConfig())
+            cfg, model=dataclasses.replace(m, rope_scaling=config_lib.RopeScalingConfig())
         )
-        assert _max_diff(_forward(plain, layout)(params, tokens), want) > 100 * ATOL
+        assert _max_diff(_forward(plain, layout)(params, tokens)[0], want) > 100 * ATOL
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -198,8 +226,7 @@ def test_round_trip_is_bit_identical_and_transformers_loads_the_export(hf, impor
     _hf("logits", str(tmp_path / "exported.npz"), *[f"{v}={imported / v / 'hf'}" for v in VARIANTS])
     exported = np.load(tmp_path / "exported.npz")
     for variant in VARIANTS:
-        want = "Qwen2ForCausalLM" if variant.startswith("qwen2") else "LlamaForCausalLM"
-        assert str(exported[f"{variant}/class"]) == want
+        assert str(exported[f"{variant}/class"]) == EXPORTED_AS[variant]
         assert _max_diff(exported[f"{variant}/logits"], ref[f"{variant}/logits"]) <= 1e-5, variant
 
 
@@ -351,6 +378,21 @@ BAD = {  # case -> (variant, how to break the copy, what the message must name)
         lambda d: _edit_json(d / "config.json", sliding_window=16),
         ["sliding_window=16 < max_position_embeddings=128"],
     ),
+    "mixtral top-1": (
+        "mixtral",
+        lambda d: _edit_json(d / "config.json", num_experts_per_tok=1),
+        ["num_experts_per_tok=1: top-1 Mixtral routing"],
+    ),
+    "qwen3-moe dense layers off the pattern": (
+        "qwen3-moe",
+        lambda d: _edit_json(d / "config.json", mlp_only_layers=[1]),
+        ["mlp_only_layers=[1], jaxpar has []"],
+    ),
+    "qwen3 attention biases": (
+        "qwen3-wide-heads",
+        lambda d: _edit_json(d / "config.json", attention_bias=True),
+        ["attention_bias=True, jaxpar has False"],
+    ),
     "unknown rope scaling": (
         "llama3-tied-scaled",
         lambda d: _edit_json(
@@ -378,7 +420,7 @@ def test_bad_input_exits_2_naming_file_and_tensor_and_writes_nothing(hf, tmp_pat
     assert os.listdir(out.parent) == []  # no output directory, nothing half-written beside it
 
 
-FAMILY_CASES = {  # ModelConfig changes covering every branch of the family's table and config
+FAMILY_CASES = {  # ModelConfig changes covering every branch of each family's table and config
     "llama-gqa-untied": {},
     "llama3-tied-scaled": {
         "tie_embeddings": True,
@@ -387,18 +429,47 @@ FAMILY_CASES = {  # ModelConfig changes covering every branch of the family's ta
         "rope_scaling": config_lib.RopeScalingConfig(type="llama3", factor=32.0),
     },
     "qwen2-bias": {"qkv_bias": True, "n_kv_heads": 4, "norm_eps": 1e-6, "init_std": 0.01},
+    "qwen3-wide-heads": {"qk_norm": True, "head_dim": 48, "tie_embeddings": True},
+    "mixtral": {"moe": config_lib.MoEConfig(num_experts=4, top_k=2, z_loss_weight=0.0, aux_loss_weight=0.02)},
+    "qwen3-moe-grouped": {
+        "qk_norm": True,
+        "head_dim": 16,
+        "n_layers": 4,
+        "moe": config_lib.MoEConfig(
+            num_experts=4, top_k=2, every=2, d_ff=40, norm_topk=False, z_loss_weight=0.0
+        ),
+    },
 }
+FAMILY_OF_CASE = {
+    "llama-gqa-untied": "llama",
+    "llama3-tied-scaled": "llama",
+    "qwen2-bias": "llama",
+    "qwen3-wide-heads": "qwen3",
+    "mixtral": "mixtral",
+    "qwen3-moe-grouped": "qwen3_moe",
+}
+
+
+def test_a_model_no_family_writes_is_refused_by_name():
+    m = config_lib.ModelConfig(moe=config_lib.MoEConfig(num_experts=4, shared_experts=1))
+    with pytest.raises(config_lib.ConfigError, match="moe.shared_experts=1"):
+        families.hf_config(m)
+
+
+def test_every_family_has_a_round_trip_case():
+    registered = {family.__name__.rsplit(".", 1)[-1] for family in families.FAMILIES}
+    assert set(FAMILY_OF_CASE.values()) == registered
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
 def test_the_family_reads_back_what_it_writes(case):
-    """One table and one config mapping, used both ways (jaxpar.models.llama_hf): config.json
-    written from a model gives back its settings, and every tensor written, read back shard by
-    shard as the import reads it, gives back the parameter. No transformers needed."""
-    from jaxpar.models import llama_hf
-
+    """One table and one config mapping per family, used both ways (jaxpar.models.families):
+    config.json written from a model gives back its settings, and every tensor written, read back
+    shard by shard as the import reads it, gives back the parameter. No transformers needed."""
     m = dataclasses.replace(config_lib.ModelConfig(n_layers=3), **FAMILY_CASES[case])
-    settings = llama_hf.settings_from_hf(llama_hf.hf_config(m), "config.json")
+    family = families.family_of_model(m)
+    assert family.__name__.endswith("." + FAMILY_OF_CASE[case])
+    settings = families.settings_from_hf(families.hf_config(m), "config.json")
     back = config_lib.build_config({"model": settings}).model
     assert back == m  # every setting config.json carries, and the defaults for the rest
 
@@ -407,12 +478,12 @@ def test_the_family_reads_back_what_it_writes(case):
     params = {
         path: rng.standard_normal(s.shape).astype(np.float32) for path, s in convert._flat(shapes).items()
     }
-    tensors = llama_hf.hf_tensors(params, m)
+    tensors = families.hf_tensors(params, m)
     assert {name: t.shape for name, t in tensors.items()} == convert.expected_tensors(m)
-    for path, t in llama_hf.tensor_table(m).items():
-        for layer in range(m.n_layers) if t.stacked else [None]:
-            hf = tensors[t.hf_name.format(l=layer)]
-            want = params[path] if layer is None else params[path][layer]
+    for path, t in families.tensor_table(m).items():
+        for index, _, name in t.instances(m.n_layers):
+            hf = tensors[name]
+            want = params[path][index] if index else params[path]
 
             def rows(r0, r1, cols=None, hf=hf):
                 return hf[r0:r1] if cols is None else hf[r0:r1, cols]

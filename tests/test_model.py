@@ -12,7 +12,7 @@ from jaxpar.models import Transformer, matmul_params
 
 def reference_forward(p, tokens, positions, segment_ids, cfg):
     """Llama forward written from the paper, loops over layers, no Flax."""
-    n, k, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    n, k, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_width
 
     def rmsnorm(x, w):
         return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + cfg.norm_eps) * w

@@ -83,7 +83,7 @@ def test_kv_cache_decode_matches_full_forward_at_every_position(moe):
         logits, cache = decode(model, tokens[:, i : i + 1], positions[:, i : i + 1], cache)
         steps.append(logits)
     assert int(cache.length) == total
-    assert cache.k.shape == (cfg.n_layers, batch, 16, cfg.n_kv_heads, cfg.head_dim)
+    assert cache.k.shape == (cfg.n_layers, batch, 16, cfg.n_kv_heads, cfg.head_width)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), expected, rtol=1e-5, atol=1e-5)
 
 

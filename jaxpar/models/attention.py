@@ -124,7 +124,7 @@ def kernel_for(cfg, device, *, pipelined: bool = False, ring: bool = False) -> s
     -- and "xla" everywhere else."""
     if cfg.attention != "auto":
         return cfg.attention
-    head_dim = cfg.head_dim
+    head_dim = cfg.head_width
     capability = getattr(device, "compute_capability", None) or "0"
     fits = (
         device.platform in ("gpu", "cuda")

@@ -15,23 +15,32 @@ Pieces, for callers that run the model in parts (the pipeline, jaxpar.parallel.p
 `embed(tokens)`, `run_blocks(layer_params, x, ...)` for any run of the stacked layers, and
 `head_loss(head_params(params), h, ...)` for the final norm, output projection and loss.
 
-Parameters, with shapes (E = d_model, N = n_heads, K = n_kv_heads, H = head_dim, F = d_ff,
-V = vocab_size, l = layer; their Hugging Face names and layouts are `jaxpar.models.llama_hf`'s):
+Parameters, with shapes (E = d_model, N = n_heads, K = n_kv_heads, H = head_dim (model.head_dim,
+else E / N), F = d_ff, V = vocab_size, l = layer; their Hugging Face names and layouts are the
+families' (`jaxpar.models.families`)):
 
-| jaxpar                        | shape       |
-| ----------------------------- | ----------- |
-| embedding                     | [V, E]      |
-| blocks.attn_norm.scale[l]     | [E]         |
-| blocks.attn.wq[l]             | [E, N, H]   |
-| blocks.attn.wk[l]             | [E, K, H]   |
-| blocks.attn.wv[l]             | [E, K, H]   |
-| blocks.attn.wo[l]             | [N, H, E]   |
-| blocks.mlp_norm.scale[l]      | [E]         |
-| blocks.mlp.w_gate[l]          | [E, F]      |
-| blocks.mlp.w_up[l]            | [E, F]      |
-| blocks.mlp.w_down[l]          | [F, E]      |
-| final_norm.scale              | [E]         |
-| lm_head                       | [E, V]      |
+| jaxpar                        | shape       | when                         |
+| ----------------------------- | ----------- | ---------------------------- |
+| embedding                     | [V, E]      |                              |
+| blocks.attn_norm.scale[l]     | [E]         |                              |
+| blocks.attn.wq[l]             | [E, N, H]   |                              |
+| blocks.attn.wk[l]             | [E, K, H]   |                              |
+| blocks.attn.wv[l]             | [E, K, H]   |                              |
+| blocks.attn.bq, bk, bv[l]     | [N or K, H] | model.qkv_bias               |
+| blocks.attn.q_norm.scale[l]   | [H]         | model.qk_norm (k_norm alike) |
+| blocks.attn.wo[l]             | [N, H, E]   |                              |
+| blocks.mlp_norm.scale[l]      | [E]         |                              |
+| blocks.mlp.w_gate[l]          | [E, F]      | dense MLP                    |
+| blocks.mlp.w_up[l]            | [E, F]      | dense MLP                    |
+| blocks.mlp.w_down[l]          | [F, E]      | dense MLP                    |
+| blocks.mlp.router[l]          | [E, X]      | MoE MLP (X experts)          |
+| blocks.mlp.gate, up[l]        | [X, E, F']  | MoE MLP (F' = model.moe.d_ff)|
+| blocks.mlp.down[l]            | [X, F', E]  | MoE MLP                      |
+| final_norm.scale              | [E]         |                              |
+| lm_head                       | [E, V]      | untied                       |
+
+With model.moe.every = k > 1 the scanned unit is a group of k blocks (`BlockGroup`), the last
+with the MoE MLP: `blocks.blocks.{i}.<as above>[g]` is block g * k + i.
 
 Rotary embeddings use the "rotate half" pairing (dimension i with i + H/2), which is the layout of
 Hugging Face's Llama checkpoints, so q/k weights map over without a permutation.
@@ -69,12 +78,16 @@ REMAT_POLICIES = {
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig):
-        self.eps = cfg.norm_eps
-        scale = jnp.ones((cfg.d_model,), jnp.dtype(cfg.param_dtype))
-        self.scale = nnx.Param(scale, out_sharding=("embed",), eager_sharding=False)
+    """RMSNorm over the last axis: the residual stream's (`embed`), or one head's (`head_dim`,
+    model.qk_norm)."""
 
-    def __call__(self, x):  # [batch, seq, embed]
+    def __init__(self, cfg: ModelConfig, axis: str = "embed"):
+        self.eps = cfg.norm_eps
+        width = cfg.d_model if axis == "embed" else cfg.head_width
+        scale = jnp.ones((width,), jnp.dtype(cfg.param_dtype))
+        self.scale = nnx.Param(scale, out_sharding=(axis,), eager_sharding=False)
+
+    def __call__(self, x):  # [..., width]
         return rms_norm(x, self.scale[...], self.eps)
 
 
@@ -144,7 +157,7 @@ class KVCache(NamedTuple):
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` sequences of at most `max_len` tokens, in model.dtype."""
-        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_width)
         zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
         return cls(zeros, zeros, jnp.zeros((), jnp.int32))
 
@@ -172,7 +185,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None):
         self.cfg = cfg
         self.context_layout = context_layout
-        e, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        e, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_width
         self.wq = _param(rngs, (e, n, h), ("embed", "heads", "head_dim"), cfg)
         self.wk = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
         self.wv = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
@@ -184,6 +197,9 @@ class Attention(nnx.Module):
             self.bq = nnx.Param(zeros(n, h), out_sharding=("heads", "head_dim"), eager_sharding=False)
             self.bk = nnx.Param(zeros(k, h), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
             self.bv = nnx.Param(zeros(k, h), out_sharding=("kv_heads", "head_dim"), eager_sharding=False)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: each head of q and k normalised before the rotation
+            self.q_norm = RMSNorm(cfg, "head_dim")
+            self.k_norm = RMSNorm(cfg, "head_dim")
 
     def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
         """x [batch, seq, embed] -> [batch, seq, embed]. With `cache` (this layer's KVCache; a
@@ -195,6 +211,8 @@ class Attention(nnx.Module):
         v = matmul("bse,ekh->bskh", x, self.wv[...])
         if self.cfg.qkv_bias:
             q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         theta, scaling = self.cfg.rope_theta, rope_scaling_of(self.cfg)
         q = constrain(rotary(q, positions, theta, scaling), ("batch", "seq", "heads", None))
         k = constrain(rotary(k, positions, theta, scaling), ("batch", "seq", "kv_heads", None))
@@ -444,7 +462,7 @@ class Transformer(nnx.Module):
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul (every weight but the norms and the embedding lookup;
     the output head counts, tied or not) -- the N of the 6N FLOPs-per-token rule."""
-    e, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    e, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_width
     f, v = cfg.d_ff, cfg.vocab_size
     attention = e * n * h + 2 * e * k * h + n * h * e
     moe = moe_layers(cfg)

@@ -69,6 +69,7 @@ class MoEMLP(nnx.Module):
             fp8=self.cfg.fp8,
             dispatch=self.cfg.moe.dispatch,
             buffer_factor=self.cfg.moe.ragged_buffer_factor,
+            normalize=self.cfg.moe.norm_topk,
         )
         if self.cfg.moe.shared_experts:
             y = y + block_swiglu(

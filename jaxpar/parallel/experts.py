@@ -106,13 +106,14 @@ class Routing(NamedTuple):
     expert_load: jax.Array  # [num_experts] int32, (token, choice) pairs routed to each expert
 
 
-def route(x, router_w, *, top_k, token_axes=()):
+def route(x, router_w, *, top_k, token_axes=(), normalize=True):
     """Top-k softmax router, in float32.
 
     x: [tokens, embed]; router_w: [embed, num_experts]. logits = x @ router_w, probs = softmax.
-    Weights: for top_k > 1 the top_k probs renormalised to sum 1 (Mixtral); for top_k = 1 the
-    chosen expert's prob itself (Switch Transformer), since renormalising would make every
-    weight 1 and leave the router without a gradient from the output. Statistics are global
+    Weights: for top_k > 1 the top_k probs renormalised to sum 1 (Mixtral; `normalize`=False:
+    the probs themselves, Qwen3-MoE's norm_topk_prob=false); for top_k = 1 the chosen expert's
+    prob itself (Switch Transformer), since renormalising would make every weight 1 and leave
+    the router without a gradient from the output. Statistics are global
     over `token_axes` (mesh axes the tokens are split over; `psum` when called inside a
     shard_map, none outside):
 
@@ -125,7 +126,7 @@ def route(x, router_w, *, top_k, token_axes=()):
     logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))  # [tokens, E]
     probs = jax.nn.softmax(logits, axis=-1)
     top_probs, expert_index = jax.lax.top_k(probs, top_k)  # [tokens, top_k]
-    if top_k > 1:
+    if top_k > 1 and normalize:
         expert_weight = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
     else:
         expert_weight = top_probs
@@ -309,6 +310,7 @@ def moe_mlp(
     fp8=False,
     dispatch="auto",
     buffer_factor=None,
+    normalize=True,
 ):
     """Mixture-of-experts SwiGLU MLP with the experts split over mesh axis `axis_name`.
 
@@ -339,6 +341,7 @@ def moe_mlp(
       "auto": ragged on GPU devices when dropless without fp8 and no more matmul work than
       padded (`resolve_dispatch`), padded otherwise. Explicit "ragged" with an expert axis on CPU devices is a
       ConfigError (XLA:CPU has no ragged-all-to-all).
+    normalize: top_k > 1: the chosen experts' weights renormalised to sum 1 (`route`).
     buffer_factor: ragged dispatch with an expert axis: the receive buffer's rows, as a multiple
       of the balanced load tokens * top_k; None: the worst case, never dropping
       (`ragged_receive_rows`).
@@ -363,7 +366,7 @@ def moe_mlp(
     )
     layout = (expert_axes, expert_devices, token_axes, seq_axes, tensor_axes)
     options = (top_k, capacity_factor, jnp.dtype(compute_dtype), fp8, dispatch, buffer_factor)
-    program, in_specs = _moe_program(mesh, *layout, *options, _ragged_all_to_all)
+    program, in_specs = _moe_program(mesh, *layout, *options, _ragged_all_to_all, normalize)
     args = (x, params["router"], params["gate"], params["up"], params["down"])
     if mesh.empty:
         return program(*args)
@@ -383,6 +386,7 @@ def _expert_parallel_layer(
     capacity_factor,
     compute_dtype,
     fp8=False,
+    normalize=True,
 ):
     """The layer on one device's block of tokens, with all experts' weights for the experts it
     holds (all of them when `expert_axes` is empty)."""
@@ -393,7 +397,7 @@ def _expert_parallel_layer(
         num_experts = router_w.shape[-1]
         local_experts = num_experts // expert_devices
         tokens = x_block.reshape(batch * seq, embed)  # [T, embed]
-        routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes)
+        routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes, normalize=normalize)
         capacity = expert_capacity(batch * seq, num_experts, top_k, capacity_factor)
 
         # Buffer row of each (token, choice): expert * capacity + position; E * capacity if dropped.
@@ -538,6 +542,7 @@ def _ragged_layer(
     compute_dtype,
     buffer_factor,
     ragged_all_to_all,
+    normalize=True,
 ):
     """The ragged (dropless) layer on one device's block of tokens; see the module docstring.
     `ragged_all_to_all`: the exchange, `jax.lax.ragged_all_to_all` or an equivalent."""
@@ -548,7 +553,7 @@ def _ragged_layer(
         num_experts = router_w.shape[-1]
         n_tokens = batch * seq
         tokens = x_block.reshape(n_tokens, embed)
-        routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes)
+        routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes, normalize=normalize)
 
         # This device's (token, choice) rows sorted by expert; inside an expert, choice-major
         # (all first choices in token order, then the second ones), as the padded path queues them.
@@ -675,6 +680,7 @@ def _moe_program(
     dispatch="padded",
     buffer_factor=None,
     exchange=None,
+    normalize=True,
 ):
     """(the jitted layer, its in_specs): one shard_map manual over the axes it uses (a plain
     function when it uses none). Jitted and cached, so that a call outside `jax.jit` compiles
@@ -691,6 +697,7 @@ def _moe_program(
             compute_dtype,
             buffer_factor,
             exchange,
+            normalize,
         )
     else:
         local = _expert_parallel_layer(
@@ -703,6 +710,7 @@ def _moe_program(
             capacity_factor,
             compute_dtype,
             fp8,
+            normalize,
         )
     tensor = tensor_axes or None
     expert = expert_axes or None

@@ -1,0 +1,75 @@
+"""Hugging Face model families, one file each: its architecture names, config.json <->
+`ModelConfig` both ways (`settings_from_hf`, `hf_config`), one table of tensors used both ways
+(`tensor_table`: `jaxpar.convert` imports with it, `jaxpar.export` writes with it), and which
+models it writes (`writes`). What a family cannot represent exactly it refuses by name.
+
+Adding a family: its file here, and its line in FAMILIES.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import ModuleType
+
+import numpy as np
+
+from jaxpar.config import ConfigError, ModelConfig
+from jaxpar.models.families import common, llama, mixtral, qwen3, qwen3_moe
+
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, mixtral, qwen3_moe)
+ARCHITECTURES = tuple(a for family in FAMILIES for a in family.ARCHITECTURES)
+
+
+def family_of_config(hf: dict, where: str) -> ModuleType:
+    """The family that reads config.json `hf` (by its one architecture), else ConfigError."""
+    arch = hf.get("architectures") or []
+    for family in FAMILIES:
+        if len(arch) == 1 and arch[0] in family.ARCHITECTURES:
+            return family
+    raise ConfigError(
+        f"{where}: architectures={arch} is not supported; jaxpar converts {', '.join(ARCHITECTURES)}"
+    )
+
+
+def family_of_model(m: ModelConfig) -> ModuleType:
+    """The family that writes model `m`, else ConfigError saying what no family has."""
+    for family in FAMILIES:
+        if family.writes(m):
+            return family
+    raise ConfigError(
+        f"no Hugging Face family jaxpar writes has this model (qk_norm={m.qk_norm}, qkv_bias={m.qkv_bias}, "
+        f"moe.num_experts={m.moe.num_experts}, moe.every={m.moe.every}, "
+        f"moe.shared_experts={m.moe.shared_experts}, moe.top_k={m.moe.top_k}, "
+        f"moe.norm_topk={m.moe.norm_topk}); the families are {', '.join(ARCHITECTURES)}"
+    )
+
+
+def settings_from_hf(hf: dict, where: str) -> dict:
+    """config.json (a dict) -> the model.* settings it implies, or ConfigError naming what jaxpar
+    cannot represent exactly. `where` names the file in messages. The inverse of `hf_config`."""
+    return family_of_config(hf, where).settings_from_hf(hf, where)
+
+
+def hf_config(m: ModelConfig) -> dict:
+    """config.json for model `m`, written by its family (`family_of_model`)."""
+    return family_of_model(m).hf_config(m)
+
+
+def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
+    """jaxpar parameter path -> its Hugging Face tensor(s), by the family that writes `m`."""
+    return family_of_model(m).tensor_table(m)
+
+
+def hf_tensors(flat_params: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
+    """jaxpar params (flat: path -> array) -> {Hugging Face name: array}, through `tensor_table`:
+    the tensors before the layers, then each layer's in the table's order, then the ones after."""
+    out = {}
+    table = tensor_table(m)
+    for stacked, run in itertools.groupby(table.items(), key=lambda kv: kv[1].stacked):
+        instances = [
+            (layer, name, path, t, index) for path, t in run for index, layer, name in t.instances(m.n_layers)
+        ]
+        for layer, name, path, t, index in sorted(instances, key=lambda i: -1 if i[0] is None else i[0]):
+            value = flat_params[path][index] if index else flat_params[path]
+            out[name] = np.ascontiguousarray(t.layout.write(value))
+    return out

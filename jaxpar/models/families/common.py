@@ -1,0 +1,314 @@
+"""What every family file builds on: how a jaxpar array and its Hugging Face tensors correspond
+(`Layout`, `Tensor`), the tensors every decoder has (`attention_tensors`, `dense_mlp_tensors`,
+`norm_tensors`), and the config.json keys every family reads and writes alike (`CONFIG_KEYS`,
+`base_settings`, `base_config`).
+
+Each tensor's layout pair (`Layout`) says how jaxpar's einsum weight [in..., out...] and the
+torch `Linear` weight [out, in] correspond, both ways: `read` converts one device's shard of a
+layer on import (from a reader of the Hugging Face tensor's rows, see `jaxpar.convert`), `write`
+a whole layer on export.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from jaxpar.config import ConfigError, ModelConfig
+
+# --- Tensors: one table, both directions ---------------------------------------------------
+
+
+def span(index: slice, size: int) -> tuple[int, int]:
+    """(start, stop) of a slice of an axis of `size`, whose step must be 1."""
+    start, stop, step = index.indices(size)
+    assert step == 1, index
+    return start, stop
+
+
+class Layout(NamedTuple):
+    """How a jaxpar array and its Hugging Face tensor correspond. `read(rows, idx, shape)`: the
+    shard `idx` (an index into jaxpar's array of `shape`, the stacked axes removed) from `rows(r0,
+    r1, cols)`, rows r0..r1 of the Hugging Face tensor (its first axis), only the columns `cols`
+    (a slice of its second axis) of a matrix. `write(array)`: the Hugging Face tensor of one
+    whole jaxpar array (one layer's, one expert's)."""
+
+    read: Callable
+    write: Callable
+
+
+def _read_heads_in(rows, idx, shape):
+    e, n, h = shape
+    r0, r1 = span(idx[1], n)
+    block = rows(r0 * h, r1 * h, idx[0])
+    return block.reshape(r1 - r0, h, block.shape[1])[:, idx[2]].transpose(2, 0, 1)
+
+
+def _read_heads_out(rows, idx, shape):
+    n, h, e = shape
+    r0, r1 = span(idx[2], e)
+    c0, c1 = span(idx[0], n)
+    block = rows(r0, r1, slice(c0 * h, c1 * h))
+    return block.reshape(r1 - r0, c1 - c0, h)[:, :, idx[1]].transpose(1, 2, 0)
+
+
+def _read_head_bias(rows, idx, shape):
+    n, h = shape
+    r0, r1 = span(idx[0], n)
+    return rows(r0 * h, r1 * h).reshape(r1 - r0, h)[:, idx[1]]
+
+
+# jaxpar [A, ...] = Hugging Face [A, ...]
+SAME = Layout(lambda rows, idx, shape: rows(*span(idx[0], shape[0]), *idx[1:2]), lambda w: w)
+# jaxpar [A, B] = Hugging Face [B, A] (a torch Linear)
+TRANSPOSED = Layout(lambda rows, idx, shape: rows(*span(idx[1], shape[1]), idx[0]).T, lambda w: w.T)
+# jaxpar [E, N, H] = Hugging Face [N*H, E] (q, k, v projections)
+HEADS_IN = Layout(_read_heads_in, lambda w: w.reshape(w.shape[0], -1).T)
+# jaxpar [N, H, E] = Hugging Face [E, N*H] (the output projection)
+HEADS_OUT = Layout(_read_heads_out, lambda w: w.reshape(-1, w.shape[-1]).T)
+# jaxpar [N, H] = Hugging Face [N*H] (q, k, v biases)
+HEAD_BIAS = Layout(_read_head_bias, lambda w: w.reshape(-1))
+
+
+class Tensor(NamedTuple):
+    """One jaxpar parameter and the Hugging Face tensor(s) it is.
+
+    Unstacked: one tensor, `hf_name`. Stacked: jaxpar's array has a leading axis of scan units,
+    unit g being Hugging Face layer g * every + offset (`hf_name` has {l}); with `experts`, a
+    second axis of that many experts, one tensor each ({e} in `hf_name`)."""
+
+    hf_name: str
+    stacked: bool
+    layout: Layout
+    hf_shape: tuple  # one tensor's shape (one layer's, one expert's)
+    every: int = 1
+    offset: int = 0
+    experts: int = 0
+
+    def instances(self, n_layers: int) -> list[tuple[tuple, int | None, str]]:
+        """(index of the tensor's slice of jaxpar's array, its Hugging Face layer or None, its
+        name) for every Hugging Face tensor this parameter is."""
+        if not self.stacked:
+            return [((), None, self.hf_name)]
+        out = []
+        for unit in range(n_layers // self.every):
+            layer = unit * self.every + self.offset
+            for x in range(self.experts) if self.experts else [None]:
+                index = (unit,) if x is None else (unit, x)
+                out.append((index, layer, self.hf_name.format(l=layer, e=x)))
+        return out
+
+    @property
+    def stacked_axes(self) -> int:
+        """Leading axes of jaxpar's array that enumerate tensors (units, then experts)."""
+        return int(self.stacked) + int(self.experts > 0)
+
+
+def block_prefix(m: ModelConfig, position: int) -> str:
+    """The jaxpar path of block `position` of a scan unit: `blocks.` for one block a unit,
+    `blocks.blocks.{position}.` when MoE layers come every model.moe.every blocks."""
+    grouped = m.moe.num_experts and m.moe.every > 1
+    return f"blocks.blocks.{position}." if grouped else "blocks."
+
+
+def attention_tensors(m: ModelConfig, position: int = 0, every: int = 1) -> dict[str, Tensor]:
+    """The attention of block `position` of each scan unit of `every` blocks: q/k/v/o, the
+    q/k/v biases (model.qkv_bias), the per-head q/k norms (model.qk_norm), the two norms around
+    it as Llama has them (input_layernorm, post_attention_layernorm: the MLP's input norm)."""
+    e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_width
+    at, attn, layer = block_prefix(m, position), "model.layers.{l}.self_attn.", "model.layers.{l}."
+
+    def stacked(name, layout, shape):
+        return Tensor(name, True, layout, shape, every, position)
+
+    table = {
+        at + "attn.wq": stacked(attn + "q_proj.weight", HEADS_IN, (n * h, e)),
+        at + "attn.wk": stacked(attn + "k_proj.weight", HEADS_IN, (k * h, e)),
+        at + "attn.wv": stacked(attn + "v_proj.weight", HEADS_IN, (k * h, e)),
+    }
+    if m.qkv_bias:
+        table[at + "attn.bq"] = stacked(attn + "q_proj.bias", HEAD_BIAS, (n * h,))
+        table[at + "attn.bk"] = stacked(attn + "k_proj.bias", HEAD_BIAS, (k * h,))
+        table[at + "attn.bv"] = stacked(attn + "v_proj.bias", HEAD_BIAS, (k * h,))
+    if m.qk_norm:
+        table[at + "attn.q_norm.scale"] = stacked(attn + "q_norm.weight", SAME, (h,))
+        table[at + "attn.k_norm.scale"] = stacked(attn + "k_norm.weight", SAME, (h,))
+    table[at + "attn.wo"] = stacked(attn + "o_proj.weight", HEADS_OUT, (e, n * h))
+    table[at + "attn_norm.scale"] = stacked(layer + "input_layernorm.weight", SAME, (e,))
+    table[at + "mlp_norm.scale"] = stacked(layer + "post_attention_layernorm.weight", SAME, (e,))
+    return table
+
+
+def dense_mlp_tensors(m: ModelConfig, position: int = 0, every: int = 1) -> dict[str, Tensor]:
+    """The SwiGLU MLP of block `position` of each scan unit (gate_proj, up_proj, down_proj)."""
+    e, f, at, mlp = m.d_model, m.d_ff, block_prefix(m, position), "model.layers.{l}.mlp."
+    return {
+        at + "mlp.w_gate": Tensor(mlp + "gate_proj.weight", True, TRANSPOSED, (f, e), every, position),
+        at + "mlp.w_up": Tensor(mlp + "up_proj.weight", True, TRANSPOSED, (f, e), every, position),
+        at + "mlp.w_down": Tensor(mlp + "down_proj.weight", True, TRANSPOSED, (e, f), every, position),
+    }
+
+
+def embedding_tensors(m: ModelConfig) -> dict[str, Tensor]:
+    return {"embedding": Tensor("model.embed_tokens.weight", False, SAME, (m.vocab_size, m.d_model))}
+
+
+def head_tensors(m: ModelConfig) -> dict[str, Tensor]:
+    """The final norm, and the output head unless it is the embedding."""
+    table = {"final_norm.scale": Tensor("model.norm.weight", False, SAME, (m.d_model,))}
+    if not m.tie_embeddings:
+        table["lm_head"] = Tensor("lm_head.weight", False, TRANSPOSED, (m.vocab_size, m.d_model))
+    return table
+
+
+# --- config.json <-> ModelConfig ---------------------------------------------------------------
+
+# config.json key, ModelConfig field, type, the value transformers assumes when the key is absent
+# (None: required). Read and written alike by every family.
+CONFIG_KEYS = (
+    ("hidden_size", "d_model", int, None),
+    ("intermediate_size", "d_ff", int, None),
+    ("num_hidden_layers", "n_layers", int, None),
+    ("num_attention_heads", "n_heads", int, None),
+    ("num_key_value_heads", "n_kv_heads", int, None),  # absent or null: num_attention_heads
+    ("vocab_size", "vocab_size", int, None),
+    ("max_position_embeddings", "max_seq_len", int, 2048),
+    ("rms_norm_eps", "norm_eps", float, 1e-6),
+    ("tie_word_embeddings", "tie_embeddings", bool, False),
+    ("initializer_range", "init_std", float, 0.02),
+)
+# rope_scaling of rope_type "llama3": config.json key, RopeScalingConfig field, type.
+LLAMA3_ROPE_KEYS = (
+    ("factor", "factor", float),
+    ("low_freq_factor", "low_freq_factor", float),
+    ("high_freq_factor", "high_freq_factor", float),
+    ("original_max_position_embeddings", "original_max_len", int),
+)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def refuse(where: str, what: str) -> ConfigError:
+    return ConfigError(f"{where}: {what}; jaxpar converts a model exactly or not at all")
+
+
+def check_fixed(hf: dict, fixed: tuple, where: str) -> None:
+    """Refuses a config.json whose keys in `fixed` ((key, the value jaxpar computes)) differ."""
+    for key, want in fixed:
+        if key in hf and hf[key] != want:
+            raise refuse(where, f"{key}={hf[key]!r}, jaxpar has {want!r}")
+
+
+def check_full_attention(hf: dict, where: str) -> None:
+    """Refuses sliding-window attention and layer types other than full attention."""
+    max_len, window = int(hf.get("max_position_embeddings", 2048)), hf.get("sliding_window")
+    if hf.get("use_sliding_window", False):
+        raise refuse(
+            where, f"use_sliding_window=true (sliding_window={window}): jaxpar attends to the whole context"
+        )
+    if "use_sliding_window" not in hf and window is not None and window < max_len:
+        raise refuse(
+            where,
+            f"sliding_window={window} < max_position_embeddings={max_len}: "
+            "jaxpar attends to the whole context",
+        )
+    layer_types = hf.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise refuse(
+            where, f"layer_types={sorted(set(layer_types))}: jaxpar has full attention in every layer"
+        )
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(
+            where, f"partial_rotary_factor={hf['partial_rotary_factor']}, jaxpar rotates whole heads"
+        )
+
+
+def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
+    """(rope_theta, the model.rope_scaling settings) of config.json."""
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})  # transformers >= 5 keeps everything here
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return theta, {"type": "none"}
+    if rope_type == "llama3":
+        return theta, {"type": "llama3", **{field: cast(rope[key]) for key, field, cast in LLAMA3_ROPE_KEYS}}
+    raise refuse(where, f"rope scaling {rope_type!r}: jaxpar has none or llama3")
+
+
+def base_settings(hf: dict, where: str) -> dict:
+    """The model.* settings every family reads alike: shape, norm, rotary, dtype; head_dim when
+    config.json gives one other than hidden_size / num_attention_heads."""
+    settings = {}
+    for key, field, cast, default in CONFIG_KEYS:
+        value = hf.get(key, default)
+        settings[field] = cast(value) if value is not None else None
+    if settings["n_kv_heads"] is None:
+        settings["n_kv_heads"] = settings["n_heads"]
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) * settings["n_heads"] != settings["d_model"]:
+        settings["head_dim"] = int(head_dim)
+    settings["rope_theta"], settings["rope_scaling"] = _rope_from_hf(hf, where)
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise refuse(where, f"dtype={dtype!r}: jaxpar reads {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
+    settings["param_dtype"] = dtype
+    return settings
+
+
+def base_config(m: ModelConfig, architecture: str, model_type: str) -> dict:
+    """The config.json keys every family writes alike (the inverse of `base_settings`)."""
+    rs = m.rope_scaling
+    rope_scaling = (
+        None
+        if rs.type == "none"
+        else {"rope_type": rs.type, **{key: getattr(rs, field) for key, field, _ in LLAMA3_ROPE_KEYS}}
+    )
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        **{key: getattr(m, field) for key, field, _, _ in CONFIG_KEYS},
+        "head_dim": m.head_width,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": rope_scaling,
+        "hidden_act": "silu",
+        "torch_dtype": m.param_dtype,
+    }
+
+
+def moe_tensors(m: ModelConfig, names: tuple[str, str, str, str], position: int = 0, every: int = 1) -> dict:
+    """The MoE MLP of block `position` of each scan unit: the router and every expert's three
+    matrices, one Hugging Face tensor per expert. `names`: the Hugging Face names of the router
+    and of an expert's gate, up and down projections ({l} the layer, {e} the expert)."""
+    e, f, x, at = m.d_model, m.moe.d_ff or m.d_ff, m.moe.num_experts, block_prefix(m, position)
+    router, gate, up, down = names
+    return {
+        at + "mlp.router": Tensor(router, True, TRANSPOSED, (x, e), every, position),
+        at + "mlp.gate": Tensor(gate, True, TRANSPOSED, (f, e), every, position, x),
+        at + "mlp.up": Tensor(up, True, TRANSPOSED, (f, e), every, position, x),
+        at + "mlp.down": Tensor(down, True, TRANSPOSED, (e, f), every, position, x),
+    }
+
+
+def moe_settings(hf: dict, where: str) -> dict:
+    """model.moe.* from the keys MoE families share: experts (num_local_experts, or
+    num_experts), experts per token, the load-balancing loss weight. transformers' routers have
+    no z-loss, so it is off."""
+    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    if experts is None:
+        raise refuse(where, "neither num_local_experts nor num_experts is set")
+    return {
+        "num_experts": int(experts),
+        "top_k": int(hf.get("num_experts_per_tok", 2)),
+        "aux_loss_weight": float(hf.get("router_aux_loss_coef", 0.001)),
+        "z_loss_weight": 0.0,
+    }
+
+
+def moe_config(m: ModelConfig) -> dict:
+    """The inverse of `moe_settings`."""
+    return {
+        "num_local_experts": m.moe.num_experts,
+        "num_experts_per_tok": m.moe.top_k,
+        "router_aux_loss_coef": m.moe.aux_loss_weight,
+        "output_router_logits": False,
+    }
