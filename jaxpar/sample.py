@@ -1,5 +1,5 @@
 """`python -m jaxpar.sample RUN_DIR --prompt TEXT --max-tokens N [--temperature T] [--top-k K]
-[--seed S] [--step N]`: text from a run's newest intact checkpoint.
+[--seed S] [--step N] [model.dtype=... model.fp8=...]`: text from a run's newest intact checkpoint.
 
 The params are restored alone onto one device (`jaxpar.export.load_params`), the prompt is
 tokenized with the run's tokenizer (data.tokenizer), and generation runs under one `nnx.jit`:
@@ -9,6 +9,15 @@ temperature 0 each token is the argmax; otherwise it is drawn from softmax(logit
 over the top-k logits, with a key folded from --seed and the step, so a seed always gives the same
 text. Generation stops early at the tokenizer's end-of-document token. The prompt is printed,
 followed by the generated text.
+
+The model is the run's (RUN_DIR/config.yaml). Dotted `key=value` overrides, parsed and checked as
+`python -m jaxpar.train` reads them, may change how it computes: SAMPLING_KEYS, e.g.
+model.dtype=float32 for a model imported in float32, which bfloat16 would round at every layer.
+Any other setting is refused with exit 2: those that decide the weights
+(`convert.ARCHITECTURE_KEYS`, `MOE_ARCHITECTURE_KEYS`: the shapes, rotary, norms, routing) because
+the checkpoint holds weights for the run's values only, the rest because sampling does not read them
+(model.attention among them: decoding attends over the KV cache with XLA's attention whatever it
+says).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import argparse
 import logging
 import os
 import sys
+import typing
 from functools import partial
 
 import jax
@@ -26,7 +36,9 @@ from flax import nnx
 
 from jaxpar import cli
 from jaxpar import config as config_lib
+from jaxpar import fp8 as fp8_lib
 from jaxpar.config import ConfigError
+from jaxpar.convert import ARCHITECTURE_KEYS, MOE_ARCHITECTURE_KEYS
 from jaxpar.documents import make_tokenizer
 from jaxpar.export import load_params
 from jaxpar.models.llama import KVCache, Transformer
@@ -136,29 +148,89 @@ def generate(
 # --- The command line ------------------------------------------------------------------------
 
 
-def run_config(run_dir: str):
-    """The run's config (RUN_DIR/config.yaml); ConfigError if there is none."""
+# The settings a sample command line may override: how the run's model computes, not what it is.
+SAMPLING_KEYS = {
+    "model.dtype": f"matmul / activation dtype ({' | '.join(typing.get_args(config_lib.Dtype))})",
+    "model.fp8": "float8 block matmuls (true | false)",
+}
+
+
+def run_config(run_dir: str, overrides: list[str] = ()):
+    """The run's config (RUN_DIR/config.yaml) with `overrides` (`dotted.key=value`, read as
+    `python -m jaxpar.train` reads them) applied. ConfigError if there is no config.yaml, for an
+    unknown key or a bad value (as training reports them), for a key outside SAMPLING_KEYS, and
+    for model.fp8=true on a device without float8 matmuls (`jaxpar.fp8.check_device`)."""
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"{run_dir} has no config.yaml; is it a run directory (train.run_dir)?")
-    return config_lib.load_config(path)
+    cfg = config_lib.load_config(path, overrides)
+    run = config_lib.load_config(path) if overrides else cfg
+    for key in _dotted_keys(config_lib.parse_overrides(list(overrides))):
+        if key not in SAMPLING_KEYS:
+            raise _not_for_sampling(key, cfg, run, path)
+    if cfg.model.fp8:
+        fp8_lib.check_device(jax.devices()[0])
+    return cfg
 
 
-def load_model(run_dir: str, step: int | None = None):
+def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
+    """The dotted keys of the settings in a nested dict of overrides (`parse_overrides`')."""
+    keys = []
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + str(name))
+    return keys
+
+
+def _not_for_sampling(key: str, cfg, run, path: str) -> ConfigError:
+    """The error for an override of `key`, a setting sampling does not take; `cfg` has the
+    overrides, `run` is the run's own config (read from `path`)."""
+    mine, theirs = cfg, run
+    for part in key.split("."):
+        mine, theirs = getattr(mine, part), getattr(theirs, part)
+    takes = ", ".join(SAMPLING_KEYS)
+    section, _, name = key.partition(".")
+    first, _, sub = name.partition(".")
+    if section == "model" and (
+        first in ARCHITECTURE_KEYS or (first == "moe" and sub in MOE_ARCHITECTURE_KEYS)
+    ):
+        return ConfigError(
+            f"{key}={mine}: the checkpoint holds weights for {key}={theirs} ({path}) and sampling "
+            f"runs that model; leave it unset (sampling may override {takes})"
+        )
+    return ConfigError(f"{key}={mine} is not a sampling setting; sampling may override {takes}")
+
+
+def load_model(run_dir: str, step: int | None = None, overrides: list[str] = ()):
     """(config, Transformer with the checkpoint's params on the default device, step) from the
-    run's newest intact checkpoint (or `step`). Raises ConfigError without config.yaml and
-    FileNotFoundError without a usable checkpoint."""
-    run_config(run_dir)  # a clear error before load_params reads it
-    cfg, params, step = load_params(run_dir, step)
+    run's newest intact checkpoint (or `step`), the config with the sampling `overrides`
+    (`run_config`) and the model built from it. Raises ConfigError without config.yaml or for a
+    bad override, and FileNotFoundError without a usable checkpoint."""
+    cfg = run_config(run_dir, overrides)  # a clear error before load_params reads config.yaml
+    _, params, step = load_params(run_dir, step)  # the shapes are the run's: SAMPLING_KEYS keep them
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     graphdef = nnx.split(abstract)[0]
     return cfg, nnx.merge(graphdef, jax.tree.map(jnp.asarray, params)), step
+
+
+EPILOG = (
+    "settings: the model is the run's (RUN_DIR/config.yaml); dotted key=value overrides, written\n"
+    "as for python -m jaxpar.train, may change how it computes, and only these:\n"
+    + "\n".join(f"  {key:<14}{meaning}" for key, meaning in SAMPLING_KEYS.items())
+    + "\ne.g. python -m jaxpar.sample runs/llama --prompt 'The capital of France is' model.dtype=float32\n"
+    "(a model imported in float32 then samples in float32, not in bfloat16, the default).\n"
+    "Exit codes: 0 done, 2 a bad argument or setting, or no usable checkpoint."
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxpar.sample",
         description="Generate text from a run's newest intact checkpoint (KV-cache decoding).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--prompt", required=True, help="text to continue")
@@ -171,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="sampling settings (below)")
+    args = parser.parse_intermixed_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
     return cli.run(
         lambda: _sample_command(args),
@@ -190,12 +263,12 @@ def _sample_command(args) -> int:
     ]:
         if not ok:
             raise ConfigError(f"{flag}={value}: must be {want}")
-    cfg = run_config(args.run_dir)
+    cfg = run_config(args.run_dir, args.overrides)
     tokenizer = make_tokenizer(cfg.data)
     prompt_ids = tokenizer.encode(args.prompt)
     max_seq_len = cfg.model.max_seq_len
     check_prompt(len(prompt_ids), max_seq_len)  # before the slower restore
-    _, model, _ = load_model(args.run_dir, args.step)
+    _, model, _ = load_model(args.run_dir, args.step, args.overrides)
     if len(prompt_ids) + args.max_tokens > max_seq_len:
         print(
             f"note: generating {max_seq_len - len(prompt_ids)} tokens, not {args.max_tokens}:"

@@ -14,8 +14,10 @@ import pytest
 from flax import nnx
 
 from jaxpar import config as config_lib
+from jaxpar import sample as sample_lib
 from jaxpar.config import ModelConfig, MoEConfig
 from jaxpar.documents import ByteTokenizer
+from jaxpar.export import load_params
 from jaxpar.models.llama import KVCache, Transformer
 from jaxpar.sample import generate, load_model, main, sample_token
 
@@ -189,6 +191,43 @@ def test_sample_cli_prints_the_prompt_and_the_greedy_continuation(run_dir):
     assert proc.stdout.decode() == "def " + ByteTokenizer().decode(ids) + "\n"
 
 
+def built_with(cfg: ModelConfig, params) -> Transformer:
+    """A Transformer of `cfg` holding `params` (a pure dict, as `load_params` gives them)."""
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
+    return nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+
+
+def test_sample_cli_model_dtype_override_computes_in_float32(run_dir, capsys, monkeypatch):
+    """The run trained in bfloat16 (config.yaml's model.dtype); with `model.dtype=float32` the
+    same weights compute in float32: the logits of a Transformer built in float32, not bfloat16's,
+    and the command samples with that model and prints its greedy text."""
+    cfg, params, _ = load_params(str(run_dir))
+    assert cfg.model.dtype == "bfloat16"
+    prompt = ByteTokenizer().encode("def ")
+    float32, bfloat16 = (
+        built_with(dataclasses.replace(cfg.model, dtype=d), params) for d in ("float32", "bfloat16")
+    )
+    want = padded_full_logits(float32, prompt, 16)
+    assert np.abs(want - padded_full_logits(bfloat16, prompt, 16)).max() > 1e-4  # the dtype shows
+
+    _, model, _ = load_model(str(run_dir), overrides=["model.dtype=float32"])
+    assert model.cfg.dtype == "float32"
+    np.testing.assert_array_equal(padded_full_logits(model, prompt, 16), want)
+
+    used = []  # the dtype of each model the command generates with
+
+    def generate_recording(model, *args, **kwargs):
+        used.append(model.cfg.dtype)
+        return generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(sample_lib, "generate", generate_recording)
+    argv = [str(run_dir), "model.dtype=float32", "--prompt", "def ", "--max-tokens", str(MAX_TOKENS)]
+    assert main(argv) == 0  # the override before the flags: argparse's intermixed parsing
+    assert used == ["float32"]
+    ids = generate(float32, prompt, MAX_TOKENS, vocab_limit=257, stop_token=256)
+    assert capsys.readouterr().out == "def " + ByteTokenizer().decode(ids) + "\n"
+
+
 def without_jax_platforms() -> dict[str, str]:
     """This environment less JAX_PLATFORMS (conftest.py sets it to cpu): a command then picks its
     backend itself, as on a user's machine."""
@@ -213,21 +252,31 @@ def test_sample_cli_starts_on_the_cpu_without_a_cuinit_traceback(run_dir):
     assert "cuInit" not in err and "Traceback" not in err, err[-2000:]
 
 
-ERRORS = {  # case -> (RUN_DIR contents, prompt, what stderr says)
-    "no checkpoint": ("config.yaml", "def ", "no usable checkpoint"),
-    "no config.yaml": ("nothing", "def ", "has no config.yaml"),
-    "prompt too long": ("the run", "x" * 2048, "too long for model.max_seq_len=2048"),
+ERRORS = {  # case -> (RUN_DIR contents, prompt, overrides, what stderr says)
+    "no checkpoint": ("config.yaml", "def ", [], "no usable checkpoint"),
+    "no config.yaml": ("nothing", "def ", [], "has no config.yaml"),
+    "prompt too long": ("the run", "x" * 2048, [], "too long for model.max_seq_len=2048"),
+    "unknown key": ("the run", "def ", ["model.dtpye=float32"], "did you mean 'model.dtype'?"),
+    "bad value": ("the run", "def ", ["model.dtype=float64"], "choose one of float32, bfloat16"),
+    "shape key": (
+        "the run",
+        "def ",
+        ["model.dtype=float32", "model.d_model=64"],
+        "model.d_model=64: the checkpoint holds weights for model.d_model=32",
+    ),
+    "not sampling": ("the run", "def ", ["train.steps=5"], "train.steps=5 is not a sampling setting"),
 }
 
 
 @pytest.mark.parametrize("case", ERRORS)
 def test_sample_cli_errors_exit_2_and_name_the_problem(run_dir, tmp_path, capsys, case):
-    contents, prompt, message = ERRORS[case]
+    contents, prompt, overrides, message = ERRORS[case]
     directory = run_dir if contents == "the run" else tmp_path
     if contents == "config.yaml":
         config_lib.dump_yaml(
             config_lib.load_config(str(run_dir / "config.yaml")), str(tmp_path / "config.yaml")
         )
     # main() returns the exit code; an uncaught exception (a traceback) would fail the test.
-    assert main([str(directory), "--prompt", prompt, "--max-tokens", "8"]) == 2
-    assert message in capsys.readouterr().err
+    assert main([str(directory), "--prompt", prompt, "--max-tokens", "8", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
