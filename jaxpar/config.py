@@ -231,9 +231,11 @@ class TrainConfig:
     # TensorBoard's profile plugin or Perfetto (ui.perfetto.dev); null = no trace.
     profile_steps: list[int] | None = None  # [first, last] steps to trace (see above)
     # Start from existing weights: a run directory (its newest intact checkpoint's params) or a
-    # Hugging Face model directory (python -m jaxpar.convert); the model's shape and tokenizer come
-    # from there, the optimizer state is fresh and the run starts at step 0. Ignored on resume.
-    init_from: str | None = None  # a run directory or a Hugging Face model directory (see above)
+    # Hugging Face model directory (python -m jaxpar.convert), or a Hub model id ORG/NAME (its
+    # default branch, through huggingface_hub's cache: jaxpar.hub; the run records the snapshot's
+    # directory); the model's shape and tokenizer come from there, the optimizer state is fresh and
+    # the run starts at step 0. Ignored on resume.
+    init_from: str | None = None  # a run directory, a Hugging Face model directory or Hub id (see above)
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """Hugging Face checkpoints in and out of jaxpar.
 
-    python -m jaxpar.convert from-hf HF_DIR --out RUN_DIR [dotted.key=value ...]
+    python -m jaxpar.convert from-hf HF_DIR|ORG/NAME [--revision REV] --out RUN_DIR [dotted.key=value ...]
     python -m jaxpar.convert to-hf RUN_DIR --out HF_DIR [--max-shard-bytes N] [--step N]
 
-`from-hf` reads a local Hugging Face model directory -- `config.json`, `model.safetensors` (or
-shards listed by `model.safetensors.index.json`) and `tokenizer.json` -- and writes a jaxpar run
+`from-hf` reads a Hugging Face model directory -- `config.json`, `model.safetensors` (or shards
+listed by `model.safetensors.index.json`) and `tokenizer.json` -- a local one, or a Hub model id
+ORG/NAME at a revision resolved through huggingface_hub's cache (`jaxpar.hub.model_dir`, which
+says where a name is looked for and what is fetched), and writes a jaxpar run
 directory: `config.yaml` with the model's shape (the overrides apply on top; a shape setting that
 disagrees with the checkpoint is refused), `checkpoints/0` holding the parameters alone, and the
 tokenizer (`tokenizer.json`, and `tokenizer_config.json` when there is one: it names the
@@ -29,9 +31,10 @@ layer at a time, and converts them (reshape, transpose, cast), reading READ_BYTE
 Beyond what the devices keep, the host holds one device's shard of one parameter (twice where it
 is transposed) and one read; never the model. No file is memory-mapped.
 
-`train.init_from=DIR` (a run directory or a Hugging Face directory) starts a run from such
-weights on any mesh: `apply_init_from` takes the model's shape and tokenizer from DIR before the
-config is validated, `init_state` loads the weights onto the run's shardings and adds a fresh
+`train.init_from=DIR` (a run directory, a Hugging Face directory, or a Hub model id ORG/NAME at its
+default branch) starts a run from such weights on any mesh: `apply_init_from` resolves DIR to a
+local directory (recorded as train.init_from), takes the model's shape and tokenizer from it before
+the config is validated, `init_state` loads the weights onto the run's shardings and adds a fresh
 optimizer state at step 0.
 """
 
@@ -48,7 +51,7 @@ import tempfile
 
 import numpy as np
 
-from jaxpar import cli
+from jaxpar import cli, hub
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.models import families
@@ -420,18 +423,20 @@ def _tokenizer_files(hf_dir: str) -> list[str]:
     return [path] + ([extra] if os.path.isfile(extra) else [])
 
 
-def from_hf(hf_dir: str, out: str, overrides: list[str] = ()) -> dict:
-    """Converts the Hugging Face model in `hf_dir` into a jaxpar run directory `out` (see the
-    module docstring). Everything is checked before anything is written; the directory is built
-    under a temporary name beside `out` and renamed into place at the end, so a failure leaves
-    no `out` behind."""
+def from_hf(hf_dir: str, out: str, overrides: list[str] = (), revision: str | None = None) -> dict:
+    """Converts the Hugging Face model in `hf_dir` (a local directory, or a Hub model id at
+    `revision`: `jaxpar.hub.model_dir`) into a jaxpar run directory `out` (see the module
+    docstring). Everything is checked before anything is written; the directory is built under a
+    temporary name beside `out` and renamed into place at the end, so a failure leaves no `out`
+    behind."""
     import jax
 
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.documents import HFTokenizer
 
-    hf_dir, out = os.path.abspath(hf_dir), os.path.abspath(out)
-    _check_out(out)
+    out = os.path.abspath(out)
+    _check_out(out)  # before a download
+    hf_dir = hub.model_dir(hf_dir, revision)
     source = hf_model_config(hf_dir)
     tensors = checkpoint_tensors(hf_dir)
     check_tensors(tensors, source, hf_dir)
@@ -483,7 +488,13 @@ def from_hf(hf_dir: str, out: str, overrides: list[str] = ()) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     n = sum(int(np.prod(s)) for s in expected_tensors(model).values())
-    return {"out": out, "tensors": len(expected_tensors(model)), "parameters": n, "dtype": model.param_dtype}
+    return {
+        "source": hf_dir,
+        "out": out,
+        "tensors": len(expected_tensors(model)),
+        "parameters": n,
+        "dtype": model.param_dtype,
+    }
 
 
 # --- train.init_from -----------------------------------------------------------------------------
@@ -511,16 +522,18 @@ def init_source(path: str) -> tuple[ModelConfig, str]:
 
 def apply_init_from(cfg, settings: dict):
     """The config with train.init_from's model shape (ARCHITECTURE_KEYS, and max_seq_len unless
-    set) and tokenizer (unless data.tokenizer is set); no-op without train.init_from."""
+    set) and tokenizer (unless data.tokenizer is set), and train.init_from the local directory it
+    names (a Hub model id's snapshot: `jaxpar.hub.model_dir`); no-op without train.init_from."""
     path = cfg.train.init_from
     if path is None:
         return cfg
-    path = os.path.abspath(os.path.expanduser(path))
+    path = hub.model_dir(path, where="train.init_from=")
     model, tokenizer = init_source(path)
     merged = merge_model(model, cfg.model, _user_model_keys(settings), f"train.init_from={path}")
     user_data = settings.get("data", {}) if isinstance(settings.get("data"), dict) else {}
     data = cfg.data if "tokenizer" in user_data else dataclasses.replace(cfg.data, tokenizer=tokenizer)
-    return dataclasses.replace(cfg, model=merged, data=data)
+    train = dataclasses.replace(cfg.train, init_from=path)
+    return dataclasses.replace(cfg, model=merged, data=data, train=train)
 
 
 def init_state(trainer, path: str):
@@ -582,8 +595,23 @@ def main(argv: list[str] | None = None) -> int:
         "(from-hf) and back (to-hf RUN_DIR --out HF_DIR).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("from-hf", help="a Hugging Face model directory -> a jaxpar run directory")
-    p.add_argument("hf_dir", help="holds config.json, model.safetensors (or shards + index), tokenizer.json")
+    p = sub.add_parser(
+        "from-hf",
+        help="a Hugging Face model (a directory or a Hub model id) -> a jaxpar run directory",
+        description="Convert a Hugging Face model into a jaxpar run directory. HF_DIR is a local "
+        "directory (config.json, model.safetensors or shards + index, tokenizer.json) or a Hub "
+        "model id ORG/NAME; a path that exists wins over an id of the same name. An id is fetched "
+        "through huggingface_hub's cache (HF_HUB_CACHE, or HF_HOME/hub), only the files jaxpar "
+        "reads; HF_HUB_OFFLINE=1 reads the cache alone; HF_TOKEN or `hf auth login` for gated "
+        "and private models.",
+    )
+    p.add_argument("hf_dir", metavar="HF_DIR|ORG/NAME", help="a local model directory or a Hub model id")
+    p.add_argument(
+        "--revision",
+        metavar="REV",
+        default=None,
+        help="of a Hub model id: a branch, tag or commit hash (default: the repository's default branch)",
+    )
     p.add_argument("--out", required=True, help="the run directory to write (new or empty)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings for config.yaml")
     sub.add_parser("to-hf", help="a run directory -> Hugging Face safetensors (python -m jaxpar.export)")
@@ -595,10 +623,10 @@ def _from_hf_command(args) -> int:
     for item in args.overrides:
         if "=" not in item:
             raise ConfigError(f"argument '{item}' is not a dotted.key=value override")
-    summary = from_hf(args.hf_dir, args.out, args.overrides)
+    summary = from_hf(args.hf_dir, args.out, args.overrides, args.revision)
     print(
         f"converted {summary['tensors']} tensors ({summary['parameters']:,} parameters, "
-        f"{summary['dtype']}) -> {summary['out']}"
+        f"{summary['dtype']}) of {summary['source']} -> {summary['out']}"
     )
     return 0
 

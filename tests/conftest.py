@@ -106,6 +106,7 @@ FILE_SECONDS = {
     "test_entry_points.py": 45,
     "test_integrity.py": 30,
     "test_export_tokenizer.py": 20,
+    "test_hub.py": 12,
     "test_hlo.py": 20,
     "test_house.py": 1,
 }
