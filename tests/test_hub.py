@@ -25,7 +25,7 @@ from flax import nnx
 from jaxpar import config as config_lib
 from jaxpar import convert, hub
 from jaxpar import export as export_lib
-from jaxpar.models import Transformer, llama_hf
+from jaxpar.models import Transformer, families
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = "tiny-org/tiny-llama"
@@ -50,10 +50,10 @@ def _tiny_hf(directory, seed: int, max_shard_bytes: int) -> None:
         path: rng.standard_normal(s.shape).astype(np.float32)
         for path, s in convert._flat(nnx.to_pure_dict(nnx.state(abstract))).items()
     }
-    export_lib.write_safetensors(llama_hf.hf_tensors(params, cfg.model), str(directory), max_shard_bytes)
+    export_lib.write_safetensors(families.hf_tensors(params, cfg.model), str(directory), max_shard_bytes)
     eod = export_lib.write_tokenizer(cfg, str(directory))
     with open(directory / "config.json", "w") as f:
-        json.dump({**llama_hf.hf_config(cfg.model), "eos_token_id": eod}, f)
+        json.dump({**families.hf_config(cfg.model), "eos_token_id": eod}, f)
 
 
 def _cache_put(cache, commit: str, source, refs: list[str]) -> None:
