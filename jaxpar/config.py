@@ -51,6 +51,7 @@ MESH_AXES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 # again by `validate`; these annotations are the config's only list of the choices.
 Dtype = Literal["float32", "bfloat16", "float16"]
 Attention = Literal["auto", "xla", "cudnn"]
+MLPActivation = Literal["silu", "gelu_tanh"]
 Remat = Literal["none", "dots", "full"]
 ContextLayout = Literal["zigzag", "contiguous"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
@@ -59,7 +60,7 @@ DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 DataErrors = Literal["strict", "replace", "skip"]
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
-RopeScaling = Literal["none", "llama3"]
+RopeScaling = Literal["none", "llama3", "linear"]
 MoEDispatch = Literal["auto", "padded", "ragged"]
 
 
@@ -91,10 +92,10 @@ class RopeScalingConfig:
     """Rotary frequencies rescaled for long context, as Llama 3.1+ checkpoints ship them
     (Hugging Face rope_type "llama3"): wavelengths above original_max_len / low_freq_factor are
     divided by `factor`, those below original_max_len / high_freq_factor kept, the ones between
-    interpolated."""
+    interpolated. "linear" (Gemma 3's global layers): every frequency divided by `factor`."""
 
-    type: RopeScaling = "none"  # none | llama3
-    factor: float = 8.0  # llama3: how much longer the context became
+    type: RopeScaling = "none"  # none | llama3 | linear
+    factor: float = 8.0  # llama3, linear: how much longer the context became
     low_freq_factor: float = 1.0  # llama3: low-frequency band edge
     high_freq_factor: float = 4.0  # llama3: high-frequency band edge
     original_max_len: int = 8192  # llama3: the context length the model was pre-trained with
@@ -117,6 +118,14 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     head_dim: int | None = None  # one attention head's width; None = d_model / n_heads
     qk_norm: bool = False  # RMSNorm over each head of q and k before the rotation (Qwen3)
+    mlp_activation: MLPActivation = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(d_model) on the way in (Gemma)
+    norm_offset: bool = False  # RMSNorm scales by 1 + weight, the weights starting at 0 (Gemma)
+    post_norms: bool = False  # RMSNorm also on the attention's and the MLP's outputs (Gemma 3)
+    attn_scale_dim: float | None = None  # logits scaled by 1/sqrt(this); None = head width (Gemma 3)
+    sliding_window: int | None = None  # sliding layers attend to the last n positions; None = none
+    global_every: int = 0  # with sliding_window: every n-th layer attends globally; 0 = all slide
+    rope_local_theta: float | None = None  # rotary base of the sliding layers; None = rope_theta
     dtype: Dtype = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
     param_dtype: Dtype = "float32"  # parameters and optimizer state
     fp8: bool = (
@@ -888,6 +897,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     _validate_optimizer(cfg.optimizer)
     _validate_counts(cfg)
     _validate_model(cfg)
+    _validate_window(cfg, sizes)
     _validate_splits(cfg, sizes)
     _validate_moe(cfg, sizes)
     _validate_pipeline(cfg, sizes)
@@ -975,6 +985,31 @@ def _validate_counts(cfg: Config) -> None:
             raise ConfigError(f"{key}={value}: must be at least 1")
 
 
+def _validate_window(cfg: Config, sizes: dict[str, int]) -> None:
+    """Sliding-window attention: positive sizes, and the layouts that run it."""
+    m = cfg.model
+    if m.sliding_window is None:
+        return
+    if m.sliding_window < 1 or m.global_every < 0:
+        raise ConfigError(
+            f"model.sliding_window={m.sliding_window}, model.global_every={m.global_every}: the window "
+            "must be at least 1 (or null: every layer global), global_every at least 0 (0: all slide)"
+        )
+    for key, size, why in (
+        ("mesh.pipe", sizes["pipe"], "a stage does not know which of its layers slide"),
+        ("mesh.context", sizes["context"], "ring attention has no window yet"),
+    ):
+        if size != 1:
+            raise ConfigError(
+                f"model.sliding_window={m.sliding_window} with {key}={size}: {why}; use {key}=1"
+            )
+    if m.moe.num_experts and m.moe.every > 1:
+        raise ConfigError(
+            f"model.sliding_window with model.moe.every={m.moe.every}: MoE groups and window patterns "
+            "do not combine yet; use moe.every=1"
+        )
+
+
 def _validate_model(cfg: Config) -> None:
     """The model's shape on its own: heads, head width, rotary scaling, sequence length."""
     m, t = cfg.model, cfg.train
@@ -991,6 +1026,8 @@ def _validate_model(cfg: Config) -> None:
         what = "model.head_dim" if m.head_dim else "model.d_model/model.n_heads"
         raise ConfigError(f"{what} = {m.head_width} is odd; rotary embeddings need an even head dimension")
     rs = m.rope_scaling
+    if rs.type == "linear" and not rs.factor > 0:
+        raise ConfigError(f"model.rope_scaling: factor={rs.factor}; linear scaling needs factor > 0")
     if rs.type == "llama3" and not (
         rs.factor >= 1 and 0 < rs.low_freq_factor < rs.high_freq_factor and rs.original_max_len >= 1
     ):

@@ -77,6 +77,14 @@ ARCHITECTURE_KEYS = (
     "qkv_bias",
     "head_dim",
     "qk_norm",
+    "mlp_activation",
+    "embed_scale",
+    "norm_offset",
+    "post_norms",
+    "attn_scale_dim",
+    "sliding_window",
+    "global_every",
+    "rope_local_theta",
 )
 # model.moe.* of the weights' shape and routing; the layer's training settings stay the user's.
 MOE_ARCHITECTURE_KEYS = ("num_experts", "top_k", "every", "d_ff", "norm_topk", "shared_experts")

@@ -135,6 +135,28 @@ VARIANTS = {
         "<|endoftext|>",
         None,
     ),
+    # Gemma 3 (text): 4 layers, the third global and the others sliding over 6 positions (the
+    # sequence is 24), heads wider than hidden / heads, a query scale of its own, linear rope
+    # scaling on the global layer, tied embeddings; float32.
+    "gemma3-windows": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            query_pre_attn_scalar=20,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+                "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            },
+            tie_word_embeddings=True,
+        ),
+        "float32",
+        "<|endoftext|>",
+        None,
+    ),
 }
 MODELS = {
     "LlamaConfig": "LlamaForCausalLM",
@@ -143,6 +165,7 @@ MODELS = {
     "Qwen3Config": "Qwen3ForCausalLM",
     "MixtralConfig": "MixtralForCausalLM",
     "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
+    "Gemma3TextConfig": "Gemma3ForCausalLM",
 }
 
 
@@ -172,7 +195,7 @@ def build(out: str) -> None:
     torch.manual_seed(SEED)
     results = {}
     for name, (config_cls, settings, dtype, eos, shard) in VARIANTS.items():
-        config = getattr(transformers, config_cls)(**COMMON, **settings)
+        config = getattr(transformers, config_cls)(**{**COMMON, **settings})
         model = getattr(transformers, MODELS[config_cls])(config).eval()
         with torch.no_grad():
             for pname, p in model.named_parameters():

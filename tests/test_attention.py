@@ -68,15 +68,18 @@ def mask_from_offsets(offsets, lengths, seq):
     return (same & (pos[None, None, :] <= pos[None, :, None]))[:, None]
 
 
-def reference_attention(q, k, v, segment_ids):
-    """float64 numpy: softmax(q k^T / sqrt(H)) v over earlier tokens of the same document."""
+def reference_attention(q, k, v, segment_ids, window=None, scale=None):
+    """float64 numpy: softmax(q k^T * scale) v over earlier tokens of the same document (scale
+    1/sqrt(H) by default); with `window`, only the `window` latest of them (itself included)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     _, seq, n, h = q.shape
     k, v = np.repeat(k, n // k.shape[2], axis=2), np.repeat(v, n // v.shape[2], axis=2)
     allowed = np.tril(np.ones((seq, seq), bool))[None]
+    if window is not None:
+        allowed = allowed & (np.arange(seq)[:, None] - np.arange(seq)[None, :] < window)[None]
     if segment_ids is not None:
         allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    scores = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(h)
+    scores = np.einsum("bqnh,bknh->bnqk", q, k) * (1 / np.sqrt(h) if scale is None else scale)
     scores = np.where(allowed[:, None], scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
@@ -149,6 +152,28 @@ def test_xla_path_matches_reference(packed):
     ids = random_segment_ids(rng, b, t, 6) if packed else None
     out = jax.jit(lambda q, k, v, s: attend(q, k, v, s, implementation="xla"))(q, k, v, ids)
     np.testing.assert_allclose(out, reference_attention(q, k, v, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_sliding_window_over_packed_documents_matches_reference(packed):
+    """A window of 3 inside packed documents (a query sees its own document's 3 latest tokens),
+    with a query scale of its own; `sliding` false (a global layer) is the plain attention."""
+    rng = np.random.default_rng(3)
+    b, t, n, kv, h = 3, 32, 4, 2, 16
+    q, k, v = (
+        rng.standard_normal(s).astype(np.float32) for s in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h)]
+    )
+    ids = random_segment_ids(rng, b, t, 6) if packed else None
+
+    @jax.jit
+    def windowed(q, k, v, s, sliding):
+        return attend(q, k, v, s, implementation="xla", window=3, sliding=sliding, scale=0.2)
+
+    want = reference_attention(q, k, v, ids, window=3, scale=0.2)
+    np.testing.assert_allclose(windowed(q, k, v, ids, True), want, atol=1e-5, rtol=1e-5)
+    full = reference_attention(q, k, v, ids, scale=0.2)
+    np.testing.assert_allclose(windowed(q, k, v, ids, False), full, atol=1e-5, rtol=1e-5)
+    assert np.abs(want - full).max() > 0.1  # the window matters on these rows
 
 
 def test_cudnn_rejects_what_cudnn_cannot_take():

@@ -371,6 +371,17 @@ def test_default_mesh_fits_any_device_count(devices, expected):
         (("parallel.remat=sometimes",), ("parallel.remat='sometimes'", "none, dots, full")),
         (("parallel.zero_stage=4",), ("parallel.zero_stage=4", "0, 1, 2, 3")),
         (("train.steps=0",), ("train.steps=0", "at least 1")),
+        (
+            ("model.sliding_window=8", "mesh.pipe=2", "mesh.data=1"),
+            ("model.sliding_window=8 with mesh.pipe=2", "use mesh.pipe=1"),
+        ),
+        (
+            ("model.sliding_window=8", "mesh.context=2", "mesh.data=1"),
+            ("model.sliding_window=8 with mesh.context=2", "ring attention has no window"),
+        ),
+        (("model.sliding_window=0",), ("model.sliding_window=0", "at least 1")),
+        (("model.head_dim=7",), ("model.head_dim = 7 is odd",)),
+        (("model.rope_scaling.type=linear", "model.rope_scaling.factor=0"), ("factor=0", "factor > 0")),
     ],
     ids=[
         "heads-kv",
@@ -382,6 +393,11 @@ def test_default_mesh_fits_any_device_count(devices, expected):
         "remat",
         "zero-stage",
         "steps",
+        "window-pipeline",
+        "window-ring",
+        "window-size",
+        "odd-explicit-head-dim",
+        "linear-rope-factor",
     ],
 )
 def test_model_and_batch_checks_name_the_keys_and_numbers(overrides, fragments):

@@ -47,6 +47,7 @@ VARIANTS = [
     "qwen3-wide-heads",
     "mixtral",
     "qwen3-moe",
+    "gemma3-windows",
 ]
 MOE_VARIANTS = {"mixtral", "qwen3-moe"}
 EXPORTED_AS = {  # the class transformers loads a variant's export with (Mistral is written as Llama)
@@ -57,6 +58,7 @@ EXPORTED_AS = {  # the class transformers loads a variant's export with (Mistral
     "qwen3-wide-heads": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3-moe": "Qwen3MoeForCausalLM",
+    "gemma3-windows": "Gemma3ForCausalLM",
 }
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 MOE_MESH = {"expert": 2, "fsdp": 2, "tensor": 2}  # the batch split over fsdp x expert = 4 rows
@@ -174,11 +176,18 @@ def test_logits_match_transformers_on_an_fsdp_x_tensor_mesh(hf, variant):
         assert _max_diff(forward(bad, tokens)[0], want) > 100 * ATOL, what
     swapped = {**blocks, "attn_norm": blocks["mlp_norm"], "mlp_norm": blocks["attn_norm"]}
     assert _max_diff(forward({**params, "blocks": swapped}, tokens)[0], want) > 100 * ATOL
-    if m.rope_scaling.type != "none":
-        plain = dataclasses.replace(
-            cfg, model=dataclasses.replace(m, rope_scaling=config_lib.RopeScalingConfig())
-        )
-        assert _max_diff(_forward(plain, layout)(params, tokens)[0], want) > 100 * ATOL
+    model_bugs = {  # what the model would compute if a setting were read wrong or ignored
+        "rope scaling ignored": m.rope_scaling.type != "none"
+        and {"rope_scaling": config_lib.RopeScalingConfig()},
+        "every layer global": m.sliding_window is not None and {"sliding_window": None},
+        "every layer sliding": m.global_every > 0 and {"global_every": 0},
+        "one rotary base": m.rope_local_theta is not None and {"rope_local_theta": None},
+        "the default query scale": m.attn_scale_dim is not None and {"attn_scale_dim": None},
+    }
+    for what, change in model_bugs.items():
+        if change:
+            wrong_cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **change))
+            assert _max_diff(_forward(wrong_cfg, layout)(params, tokens)[0], want) > 100 * ATOL, what
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -439,6 +448,21 @@ FAMILY_CASES = {  # ModelConfig changes covering every branch of each family's t
             num_experts=4, top_k=2, every=2, d_ff=40, norm_topk=False, z_loss_weight=0.0
         ),
     },
+    "gemma3-windows": {
+        "qk_norm": True,
+        "head_dim": 24,
+        "tie_embeddings": True,
+        "mlp_activation": "gelu_tanh",
+        "embed_scale": True,
+        "norm_offset": True,
+        "post_norms": True,
+        "attn_scale_dim": 20.0,
+        "sliding_window": 4,
+        "global_every": 3,
+        "rope_theta": 1e6,
+        "rope_local_theta": 1e4,
+        "rope_scaling": config_lib.RopeScalingConfig(type="linear", factor=8.0),
+    },
 }
 FAMILY_OF_CASE = {
     "llama-gqa-untied": "llama",
@@ -447,6 +471,7 @@ FAMILY_OF_CASE = {
     "qwen3-wide-heads": "qwen3",
     "mixtral": "mixtral",
     "qwen3-moe-grouped": "qwen3_moe",
+    "gemma3-windows": "gemma3",
 }
 
 

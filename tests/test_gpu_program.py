@@ -321,3 +321,41 @@ def test_pipeline_sums_over_data_once_per_step_not_every_tick():
         )
         counts[microbatches] = r["collectives"]["all-reduce"]["count"]
     assert counts[2] == counts[4], counts
+
+
+GEMMA3 = {  # Gemma 3's block on SMALL: the first layer slides over 64 of 256 positions, the second is global
+    "mesh.data": 1,
+    "mesh.fsdp": 1,
+    "mesh.tensor": 1,
+    "parallel.zero_stage": 0,
+    "model.sliding_window": 64,
+    "model.global_every": 2,
+    "model.qk_norm": True,
+    "model.post_norms": True,
+    "model.norm_offset": True,
+    "model.embed_scale": True,
+    "model.mlp_activation": "gelu_tanh",
+    "model.head_dim": 64,
+    "model.attn_scale_dim": 48,
+    "model.rope_local_theta": 10000.0,
+    "model.tie_embeddings": True,
+}
+
+
+def test_sliding_window_layers_run_cudnn_with_the_window_and_no_dense_mask():
+    """Gemma 3's layers on the H100 program: each layer's attention is a cuDNN flash call, the
+    sliding layers' with the window (sliding_window_length 64), the global ones' without (0),
+    forward and backward, with the query scale of model.attn_scale_dim, and no [T, T] operand."""
+    trainer, compiled, _ = compiled_for(1, **GEMMA3)
+    t = trainer.cfg.train.seq_len
+    calls = _custom_calls(compiled.as_text(), "__cudnn$fmha")
+    windows = {"fwd": set(), "bwd": set()}
+    for line in calls:
+        kind = "bwd" if "Backward" in line else "fwd"
+        windows[kind].update(re.findall(r'"sliding_window_length":\s*"?(\d+)', line))
+        assert re.search(r'"mask_type":\s*"CAUSAL"', line)
+        scale = float(re.search(r'"fmha_scale":\s*([0-9.e-]+)', line).group(1))
+        assert abs(scale - 48**-0.5) < 1e-9
+        head, operands = line.split(" = ", 1)[1].split("custom-call(", 1)
+        assert not re.search(rf"\[\d+,\d+,{t},{t}\]", head + operands)
+    assert windows == {"fwd": {"0", "64"}, "bwd": {"0", "64"}}, windows

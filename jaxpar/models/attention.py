@@ -40,6 +40,7 @@ Caller's constraints for "cudnn" (checked here where they can be):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
@@ -138,35 +139,65 @@ def kernel_for(cfg, device, *, pipelined: bool = False, ring: bool = False) -> s
     return "cudnn" if fits else "xla"
 
 
-def attention_mask(segment_ids):
-    """Causal and same-document mask [batch, 1, q, k] from segment ids [batch, seq]."""
-    seq = segment_ids.shape[1]
+def attention_mask(segment_ids, window: int | None = None, sliding=None):
+    """Causal and same-document mask [batch, 1, q, k] from segment ids [batch, seq]; with
+    `window`, a query sees only the `window` latest positions (itself included) -- where
+    `sliding` (a traced bool, or None for always) holds."""
+    return _mask(segment_ids.shape[1], segment_ids, window, sliding)
+
+
+def _mask(seq, segment_ids, window, sliding):
+    """`attention_mask`; segment_ids None: one document per row, [1, 1, q, k]."""
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    if window is not None:
+        offset = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]
+        near = offset < window
+        causal = causal & (near if sliding is None else near | ~sliding)
+    if segment_ids is None:
+        return causal[None, None]
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (causal[None] & same_doc)[:, None]
 
 
-def attend(q, k, v, segment_ids, *, implementation: str, max_segments: int | None = None):
+def attend(
+    q, k, v, segment_ids, *, implementation: str, max_segments=None, scale=None, window=None, sliding=None
+):
     """Causal attention of each token to the earlier tokens of its own document.
 
     q [B, T, N, H], k/v [B, T, K, H] (K divides N); segment_ids int [B, T], or None for one
     document per row. Returns [B, T, N, H] in q's dtype. `implementation`: "xla" (dense mask) or
     "cudnn" (packed flash attention, see the module doc); `max_segments` (cudnn only): documents
-    described per row, DEFAULT_MAX_SEGMENTS when None; rows holding more come out NaN."""
+    described per row, DEFAULT_MAX_SEGMENTS when None; rows holding more come out NaN. `scale`:
+    of the logits, None for 1/sqrt(H). `window` (static): a query sees its `window` latest
+    positions only, in the layers where `sliding` (a traced bool; None: every call) holds -- on
+    cuDNN both forms are compiled and `lax.cond` picks one per layer."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     _check_shapes(q, k, v, segment_ids)
     if implementation == "xla":
-        if segment_ids is None:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-        return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(segment_ids), implementation="xla")
+        if segment_ids is None and window is None:
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="xla")
+        mask = _mask(q.shape[1], segment_ids, window, sliding)
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask, implementation="xla")
     _check_cudnn(q, k)
-    if segment_ids is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    return _packed_cudnn(q, k, v, segment_ids, DEFAULT_MAX_SEGMENTS if max_segments is None else max_segments)
+    max_segments = DEFAULT_MAX_SEGMENTS if max_segments is None else max_segments
+
+    def cudnn(q, k, v, window):
+        if segment_ids is None:
+            local = None if window is None else (window - 1, 0)
+            return jax.nn.dot_product_attention(
+                q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
+            )
+        return _packed_cudnn(q, k, v, segment_ids, max_segments, scale, window)
+
+    if window is None or sliding is None:
+        return cudnn(q, k, v, window)
+    return jax.lax.cond(
+        sliding, functools.partial(cudnn, window=window), functools.partial(cudnn, window=None), q, k, v
+    )
 
 
-def _packed_cudnn(q, k, v, segment_ids, max_segments: int):
+def _packed_cudnn(q, k, v, segment_ids, max_segments: int, scale=None, window=None):
     fa = _fused()
     # jax turns token offsets into element offsets (x N * H) in int32, on each device's shard.
     b, t, n, h = _local_shape(q.shape, ("batch", "seq", "heads", None))
@@ -184,23 +215,18 @@ def _packed_cudnn(q, k, v, segment_ids, max_segments: int):
     # therefore be split over batch exactly like q; say so rather than leave it to propagation.
     offsets = constrain(offsets, ("batch", None))
     lengths = constrain(lengths, ("batch", None))
+    common = dict(
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+        mask_type=fa.MaskType.CAUSAL,
+        sliding_window_length=window,
+    )
     if max_segments == 1:
         # One slot means one document per row: jax's packed form needs M > 1, and a plain causal
         # call is the same thing (rows with more documents are poisoned below).
-        out = fa.dot_product_attention(
-            q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), mask_type=fa.MaskType.CAUSAL
-        )
+        out = fa.dot_product_attention(q, k, v, **common)
     else:
         out = fa.dot_product_attention(
-            q,
-            k,
-            v,
-            q_seqlen=lengths,
-            kv_seqlen=lengths,
-            q_offsets=offsets,
-            kv_offsets=offsets,
-            scale=1.0 / math.sqrt(q.shape[-1]),
-            mask_type=fa.MaskType.CAUSAL,
+            q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets, **common
         )
     return poison_overflow(out, segment_ids, max_segments)
 

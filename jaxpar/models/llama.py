@@ -30,6 +30,7 @@ families' (`jaxpar.models.families`)):
 | blocks.attn.q_norm.scale[l]   | [H]         | model.qk_norm (k_norm alike) |
 | blocks.attn.wo[l]             | [N, H, E]   |                              |
 | blocks.mlp_norm.scale[l]      | [E]         |                              |
+| blocks.post_attn_norm.scale[l]| [E]         | model.post_norms (post_mlp_norm alike) |
 | blocks.mlp.w_gate[l]          | [E, F]      | dense MLP                    |
 | blocks.mlp.w_up[l]            | [E, F]      | dense MLP                    |
 | blocks.mlp.w_down[l]          | [F, E]      | dense MLP                    |
@@ -82,13 +83,15 @@ class RMSNorm(nnx.Module):
     model.qk_norm)."""
 
     def __init__(self, cfg: ModelConfig, axis: str = "embed"):
-        self.eps = cfg.norm_eps
+        self.eps, self.offset = cfg.norm_eps, cfg.norm_offset
         width = cfg.d_model if axis == "embed" else cfg.head_width
-        scale = jnp.ones((width,), jnp.dtype(cfg.param_dtype))
+        # model.norm_offset (Gemma): the weight is stored as scale - 1, so it starts at 0.
+        scale = (jnp.zeros if self.offset else jnp.ones)((width,), jnp.dtype(cfg.param_dtype))
         self.scale = nnx.Param(scale, out_sharding=(axis,), eager_sharding=False)
 
     def __call__(self, x):  # [..., width]
-        return rms_norm(x, self.scale[...], self.eps)
+        scale = self.scale[...]
+        return rms_norm(x, 1.0 + scale.astype(jnp.float32) if self.offset else scale, self.eps)
 
 
 # The norm and the rotation compute in float32 from model.dtype inputs. Rematerialised, their
@@ -103,12 +106,14 @@ def rms_norm(x, scale, eps: float):
 
 
 def rope_scaling_of(cfg: ModelConfig) -> tuple | None:
-    """model.rope_scaling as `rotary`'s static argument: None, or the llama3 parameters
-    (factor, low_freq_factor, high_freq_factor, original_max_len)."""
+    """model.rope_scaling as `rotary`'s static argument: None, ("linear", factor), or the llama3
+    parameters ("llama3", factor, low_freq_factor, high_freq_factor, original_max_len)."""
     rs = cfg.rope_scaling
     if rs.type == "none":
         return None
-    return (rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_len)
+    if rs.type == "linear":
+        return ("linear", rs.factor)
+    return ("llama3", rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_len)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(2, 3))
@@ -119,11 +124,14 @@ def rotary(x, positions, theta: float, scaling: tuple | None = None):
     computes them (rope_type "llama3"): frequencies whose wavelength exceeds original_max_len /
     low_freq_factor are divided by factor, those with a wavelength under original_max_len /
     high_freq_factor are kept, and the band between blends the two linearly in original_max_len
-    / wavelength."""
+    / wavelength; or ("linear", factor): every frequency divided by factor (position interpolation,
+    rope_type "linear")."""
     half = x.shape[-1] // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if scaling is not None:
-        factor, low, high, original = scaling
+    if scaling is not None and scaling[0] == "linear":
+        inv_freq = inv_freq / scaling[1]
+    elif scaling is not None:
+        factor, low, high, original = scaling[1:]
         wavelength = 2 * jnp.pi / inv_freq
         scaled = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
         smooth = (original / wavelength - low) / (high - low)
@@ -171,11 +179,17 @@ class KVCache(NamedTuple):
             self.length + k.shape[1],
         )
 
-    def causal_mask(self, seq: int):
+    def causal_mask(self, seq: int, window: int | None = None, sliding=None):
         """[1, 1, seq, max_len]: the last `seq` filled slots are the queries; query i (at slot
-        length - seq + i) sees slots 0 .. length - seq + i."""
-        query_slot = self.length - seq + jnp.arange(seq)
-        return (jnp.arange(self.k.shape[-3])[None, :] <= query_slot[:, None])[None, None]
+        length - seq + i) sees slots 0 .. length - seq + i; with `window`, only the `window` latest
+        of those, where `sliding` (a traced bool; None: always) holds."""
+        query_slot = (self.length - seq + jnp.arange(seq))[:, None]
+        slot = jnp.arange(self.k.shape[-3])[None, :]
+        mask = slot <= query_slot
+        if window is not None:
+            near = query_slot - slot < window
+            mask = mask & (near if sliding is None else near | ~sliding)
+        return mask[None, None]
 
 
 class Attention(nnx.Module):
@@ -201,52 +215,69 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(cfg, "head_dim")
             self.k_norm = RMSNorm(cfg, "head_dim")
 
-    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
+    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None, sliding=None):
         """x [batch, seq, embed] -> [batch, seq, embed]. With `cache` (this layer's KVCache; a
-        single document, segment_ids unused): (out, the cache with these keys/values added)."""
-        dtype = jnp.dtype(self.cfg.dtype)
-        matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=dtype)
+        single document, segment_ids unused): (out, the cache with these keys/values added).
+        `sliding` (a traced bool, with model.sliding_window): this layer attends to the window
+        only, with the sliding layers' rotary base."""
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        matmul = functools.partial(block_einsum, fp8=cfg.fp8, dtype=dtype)
         q = matmul("bse,enh->bsnh", x, self.wq[...])
         k = matmul("bse,ekh->bskh", x, self.wk[...])
         v = matmul("bse,ekh->bskh", x, self.wv[...])
-        if self.cfg.qkv_bias:
+        if cfg.qkv_bias:
             q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
-        if self.cfg.qk_norm:
+        if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        theta, scaling = self.cfg.rope_theta, rope_scaling_of(self.cfg)
-        q = constrain(rotary(q, positions, theta, scaling), ("batch", "seq", "heads", None))
-        k = constrain(rotary(k, positions, theta, scaling), ("batch", "seq", "kv_heads", None))
+        q, k = (rotate(cfg, y, positions, sliding) for y in (q, k))
+        q = constrain(q, ("batch", "seq", "heads", None))
+        k = constrain(k, ("batch", "seq", "kv_heads", None))
         v = constrain(v, ("batch", "seq", "kv_heads", None))
+        scale = None if cfg.attn_scale_dim is None else cfg.attn_scale_dim**-0.5
+        window = cfg.sliding_window
         if cache is not None:  # generation: attend to the cached tokens and these
             cache = cache.append(k, v)
             # "auto" rather than model.attention: cuDNN may not take this mask, XLA always does.
-            mask = cache.causal_mask(q.shape[1])
-            out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask)
+            mask = cache.causal_mask(q.shape[1], window, sliding)
+            out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask, scale=scale)
         elif self.context_layout is not None:  # context parallel: the ring over `seq`'s axis
+            if scale is not None:  # the ring scales by 1/sqrt(head width): fold the rest into q
+                q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
+            axis = ring_axis(rules_in_force())
             out = ring_attention_permuted(
-                q,
-                k,
-                v,
-                axis_name=ring_axis(rules_in_force()),
-                layout=self.context_layout,
-                segment_ids=segment_ids,
+                q, k, v, axis_name=axis, layout=self.context_layout, segment_ids=segment_ids
             )
         else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
+            kernel = attention_kernel(cfg)
             out = attend(
                 q,
                 k,
                 v,
                 segment_ids,
-                implementation=attention_kernel(self.cfg),
-                max_segments=self.cfg.max_documents_per_row,
+                implementation=kernel,
+                max_segments=cfg.max_documents_per_row,
+                scale=scale,
+                window=window,
+                sliding=sliding if window is not None else None,
             )
         out = constrain(out, ("batch", "seq", "heads", None))
         out = matmul("bsnh,nhe->bse", out, self.wo[...])
         return out if cache is None else (out, cache)
 
 
+def rotate(cfg: ModelConfig, x, positions, sliding=None):
+    """The rotary embedding of q or k: model.rope_theta and its scaling, or in a sliding layer
+    (`sliding` true, a traced bool) model.rope_local_theta without scaling."""
+    theta, scaling = cfg.rope_theta, rope_scaling_of(cfg)
+    rotated = rotary(x, positions, theta, scaling)
+    local = cfg.rope_local_theta
+    if sliding is None or cfg.sliding_window is None or local is None or (local, scaling) == (theta, None):
+        return rotated
+    return jnp.where(sliding, rotary(x, positions, local, None), rotated)
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up)) (`jaxpar.swiglu`)."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)), or GeGLU with model.mlp_activation (`jaxpar.swiglu`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
         self.cfg = cfg
@@ -263,11 +294,14 @@ class MLP(nnx.Module):
             self.w_down[...],
             fp8=self.cfg.fp8,
             dtype=jnp.dtype(self.cfg.dtype),
+            activation=self.cfg.mlp_activation,
         )
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block; `moe=True` swaps the dense MLP for a mixture of experts."""
+    """Pre-norm transformer block; `moe=True` swaps the dense MLP for a mixture of experts. With
+    model.post_norms (Gemma 3) the attention's and the MLP's outputs are normalised too, before
+    they join the residual stream."""
 
     def __init__(
         self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False, context_layout: str | None = None
@@ -276,18 +310,23 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs, context_layout)
         self.mlp_norm = RMSNorm(cfg)
         self.mlp = MoEMLP(cfg, rngs) if moe else MLP(cfg, rngs)
+        if cfg.post_norms:
+            self.post_attn_norm = RMSNorm(cfg)
+            self.post_mlp_norm = RMSNorm(cfg)
 
-    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
+    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None, sliding=None):
         """x [batch, seq, embed] -> (x, stats); stats holds the router statistics of an MoE MLP.
-        With `cache` (this layer's KVCache): (x, the updated cache) instead."""
+        With `cache` (this layer's KVCache): (x, the updated cache) instead. `sliding`: whether
+        this layer's attention slides (`Attention`)."""
+        post = hasattr(self, "post_attn_norm")
         if cache is None:
-            attn = self.attn(self.attn_norm(x), positions, segment_ids)
+            attn = self.attn(self.attn_norm(x), positions, segment_ids, sliding=sliding)
         else:
-            attn, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache)
-        x = constrain(x + attn, ("batch", "act_seq", "embed"))
+            attn, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache, sliding=sliding)
+        x = constrain(x + (self.post_attn_norm(attn) if post else attn), ("batch", "act_seq", "embed"))
         out = self.mlp(self.mlp_norm(x))
         out, stats = out if isinstance(out, tuple) else (out, {})
-        x = constrain(x + out, ("batch", "act_seq", "embed"))
+        x = constrain(x + (self.post_mlp_norm(out) if post else out), ("batch", "act_seq", "embed"))
         return x, (stats if cache is None else cache)
 
 
@@ -334,19 +373,31 @@ def scan_length(cfg: ModelConfig) -> int:
     return moe_layers(cfg) or cfg.n_layers
 
 
-def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = "none"):
-    """Applies stacked layers (leaves [layers, ...], merged into `graphdef` one at a time) with a
-    lax.scan, rematerialised per `remat`. Returns (x, per-layer statistics stacked)."""
+def sliding_layers(cfg: ModelConfig):
+    """bool [layers]: which layers' attention slides (model.sliding_window: all but every
+    model.global_every-th, the last of each run), or None when none does."""
+    if cfg.sliding_window is None:
+        return None
+    every = cfg.global_every
+    return jnp.asarray([every == 0 or (i + 1) % every != 0 for i in range(cfg.n_layers)])
 
-    def one_layer(h, params):
-        return nnx.merge(graphdef, params)(h, positions, segment_ids)
+
+def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = "none", sliding=None):
+    """Applies stacked layers (leaves [layers, ...], merged into `graphdef` one at a time) with a
+    lax.scan, rematerialised per `remat`; `sliding` (bool [layers], `sliding_layers`) tells each
+    layer whether its attention slides. Returns (x, per-layer statistics stacked)."""
+
+    def one_layer(h, scanned):
+        params, slides = scanned
+        kwargs = {} if slides is None else {"sliding": slides}
+        return nnx.merge(graphdef, params)(h, positions, segment_ids, **kwargs)
 
     if remat != "none":
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat])
-    return jax.lax.scan(one_layer, x, layer_params)
+    return jax.lax.scan(one_layer, x, (layer_params, sliding))
 
 
-def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache):
+def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache, sliding=None):
     """`scan_layers` for generation: each scan step also reads and rewrites its layers' slice of
     the cache (k, v [layers, ...], regrouped as [units, layers per unit, ...] when the scanned
     unit is a `BlockGroup`). Returns (x, the cache with x.shape[1] more slots filled)."""
@@ -357,11 +408,13 @@ def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache):
         return a.reshape(units, per_unit, *a.shape[1:]) if per_unit > 1 else a
 
     def one_layer(h, scanned):
-        params, k, v = scanned
-        h, layer = nnx.merge(graphdef, params)(h, positions, None, KVCache(k, v, cache.length))
+        params, k, v, slides = scanned
+        kwargs = {} if slides is None else {"sliding": slides}
+        h, layer = nnx.merge(graphdef, params)(h, positions, None, KVCache(k, v, cache.length), **kwargs)
         return h, (layer.k, layer.v)
 
-    x, (k, v) = jax.lax.scan(one_layer, x, (layer_params, by_unit(cache.k), by_unit(cache.v)))
+    scanned = (layer_params, by_unit(cache.k), by_unit(cache.v), sliding)
+    x, (k, v) = jax.lax.scan(one_layer, x, scanned)
     return x, KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape), cache.length + x.shape[1])
 
 
@@ -397,13 +450,18 @@ class Transformer(nnx.Module):
         # The lookup reads whole rows: gather the table's embed dim first (a no-op below ZeRO-3).
         table = constrain(self.embedding[...].astype(jnp.dtype(self.cfg.dtype)), ("vocab", None))
         x = table[tokens]
+        if self.cfg.embed_scale:  # Gemma: x sqrt(d_model), rounded to the activations' dtype
+            x = x * jnp.asarray(self.cfg.d_model**0.5, x.dtype)
         return constrain(x, ("batch", "act_seq", "embed"))
 
     def run_blocks(self, layer_params, x, positions, segment_ids):
         """Runs a stack of layers with this model's block structure: `layer_params` is the
         blocks' state as a pure dict, leaves [layers, ...] (all layers, or a pipeline stage's
-        run of them). Returns (x, MoE statistics stacked over those layers, or {})."""
-        return scan_layers(nnx.graphdef(self.blocks), layer_params, x, positions, segment_ids, self.remat)
+        run of them; with model.sliding_window, all of them). Returns (x, MoE statistics stacked
+        over those layers, or {})."""
+        sliding = sliding_layers(self.cfg)
+        graphdef = nnx.graphdef(self.blocks)
+        return scan_layers(graphdef, layer_params, x, positions, segment_ids, self.remat, sliding)
 
     def apply_blocks(self, x, positions, segment_ids):
         """Runs the stacked blocks; returns (x, MoE statistics stacked over layers, or {})."""
@@ -455,7 +513,8 @@ class Transformer(nnx.Module):
         The same weights and math as `__call__`, so the logits match its logits position by
         position."""
         graphdef, layer_params = nnx.split(self.blocks)
-        x, cache = scan_layers_cached(graphdef, layer_params, self.embed(tokens), positions, cache)
+        sliding = sliding_layers(self.cfg)
+        x, cache = scan_layers_cached(graphdef, layer_params, self.embed(tokens), positions, cache, sliding)
         return self.head(x), cache
 
 

@@ -104,6 +104,19 @@ class Tensor(NamedTuple):
         return int(self.stacked) + int(self.experts > 0)
 
 
+def llama_block(m: ModelConfig) -> bool:
+    """The block has none of Gemma's changes (GeGLU, scaled embeddings, offset norms, output
+    norms, a query scale of its own, sliding windows): the other families' block."""
+    return not (
+        m.embed_scale
+        or m.norm_offset
+        or m.post_norms
+        or m.mlp_activation != "silu"
+        or m.attn_scale_dim is not None
+        or m.sliding_window is not None
+    )
+
+
 def block_prefix(m: ModelConfig, position: int) -> str:
     """The jaxpar path of block `position` of a scan unit: `blocks.` for one block a unit,
     `blocks.blocks.{position}.` when MoE layers come every model.moe.every blocks."""
@@ -222,17 +235,34 @@ def check_full_attention(hf: dict, where: str) -> None:
         )
 
 
-def _rope_from_hf(hf: dict, where: str) -> tuple[float, dict]:
-    """(rope_theta, the model.rope_scaling settings) of config.json."""
-    rope = dict(hf.get("rope_scaling") or {})
-    rope.update(hf.get("rope_parameters") or {})  # transformers >= 5 keeps everything here
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def rope_from_hf(
+    hf: dict, where: str, rope: dict | None = None, theta: float = 10000.0
+) -> tuple[float, dict]:
+    """(rope_theta, the model.rope_scaling settings) of config.json, or of its `rope` entry
+    (one layer type's, Gemma 3) with `theta` the base when it names none."""
+    if rope is None:
+        rope = dict(hf.get("rope_scaling") or {})
+        rope.update(hf.get("rope_parameters") or {})  # transformers >= 5 keeps everything here
+        theta = hf.get("rope_theta", theta)
+    theta = float(rope.get("rope_theta", theta))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, {"type": "none"}
+    if rope_type == "linear":
+        return theta, {"type": "linear", "factor": float(rope["factor"])}
     if rope_type == "llama3":
         return theta, {"type": "llama3", **{field: cast(rope[key]) for key, field, cast in LLAMA3_ROPE_KEYS}}
-    raise refuse(where, f"rope scaling {rope_type!r}: jaxpar has none or llama3")
+    raise refuse(where, f"rope scaling {rope_type!r}: jaxpar has none, linear or llama3")
+
+
+def rope_scaling_config(m: ModelConfig) -> dict | None:
+    """config.json's rope_scaling for model.rope_scaling (the inverse of `rope_from_hf`)."""
+    rs = m.rope_scaling
+    if rs.type == "none":
+        return None
+    if rs.type == "linear":
+        return {"rope_type": "linear", "factor": rs.factor}
+    return {"rope_type": rs.type, **{key: getattr(rs, field) for key, field, _ in LLAMA3_ROPE_KEYS}}
 
 
 def base_settings(hf: dict, where: str) -> dict:
@@ -247,7 +277,7 @@ def base_settings(hf: dict, where: str) -> dict:
     head_dim = hf.get("head_dim")
     if head_dim is not None and int(head_dim) * settings["n_heads"] != settings["d_model"]:
         settings["head_dim"] = int(head_dim)
-    settings["rope_theta"], settings["rope_scaling"] = _rope_from_hf(hf, where)
+    settings["rope_theta"], settings["rope_scaling"] = rope_from_hf(hf, where)
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     if dtype not in DTYPES:
         raise refuse(where, f"dtype={dtype!r}: jaxpar reads {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
@@ -257,19 +287,13 @@ def base_settings(hf: dict, where: str) -> dict:
 
 def base_config(m: ModelConfig, architecture: str, model_type: str) -> dict:
     """The config.json keys every family writes alike (the inverse of `base_settings`)."""
-    rs = m.rope_scaling
-    rope_scaling = (
-        None
-        if rs.type == "none"
-        else {"rope_type": rs.type, **{key: getattr(rs, field) for key, field, _ in LLAMA3_ROPE_KEYS}}
-    )
     return {
         "architectures": [architecture],
         "model_type": model_type,
         **{key: getattr(m, field) for key, field, _, _ in CONFIG_KEYS},
         "head_dim": m.head_width,
         "rope_theta": m.rope_theta,
-        "rope_scaling": rope_scaling,
+        "rope_scaling": rope_scaling_config(m),
         "hidden_act": "silu",
         "torch_dtype": m.param_dtype,
     }

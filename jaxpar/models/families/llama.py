@@ -19,7 +19,7 @@ FIXED_KEYS = (("hidden_act", "silu"), ("mlp_bias", False), ("attention_bias", Fa
 
 def writes(m: ModelConfig) -> bool:
     """This family writes dense models without per-head q/k norms."""
-    return not m.moe.num_experts and not m.qk_norm
+    return not m.moe.num_experts and not m.qk_norm and common.llama_block(m)
 
 
 def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:

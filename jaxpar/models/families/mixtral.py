@@ -32,6 +32,7 @@ def writes(m: ModelConfig) -> bool:
         and moe.d_ff in (None, m.d_ff)
         and not m.qk_norm
         and not m.qkv_bias
+        and common.llama_block(m)
     )
 
 

@@ -15,7 +15,7 @@ FIXED_KEYS = (("hidden_act", "silu"), ("attention_bias", False))
 
 
 def writes(m: ModelConfig) -> bool:
-    return not m.moe.num_experts and m.qk_norm and not m.qkv_bias
+    return not m.moe.num_experts and m.qk_norm and not m.qkv_bias and common.llama_block(m)
 
 
 def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:

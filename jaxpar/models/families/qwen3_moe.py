@@ -25,7 +25,14 @@ EXPERTS = (
 def writes(m: ModelConfig) -> bool:
     moe = m.moe
     top1_ok = moe.top_k > 1 or not moe.norm_topk
-    return moe.num_experts > 0 and m.qk_norm and top1_ok and not moe.shared_experts and not m.qkv_bias
+    return (
+        moe.num_experts > 0
+        and m.qk_norm
+        and top1_ok
+        and not moe.shared_experts
+        and not m.qkv_bias
+        and common.llama_block(m)
+    )
 
 
 def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
