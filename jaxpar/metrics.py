@@ -3,7 +3,10 @@
 FLOPs per token (training: forward + backward = 3 x forward), the rule of the PaLM paper's
 appendix B and of nanoGPT:
 
-    flops_per_token = 6 * N_matmul + 12 * L * d_model * T
+    flops_per_token = 6 * N_matmul + 12 * L * d * T,   d = n_heads * head width
+
+(d is d_model unless model.head_dim sets the head width apart; sliding-window layers are
+counted as if they attended to the whole sequence.)
 
 N_matmul counts every weight that takes part in a matmul (the output head included, tied or not;
 the embedding lookup and the norms not; in an MoE layer, only the router, the top_k experts a
@@ -33,8 +36,12 @@ PEAK_BF16_FLOPS = {
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    # Attention's scores and weighted sum: 12 x layers x (query heads x head width) x seq.
-    return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * cfg.n_heads * cfg.head_width * seq_len
+    return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * attention_width(cfg) * seq_len
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """The d of attention's 12LdT: query heads x head width (d_model unless model.head_dim)."""
+    return cfg.n_heads * cfg.head_width
 
 
 def peak_flops(device: jax.Device) -> float | None:

@@ -589,7 +589,9 @@ def hardware_flops(m: ModelConfig, seq_len: int, remat: str, chunked_loss: bool 
 def attention_flops(m: ModelConfig, seq_len: int, remat: str) -> float:
     """The attention core's share of `hardware_flops` per token: 12LdT, + 4LdT recomputed
     under `dots` and `full`."""
-    return (12 + (4 if remat != "none" else 0)) * m.n_layers * m.d_model * seq_len
+    from jaxpar.metrics import attention_width
+
+    return (12 + (4 if remat != "none" else 0)) * m.n_layers * attention_width(m) * seq_len
 
 
 D_HALF = _solve_d_half()
