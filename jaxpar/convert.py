@@ -300,15 +300,15 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def _unflat(flat: dict) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
+def _shaped_like(tree: dict, flat: dict, prefix: str = "") -> dict:
+    """`tree`'s nesting, its keys as they are (a grouped model's integer block keys stay
+    integers), with the leaf at each of `_flat`'s paths taken from `flat`."""
+    return {
+        key: _shaped_like(value, flat, f"{prefix}{key}.")
+        if isinstance(value, dict)
+        else flat[f"{prefix}{key}"]
+        for key, value in tree.items()
+    }
 
 
 def _shard_reader(t, readers: dict, shape: tuple):
@@ -356,7 +356,7 @@ def load_hf_params(
         out[path] = jax.make_array_from_callback(
             like.shape, flat_shardings[path], _shard_reader(t, readers, like.shape)
         )
-    return _unflat(out)
+    return _shaped_like(shapes, out)
 
 
 def param_targets(cfg, sizes: dict[str, int], devices) -> tuple[dict, dict]:

@@ -12,6 +12,13 @@ torch, and PyPI's Linux torch for its Python needs the CUDA libraries.
     .venv-hf/bin/python tests/hf_reference.py logits OUT.npz NAME=DIR ...
         Loads each directory with AutoModelForCausalLM (as a user would: the class comes from
         its config.json) and writes its float32 logits on TOKENS to OUT.npz under NAME.
+    .venv-hf/bin/python tests/hf_reference.py train OUT.npz NAME=DIR ...
+        Loads each directory in float32 and takes TRAIN_STEPS steps of torch.optim.AdamW (ADAMW,
+        no clipping) on TRAIN_BATCHES, the loss transformers' causal LM loss with labels = the
+        inputs; writes to OUT.npz each step's loss before its update (`<NAME>/losses`) and the
+        global norm of its gradient (`<NAME>/grad_norms`), the losses with weight decay on every
+        parameter (`<NAME>/losses_decay_all`), and ADAMW (`adamw/<key>`) and TRAIN_BATCHES
+        (`batches`) for the jaxpar side to read.
     .venv-hf/bin/python tests/hf_reference.py tokenizer DIR CASES.json OUT.json
         Loads DIR (a jaxpar export) with AutoTokenizer and AutoModelForCausalLM and writes to
         OUT.json what they give on CASES.json (see `tokenizer` below).
@@ -34,6 +41,16 @@ BATCH, SEQ = 2, 24
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int64)
 PROMPT = [int(t) for t in TOKENS[0, :6]]
 NEW_TOKENS = 20
+# `train`: TRAIN_STEPS batches of TRAIN_ROWS rows of SEQ + 1 ids (inputs, and the next-token
+# targets), four rows for a mesh's four batch shards. The ids come from the first fifth of the
+# vocabulary, which the models learn to predict: ten steps at this constant learning rate lower the
+# loss by over half a nat. With ids from the whole vocabulary, a token seen in one batch only left
+# entries of its embedding's gradient near zero, where Adam's update (about lr times the sign)
+# turns on float32 rounding: Mixtral at lr 1e-2 ended 1e-3 from torch on the mesh (7e-6 on one
+# device).
+TRAIN_STEPS, TRAIN_ROWS = 10, 4
+TRAIN_BATCHES = np.random.default_rng(2).integers(0, VOCAB // 5, (TRAIN_STEPS, TRAIN_ROWS, SEQ + 1))
+ADAMW = dict(lr=5e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -259,6 +276,50 @@ def logits(out: str, pairs: list[str]) -> None:
     np.savez(out, **results)
 
 
+def train(out: str, pairs: list[str]) -> None:
+    import torch
+    import transformers
+
+    results = {"batches": TRAIN_BATCHES, **{f"adamw/{k}": np.float64(v) for k, v in ADAMW.items()}}
+    for pair in pairs:
+        name, where = pair.split("=", 1)
+        for decay_all in (False, True):
+            model = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).train()
+            losses, norms = adamw_steps(model, decay_all)
+            if decay_all:
+                results[f"{name}/losses_decay_all"] = losses
+            else:
+                results[f"{name}/losses"], results[f"{name}/grad_norms"] = losses, norms
+    np.savez(out, **results)
+
+
+def adamw_steps(model, decay_all: bool) -> tuple[np.ndarray, np.ndarray]:
+    """([TRAIN_STEPS] float64 each) each step's loss, before its update, and the global norm of
+    the gradient the update applies (AdamW hides a gradient's scale). Weight decay on every
+    parameter whose name has no "norm" (jaxpar.optim's mask), or with `decay_all` on every one
+    (torch's AdamW on model.parameters()). named_parameters() gives a tied embedding once."""
+    import torch
+
+    decay, keep = [], []
+    for pname, p in model.named_parameters():
+        (keep if "norm" in pname and not decay_all else decay).append(p)
+    groups = [{"params": decay}, {"params": keep, "weight_decay": 0.0}]
+    a = ADAMW
+    opt = torch.optim.AdamW(
+        groups, lr=a["lr"], betas=(a["b1"], a["b2"]), eps=a["eps"], weight_decay=a["weight_decay"]
+    )
+    losses, norms = [], []
+    for ids in torch.tensor(TRAIN_BATCHES):
+        # labels = inputs: transformers shifts them, the mean cross-entropy of the next tokens.
+        loss = model(input_ids=ids, labels=ids, output_router_logits=False).loss
+        opt.zero_grad()
+        loss.backward()
+        norms.append(torch.stack([p.grad.norm() for p in model.parameters()]).norm().item())
+        opt.step()
+        losses.append(loss.item())
+    return np.array(losses), np.array(norms)
+
+
 def tokenizer(where: str, cases_path: str, out: str) -> None:
     """CASES.json: {"texts": [str], "ids": [[int]], "logits_text": str}. OUT.json: each text's
     input_ids (`encoded`) and those decoded (`decoded_texts`), each id list decoded with
@@ -293,5 +354,6 @@ if __name__ == "__main__":
     {
         "build": lambda: build(args[0]),
         "logits": lambda: logits(args[0], args[1:]),
+        "train": lambda: train(args[0], args[1:]),
         "tokenizer": lambda: tokenizer(*args),
     }[command]()
