@@ -47,9 +47,12 @@ NEW_TOKENS = 20
 # loss by over half a nat. With ids from the whole vocabulary, a token seen in one batch only left
 # entries of its embedding's gradient near zero, where Adam's update (about lr times the sign)
 # turns on float32 rounding: Mixtral at lr 1e-2 ended 1e-3 from torch on the mesh (7e-6 on one
-# device).
+# device). Id 0 becomes 1: 0 is Gemma 3's pad_token_id, and torch's nn.Embedding(padding_idx)
+# gives that row no gradient from the lookup, where jaxpar trains every row.
 TRAIN_STEPS, TRAIN_ROWS = 10, 4
-TRAIN_BATCHES = np.random.default_rng(2).integers(0, VOCAB // 5, (TRAIN_STEPS, TRAIN_ROWS, SEQ + 1))
+TRAIN_BATCHES = np.maximum(
+    np.random.default_rng(2).integers(0, VOCAB // 5, (TRAIN_STEPS, TRAIN_ROWS, SEQ + 1)), 1
+)
 ADAMW = dict(lr=5e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 COMMON = dict(
     vocab_size=VOCAB,
@@ -214,10 +217,12 @@ def build(out: str) -> None:
     for name, (config_cls, settings, dtype, eos, shard) in VARIANTS.items():
         config = getattr(transformers, config_cls)(**{**COMMON, **settings})
         model = getattr(transformers, MODELS[config_cls])(config).eval()
+        # Norm scales near 1: Gemma stores scale - 1, so its weights are drawn near 0.
+        unit = 0.0 if config.model_type.startswith("gemma") else 1.0
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 if "norm" in pname:
-                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                    p.copy_(unit + 0.2 * torch.randn_like(p))
                 elif pname.endswith(".bias"):
                     p.copy_(0.3 * torch.randn_like(p))
         where = os.path.join(out, name)

@@ -210,7 +210,7 @@ def test_greedy_generation_gives_transformers_tokens(hf, variant):
 
 # The variants trained in both (a variant of VARIANTS joins by its name): Llama untied, Qwen2 with a
 # tied embedding (one parameter in both, decayed once) and the two MoE families.
-TRAINED = ["llama2-gqa-sharded", "qwen2-bias-tied", "mixtral", "qwen3-moe"]
+TRAINED = ["llama2-gqa-sharded", "qwen2-bias-tied", "mixtral", "qwen3-moe", "gemma3-windows"]
 LOSS_RTOL = 1e-4
 GRAD_NORM_RTOL = 1e-3
 
@@ -277,7 +277,9 @@ def test_adamw_steps_from_imported_weights_follow_torch(hf, torch_training, vari
     want = ref[f"{variant}/losses"]
     assert want[-1] < want[0] - 0.5  # the steps move the loss far past the tolerance
     # The tolerance tells the decay set apart: torch decaying the norm scales too ends elsewhere.
-    assert np.max(np.abs(ref[f"{variant}/losses_decay_all"] / want - 1)) > 10 * LOSS_RTOL
+    # Not for Gemma, whose norm weights are scale - 1, near 0: decaying them changes little.
+    if not variant.startswith("gemma"):
+        assert np.max(np.abs(ref[f"{variant}/losses_decay_all"] / want - 1)) > 10 * LOSS_RTOL
     got, norms = _adamw_steps(root / variant, ref, variant in MOE_VARIANTS)
     print(f"{variant}: max relative loss difference {np.max(np.abs(got / want - 1)):.2e}")
     np.testing.assert_allclose(got, want, rtol=LOSS_RTOL, atol=0)

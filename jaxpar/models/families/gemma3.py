@@ -8,6 +8,10 @@ ones (layer_types: model.sliding_window, model.global_every), each kind with its
 (rope_parameters' sliding_attention: model.rope_local_theta; full_attention: model.rope_theta and
 its scaling, linear in the larger Gemma 3 models). Tied embeddings as the checkpoints ship them.
 
+transformers' embedding gives the pad token's row (pad_token_id) no gradient from the input
+lookup; jaxpar trains every row alike, so fine-tuning on inputs that hold the pad token differs
+there (and only there).
+
 Refused: attention or final-logit soft-capping, bidirectional attention, another activation,
 layer types that do not repeat as every n-th layer global, rope scaling on the sliding layers.
 """
