@@ -995,14 +995,11 @@ def _validate_window(cfg: Config, sizes: dict[str, int]) -> None:
             f"model.sliding_window={m.sliding_window}, model.global_every={m.global_every}: the window "
             "must be at least 1 (or null: every layer global), global_every at least 0 (0: all slide)"
         )
-    for key, size, why in (
-        ("mesh.pipe", sizes["pipe"], "a stage does not know which of its layers slide"),
-        ("mesh.context", sizes["context"], "ring attention has no window yet"),
-    ):
-        if size != 1:
-            raise ConfigError(
-                f"model.sliding_window={m.sliding_window} with {key}={size}: {why}; use {key}=1"
-            )
+    if sizes["pipe"] != 1:
+        raise ConfigError(
+            f"model.sliding_window={m.sliding_window} with mesh.pipe={sizes['pipe']}: a stage does not "
+            "know which of its layers slide; use mesh.pipe=1"
+        )
     if m.moe.num_experts and m.moe.every > 1:
         raise ConfigError(
             f"model.sliding_window with model.moe.every={m.moe.every}: MoE groups and window patterns "

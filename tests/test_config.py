@@ -375,10 +375,6 @@ def test_default_mesh_fits_any_device_count(devices, expected):
             ("model.sliding_window=8", "mesh.pipe=2", "mesh.data=1"),
             ("model.sliding_window=8 with mesh.pipe=2", "use mesh.pipe=1"),
         ),
-        (
-            ("model.sliding_window=8", "mesh.context=2", "mesh.data=1"),
-            ("model.sliding_window=8 with mesh.context=2", "ring attention has no window"),
-        ),
         (("model.sliding_window=0",), ("model.sliding_window=0", "at least 1")),
         (("model.head_dim=7",), ("model.head_dim = 7 is odd",)),
         (("model.rope_scaling.type=linear", "model.rope_scaling.factor=0"), ("factor=0", "factor > 0")),
@@ -394,7 +390,6 @@ def test_default_mesh_fits_any_device_count(devices, expected):
         "zero-stage",
         "steps",
         "window-pipeline",
-        "window-ring",
         "window-size",
         "odd-explicit-head-dim",
         "linear-rope-factor",

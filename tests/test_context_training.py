@@ -40,3 +40,25 @@ def test_sequence_not_divisible_by_twice_the_context_is_a_config_error():
     cfg = tiny_config(["mesh.context=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "train.seq_len=36"])
     with pytest.raises(ConfigError, match=r"train.seq_len=36 is not divisible by 8"):
         config_lib.validate(cfg, 8)
+
+
+GEMMA_STYLE = [  # Gemma 3's block: the first layer slides over 8 positions, the second is global
+    "model.sliding_window=8",
+    "model.global_every=2",
+    "model.rope_local_theta=100.0",
+    "model.qk_norm=true",
+    "model.post_norms=true",
+    "model.norm_offset=true",
+    "model.embed_scale=true",
+    "model.mlp_activation=gelu_tanh",
+    "model.attn_scale_dim=12",
+]
+
+
+def test_sliding_window_layers_train_the_single_device_model_on_a_ring():
+    """A sliding layer's ring (masked by the window, its unneeded hops left out) and a global
+    layer's full ring, chosen per layer inside the layer scan, give the one-device gradients."""
+    want = run({}, GEMMA_STYLE)[0]
+    got, r = run({"context": 4, "data": 2}, GEMMA_STYLE, init=want.init)
+    assert_parity(got, want)
+    assert r["collectives"]["collective-permute"]["count"] > 0

@@ -13,9 +13,11 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import hlo
 from jaxpar.config import MESH_AXES
 from jaxpar.parallel.ring_attention import (
     layout_indices,
+    needed_shifts,
     permute_from_layout,
     permute_to_layout,
     ring_attention,
@@ -28,8 +30,9 @@ TOLERANCE = 1e-5  # float32, relative to the largest reference value
 BATCH_AXES = BASE_RULES["batch"]
 
 
-def reference_attention(q, k, v, segment_ids, causal):
-    """Plain softmax attention over the whole sequence, float32, GQA by repeating K/V heads."""
+def reference_attention(q, k, v, segment_ids, causal, window=None):
+    """Plain softmax attention over the whole sequence (or each query's `window` latest
+    positions), float32, GQA by repeating K/V heads."""
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
@@ -39,6 +42,8 @@ def reference_attention(q, k, v, segment_ids, causal):
         mask &= jnp.tril(jnp.ones((seq, seq), bool))
     if segment_ids is not None:
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    if window is not None:
+        mask &= (jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :] < window)[None]
     scores = jnp.where(mask[:, None], scores, -jnp.inf)
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
 
@@ -60,9 +65,9 @@ def output_and_grads(attention, q, k, v, segment_ids, cotangent):
     return (out, *vjp(cotangent.astype(out.dtype)))
 
 
-@functools.partial(jax.jit, static_argnames="causal")
-def reference(q, k, v, segment_ids, cotangent, *, causal):
-    attention = functools.partial(reference_attention, causal=causal)
+@functools.partial(jax.jit, static_argnames=("causal", "window"))
+def reference(q, k, v, segment_ids, cotangent, *, causal, window=None):
+    attention = functools.partial(reference_attention, causal=causal, window=window)
     return output_and_grads(attention, q, k, v, segment_ids, cotangent)
 
 
@@ -113,6 +118,46 @@ def test_ring_attention_matches_reference(context, causal, layout, kv_heads, pac
         q, k, v, segment_ids, cotangent, mesh=context_mesh(context, axis_type), causal=causal, layout=layout
     )
     assert_matches(got, reference(q, k, v, segment_ids, cotangent, causal=causal))
+
+
+# context, layout, window: within a chunk (zigzag: the two neighbours' blocks), past a chunk
+# (contiguous: two blocks back), and the whole sequence (every hop).
+WINDOW_CASES = [(4, "zigzag", 3), (8, "zigzag", 2), (8, "zigzag", 4), (8, "contiguous", 6), (2, "zigzag", 40)]
+
+
+@pytest.mark.parametrize("context,layout,window", WINDOW_CASES)
+def test_sliding_window_ring_matches_reference(context, layout, window):
+    q, k, v, segment_ids, cotangent = inputs(kv_heads=2, packed=True)
+    mesh = context_mesh(context, AxisType.Auto)
+    got = ring(q, k, v, segment_ids, cotangent, mesh=mesh, layout=layout, window=window)
+    want = reference(q, k, v, segment_ids, cotangent, causal=True, window=window)
+    assert_matches(got, want)
+    full = reference(q, k, v, segment_ids, cotangent, causal=True)
+    if window < SEQ:  # the window changes the answer: a ring ignoring it would fail above
+        assert relative_error(full[0], want[0]) > 100 * TOLERANCE
+
+
+def test_sliding_window_ring_skips_the_hops_it_does_not_need():
+    """zigzag over 8 devices, a window of one chunk (2 of the 32 positions): each device needs
+    its two neighbours' blocks (ring distances 1 and 7), so the program moves far fewer bytes by
+    collective-permute than the full ring's 7 hops (jaxpar.hlo counts the loop's trips)."""
+    assert needed_shifts(SEQ, 8, "zigzag", 2) == (0, 1, 7)
+    assert needed_shifts(SEQ, 8, "zigzag", 4) == (0, 1, 2, 6, 7)
+    assert needed_shifts(SEQ, 8, "contiguous", 6) == (0, 1, 2)
+    assert needed_shifts(SEQ, 8, "zigzag", SEQ) is None
+    q, k, v, segment_ids, cotangent = inputs(kv_heads=2, packed=True)
+    mesh = context_mesh(8, AxisType.Auto)
+
+    def permutes(window):
+        attention = lambda q, k, v, s: ring_attention(q, k, v, segment_ids=s, mesh=mesh, window=window)
+        step = jax.jit(output_and_grads, static_argnums=0)
+        text = step.lower(attention, q, k, v, segment_ids, cotangent).compile().as_text()
+        return hlo.collectives(text)["collective-permute"]["bytes"]
+
+    windowed, full = permutes(2), permutes(None)
+    # forward: 2 blocks fetched instead of 7 hops; backward: 2 fetched and 2 sent home against
+    # 7 hops and 8 of the accumulators (which are float32, twice K/V's bytes here too).
+    assert 0 < windowed < full / 2.5, (windowed, full)
 
 
 def test_bfloat16_keeps_dtype_and_stays_close():

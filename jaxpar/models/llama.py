@@ -243,10 +243,7 @@ class Attention(nnx.Module):
         elif self.context_layout is not None:  # context parallel: the ring over `seq`'s axis
             if scale is not None:  # the ring scales by 1/sqrt(head width): fold the rest into q
                 q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
-            axis = ring_axis(rules_in_force())
-            out = ring_attention_permuted(
-                q, k, v, axis_name=axis, layout=self.context_layout, segment_ids=segment_ids
-            )
+            out = self._ring(q, k, v, segment_ids, window, sliding)
         else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
             kernel = attention_kernel(cfg)
             out = attend(
@@ -263,6 +260,22 @@ class Attention(nnx.Module):
         out = constrain(out, ("batch", "seq", "heads", None))
         out = matmul("bsnh,nhe->bse", out, self.wo[...])
         return out if cache is None else (out, cache)
+
+    def _ring(self, q, k, v, segment_ids, window, sliding):
+        """Ring attention over the `seq` rule's axis; a sliding layer's ring has the window and
+        leaves out the hops it does not need (`lax.cond` on the traced `sliding`)."""
+        ring = functools.partial(
+            ring_attention_permuted,
+            axis_name=ring_axis(rules_in_force()),
+            layout=self.context_layout,
+            segment_ids=segment_ids,
+        )
+        if window is None:
+            return ring(q, k, v)
+        if sliding is None:
+            return ring(q, k, v, window=window)
+        windowed = functools.partial(ring, window=window)
+        return jax.lax.cond(sliding, windowed, ring, q, k, v)
 
 
 def rotate(cfg: ModelConfig, x, positions, sliding=None):

@@ -12,6 +12,14 @@ Layouts: ``zigzag`` cuts the sequence into 2c chunks and gives device i chunks i
 (equal causal work everywhere); ``contiguous`` gives device i chunk i. Positions travel with K so
 the causal mask is right in either; a (query chunk, key chunk) pair it hides is skipped (lax.cond).
 
+Sliding window (``window``: a query sees its ``window`` latest positions, itself included): the
+pairs outside the window are skipped alike, and so are the hops that bring no visible block.
+Which devices' blocks a device needs follows from the layout alone (`needed_shifts`); when that
+is not all of them, each needed block comes straight from its owner (one ppermute by its ring
+distance, and in the backward one more taking its dK/dV home) instead of going round the ring.
+With a window no longer than a chunk, a zigzag ring of c devices needs the blocks of its two
+neighbours only: 2 ppermutes forward instead of c - 1.
+
 Mesh: any mesh with an ``axis_name`` axis, passed as ``mesh=`` or, by default, the one set with
 ``jax.set_mesh``; its other axes may have any names, Explicit or Auto. The shard_map is manual
 over ``axis_name``; other Auto axes stay auto (batch over data/fsdp/expert, heads over tensor
@@ -104,10 +112,15 @@ def permute_from_layout(x, *, context: int, layout: str, axis: int = 1):
 # kv_heads, d]; mask [b, q_len, k_len] bool; lse and delta [b, q_len, kv_heads, group] float32.
 
 
-def _mask(q_pos, k_pos, q_seg, k_seg, causal):
-    """Same segment and, if causal, key position not after query position."""
+def _mask(q_pos, k_pos, q_seg, k_seg, causal, window=None):
+    """Same segment and, if causal, key position not after query position; with `window`, the
+    key among the query's `window` latest positions."""
     mask = q_seg[:, :, None] == k_seg[:, None, :]
-    return mask & (q_pos[:, None] >= k_pos[None, :]) if causal else mask
+    if causal:
+        mask = mask & (q_pos[:, None] >= k_pos[None, :])
+    if window is not None:
+        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+    return mask
 
 
 def _scores(q, k, mask, scale):
@@ -158,6 +171,8 @@ class _Ring:
     axis_name: str
     causal: bool
     chunks: int  # sequence chunks per device: 2 for zigzag, 1 for contiguous
+    window: int | None = None  # sliding window (causal only); None: the whole sequence
+    shifts: tuple | None = None  # ring distances of the blocks needed (`needed_shifts`); None: all
 
     size = property(lambda self: self.mesh.shape[self.axis_name])
 
@@ -172,7 +187,11 @@ class _Ring:
 
     def run(self, kv, home, travel, accumulate):
         """At steps t = 0 .. c-1: ``home, travel = accumulate(kv, home, travel)`` with ``kv`` the
-        (k, v, seg, pos) block of device i - t. ``travel`` moves with ``kv`` and one hop more."""
+        (k, v, seg, pos) block of device i - t. ``travel`` moves with ``kv`` and one hop more.
+        With `shifts`, only those t, each block fetched from its owner and its ``travel`` sent
+        back to it (`run_shifts`)."""
+        if self.shifts is not None:
+            return self.run_shifts(kv, home, travel, accumulate)
 
         def step(_, carry):
             kv, home, travel = carry
@@ -183,15 +202,46 @@ class _Ring:
         home, travel = accumulate(kv, home, travel)
         return home, self.pass_on(travel)
 
+    def shift(self, tree, t):
+        """ppermute every array of ``tree`` t places along the ring (i -> i + t)."""
+        perm = [(i, (i + t) % self.size) for i in range(self.size)]
+        return jax.tree.map(lambda x: jax.lax.ppermute(x, self.axis_name, perm), tree)
+
+    def run_shifts(self, kv, home, travel, accumulate):
+        """`run` over the blocks of devices i - t, t in `shifts` only: each fetched with one
+        ppermute, its ``travel`` (started at zero) returned with one more and summed at home."""
+        home, total = accumulate(kv, home, travel)
+        for t in self.shifts:
+            if t:
+                home, back = accumulate(self.shift(kv, t), home, jax.tree.map(jnp.zeros_like, travel))
+                total = jax.tree.map(jnp.add, total, self.shift(back, -t))
+        return home, total
+
     def over_pairs(self, q_pos, k_pos, update, state):
         """``state = update(a, b, state)`` for each query chunk a and key chunk b; a pair the
-        causal mask hides entirely (first key after last query) is skipped by ``lax.cond``."""
+        causal mask hides entirely (first key after last query), or the window does (last key
+        `window` or more before the first query), is skipped by ``lax.cond``."""
         for a, q_at in enumerate(self.split(q_pos)):
             for b, k_at in enumerate(self.split(k_pos)):
                 step, visible = functools.partial(update, a, b), jnp.min(k_at) <= jnp.max(q_at)
+                if self.window is not None:
+                    visible = visible & (jnp.max(k_at) > jnp.min(q_at) - self.window)
                 keep = lambda state: state
                 state = jax.lax.cond(visible, step, keep, state) if self.causal else step(state)
         return state
+
+
+def needed_shifts(seq_len: int, context: int, layout: str, window: int) -> tuple[int, ...] | None:
+    """The ring distances t (device i needs the block of device i - t) at which some query sees
+    some key through a causal `window` in `layout`; None when that is every distance."""
+    chunks = layout_indices(seq_len, context, layout).reshape(context, -1)  # each device's positions
+    needed = set()
+    for i in range(context):
+        for t in range(context):
+            q, k = chunks[i][:, None], chunks[(i - t) % context][None, :]
+            if np.any((q >= k) & (q - k < window)):
+                needed.add(t)
+    return None if len(needed) == context else tuple(sorted(needed))
 
 
 def _group(x, kv_heads):
@@ -216,7 +266,7 @@ def _forward_shard(ring, q, k, v, seg, pos):
         k_chunks, v_chunks, k_segs, k_pos = map(ring.split, kv)
 
         def update(a, b, acc):  # acc: (out, lse) so far, per query chunk
-            mask = _mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal)
+            mask = _mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal, ring.window)
             block = _block_forward(q_chunks[a], k_chunks[b], v_chunks[b], mask, scale)
             return acc[:a] + (_merge(*acc[a], *block),) + acc[a + 1 :]
 
@@ -247,7 +297,7 @@ def _backward_shard(ring, q, k, v, seg, pos, out, lse, dout):
         k_chunks, v_chunks, k_segs, k_pos = map(ring.split, kv)
 
         def update(a, b, grads):  # grads: chunks of dq (stays home), dk and dv (travel)
-            mask = _mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal)
+            mask = _mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal, ring.window)
             dq_ab, dk_ab, dv_ab = _block_backward(
                 q_chunks[a],
                 k_chunks[b],
@@ -403,14 +453,16 @@ def _context(q, k, mesh, axis_name, layout):
 
 
 def ring_attention_permuted(
-    q, k, v, *, mesh=None, axis_name="context", causal=True, layout="zigzag", segment_ids=None
+    q, k, v, *, mesh=None, axis_name="context", causal=True, layout="zigzag", segment_ids=None, window=None
 ):
     """Ring attention on sequences already in ``layout`` order (see :func:`permute_to_layout`).
 
     q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim], kv_heads dividing
     heads (GQA); segment_ids [batch, seq] int or None (a token attends only within its segment).
     Global arrays in layout order; returns [batch, seq, heads, head_dim] in q's dtype, in layout
-    order, with the sequence sharded over ``axis_name``. Scale 1/sqrt(head_dim).
+    order, with the sequence sharded over ``axis_name``. Scale 1/sqrt(head_dim). ``window``
+    (causal only): a query sees its ``window`` latest positions; the hops to blocks no query
+    sees are left out (`needed_shifts`).
     Collectives: ppermute over ``axis_name`` only (see the module docstring).
 
     mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh`` with an axis ``axis_name``; None (the
@@ -429,14 +481,17 @@ def ring_attention_permuted(
     if segment_ids is None:  # one segment; [1, seq] broadcasts over the batch
         segment_ids = jnp.zeros((1, q.shape[1]), jnp.int32)
     positions = jnp.asarray(layout_indices(q.shape[1], context, layout), jnp.int32)
-    ring = _Ring(mesh, axis_name, bool(causal), LAYOUT_CHUNKS[layout])
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs causal=True")
+    shifts = None if window is None else needed_shifts(q.shape[1], context, layout, window)
+    ring = _Ring(mesh, axis_name, bool(causal), LAYOUT_CHUNKS[layout], window, shifts)
     q_spec = _explicit_spec(q)
     specs = _Specs(q_spec[0], q_spec[2], axis_name)
     return _ring_attention(ring, specs, q, k, v, segment_ids.astype(jnp.int32), positions)
 
 
 def ring_attention(
-    q, k, v, *, mesh=None, axis_name="context", causal=True, layout="zigzag", segment_ids=None
+    q, k, v, *, mesh=None, axis_name="context", causal=True, layout="zigzag", segment_ids=None, window=None
 ):
     """Full softmax attention of q, k, v (and segment_ids), computed as a ring over ``axis_name``.
 
@@ -458,5 +513,6 @@ def ring_attention(
         causal=causal,
         layout=layout,
         segment_ids=segment_ids,
+        window=window,
     )
     return permute_from_layout(out, context=context, layout=layout)
