@@ -995,10 +995,14 @@ def _validate_window(cfg: Config, sizes: dict[str, int]) -> None:
             f"model.sliding_window={m.sliding_window}, model.global_every={m.global_every}: the window "
             "must be at least 1 (or null: every layer global), global_every at least 0 (0: all slide)"
         )
-    if sizes["pipe"] != 1:
+    chunks = sizes["pipe"] * cfg.parallel.virtual_stages if sizes["pipe"] > 1 else 1
+    per_chunk = m.n_layers // chunks
+    if chunks > 1 and m.global_every and per_chunk % m.global_every:
         raise ConfigError(
-            f"model.sliding_window={m.sliding_window} with mesh.pipe={sizes['pipe']}: a stage does not "
-            "know which of its layers slide; use mesh.pipe=1"
+            f"model.sliding_window with mesh.pipe={sizes['pipe']} x parallel.virtual_stages="
+            f"{cfg.parallel.virtual_stages}: each pipeline chunk holds {per_chunk} layers, not a multiple "
+            f"of model.global_every={m.global_every}, so the chunks' window patterns differ; use a "
+            "layout whose chunks hold whole patterns, or mesh.pipe=1"
         )
     if m.moe.num_experts and m.moe.every > 1:
         raise ConfigError(

@@ -386,13 +386,16 @@ def scan_length(cfg: ModelConfig) -> int:
     return moe_layers(cfg) or cfg.n_layers
 
 
-def sliding_layers(cfg: ModelConfig):
-    """bool [layers]: which layers' attention slides (model.sliding_window: all but every
-    model.global_every-th, the last of each run), or None when none does."""
+def sliding_layers(cfg: ModelConfig, count: int | None = None):
+    """bool [count]: which of `count` layers (default: all) slide (model.sliding_window: all but
+    every model.global_every-th, the last of each run), or None when none does. A run of layers
+    that starts at a multiple of global_every (a pipeline chunk, `config` checks) has the same
+    pattern as the model's first `count`."""
     if cfg.sliding_window is None:
         return None
     every = cfg.global_every
-    return jnp.asarray([every == 0 or (i + 1) % every != 0 for i in range(cfg.n_layers)])
+    count = cfg.n_layers if count is None else count
+    return jnp.asarray([every == 0 or (i + 1) % every != 0 for i in range(count)])
 
 
 def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = "none", sliding=None):
@@ -470,9 +473,8 @@ class Transformer(nnx.Module):
     def run_blocks(self, layer_params, x, positions, segment_ids):
         """Runs a stack of layers with this model's block structure: `layer_params` is the
         blocks' state as a pure dict, leaves [layers, ...] (all layers, or a pipeline stage's
-        run of them; with model.sliding_window, all of them). Returns (x, MoE statistics stacked
-        over those layers, or {})."""
-        sliding = sliding_layers(self.cfg)
+        run of them). Returns (x, MoE statistics stacked over those layers, or {})."""
+        sliding = sliding_layers(self.cfg, jax.tree.leaves(layer_params)[0].shape[0])
         graphdef = nnx.graphdef(self.blocks)
         return scan_layers(graphdef, layer_params, x, positions, segment_ids, self.remat, sliding)
 
