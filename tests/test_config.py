@@ -372,8 +372,8 @@ def test_default_mesh_fits_any_device_count(devices, expected):
         (("parallel.zero_stage=4",), ("parallel.zero_stage=4", "0, 1, 2, 3")),
         (("train.steps=0",), ("train.steps=0", "at least 1")),
         (
-            ("model.sliding_window=8", "model.global_every=2", "mesh.pipe=2", "mesh.data=1"),
-            ("mesh.pipe=2 x parallel.virtual_stages=1", "holds 1 layers", "model.global_every=2"),
+            ("model.sliding_window=8", "model.global_every=4", "mesh.pipe=2", "mesh.data=1"),
+            ("mesh.pipe=2 x parallel.virtual_stages=1", "holds 2 layers", "model.global_every=4"),
         ),
         (("model.sliding_window=0",), ("model.sliding_window=0", "at least 1")),
         (("model.head_dim=7",), ("model.head_dim = 7 is odd",)),
