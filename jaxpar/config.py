@@ -125,7 +125,7 @@ class ModelConfig:
     attn_scale_dim: float | None = None  # logits scaled by 1/sqrt(this); None = head width (Gemma 3)
     sliding_window: int | None = None  # sliding layers attend to the last n positions; None = none
     global_every: int = 0  # with sliding_window: every n-th layer attends globally; 0 = all slide
-    rope_local_theta: float | None = None  # rotary base of the sliding layers; None = rope_theta
+    rope_local_theta: float | None = None  # sliding layers' rotary base, unscaled; None = as global
     dtype: Dtype = "bfloat16"  # matmul / activation dtype; the loss and softmax stay float32
     param_dtype: Dtype = "float32"  # parameters and optimizer state
     fp8: bool = (
@@ -1019,6 +1019,12 @@ def _validate_model(cfg: Config) -> None:
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
             f"try n_kv_heads in {_divisors(m.n_heads)}"
         )
+    for key, value in (
+        ("model.attn_scale_dim", m.attn_scale_dim),
+        ("model.rope_local_theta", m.rope_local_theta),
+    ):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{key}={value}: must be positive (or null)")
     if m.head_dim is None:
         _require_divides("model.n_heads", m.n_heads, "model.d_model", m.d_model)
     elif m.head_dim < 2:

@@ -14,13 +14,13 @@ end-of-document token). Parameters keep the checkpoint's dtype (config.json's `d
 `torch_dtype`: float32, bfloat16 or float16), so `to-hf` gives back the same bytes. `to-hf` is
 `python -m jaxpar.export` (which stays as an alias).
 
-What converts: the families of `jaxpar.models.families`, one file each (config.json both ways
-and one table of tensors, which `to-hf` writes with as well): Llama (`LlamaForCausalLM`: Llama 2,
-3, 3.1, 3.2, TinyLlama; `MistralForCausalLM`; `Qwen2ForCausalLM`), Qwen3, Mixtral and Qwen3-MoE.
-What a family cannot represent is refused by name with exit 2 and nothing written: another
-architecture, a sliding window that would cut attention short, another rope scaling, biases
-jaxpar lacks, an activation other than silu, and what each family file lists. The checkpoint is
-checked before anything is written: every tensor the config implies present with its shape,
+What converts: the families of `jaxpar.models.families`, one file each (config.json both ways and
+one table of tensors, which `to-hf` writes with as well): Llama (`LlamaForCausalLM`: Llama 2, 3,
+3.1, 3.2, TinyLlama; `MistralForCausalLM`; `Qwen2ForCausalLM`), Qwen3, Mixtral, Qwen3-MoE and Gemma
+3. What a family cannot represent is refused by name with exit 2 and nothing written: another
+architecture, a rope scaling other than llama3 or linear, biases jaxpar lacks, and what each family
+file lists (an activation other than the family's, a sliding window outside Gemma 3). The checkpoint
+is checked before anything is written: every tensor the config implies present with its shape,
 nothing unknown, every byte inside its file; and as it is read, every value finite (a NaN or
 infinity names the tensor, and the output is removed).
 
@@ -599,8 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         return export.main(argv[1:], prog="python -m jaxpar.convert to-hf")
     parser = argparse.ArgumentParser(
         prog="python -m jaxpar.convert",
-        description="Convert Hugging Face Llama/Mistral/Qwen2 checkpoints to jaxpar runs "
-        "(from-hf) and back (to-hf RUN_DIR --out HF_DIR).",
+        description="Convert Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, "
+        "Gemma 3) to jaxpar runs (from-hf) and back (to-hf RUN_DIR --out HF_DIR).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(

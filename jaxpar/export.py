@@ -11,9 +11,10 @@ and the stacked [layers, ...] arrays are split into one tensor per layer. Tensor
 `model-00001-of-0000N.safetensors` ... plus `model.safetensors.index.json` (the weight map).
 The family that writes the model decides the architecture (`jaxpar.models.families.family_of_model`):
 q/k/v biases `Qwen2ForCausalLM`, per-head q/k norms `Qwen3ForCausalLM`, MoE in every block
-`MixtralForCausalLM`, MoE with q/k norms `Qwen3MoeForCausalLM`, any other `LlamaForCausalLM`; a
-model no family writes (shared experts, say) is refused by name. Rotary scaling
-(model.rope_scaling) goes into config.json's rope_scaling.
+`MixtralForCausalLM`, MoE with q/k norms `Qwen3MoeForCausalLM`, Gemma's block
+`Gemma3ForCausalLM`, any other `LlamaForCausalLM`; a model no family writes (shared experts, say)
+is refused by name. Rotary scaling (model.rope_scaling) goes into config.json's rope_scaling, for
+Gemma 3 into the per-layer-type rope_parameters that transformers >= 5 reads.
 
 The tokenizer goes along: the run's tokenizer.json (and the tokenizer_config.json beside it, if
 any) is copied when data.tokenizer names one; a byte-level run (data.tokenizer=byte) gets a
@@ -222,7 +223,8 @@ def export(
 
 def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -> int:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Export a run's newest intact checkpoint as Hugging Face Llama safetensors."
+        prog=prog,
+        description="Export a run's newest intact checkpoint as Hugging Face safetensors of its family.",
     )
     parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--out", required=True, help="output directory")

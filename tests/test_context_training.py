@@ -6,6 +6,7 @@ import pytest
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
+from jaxpar.parallel.ring_attention import needed_shifts
 from tests.parity import assert_parity, parity_trainer, random_batches, run_parity, tiny_config
 
 
@@ -56,9 +57,12 @@ GEMMA_STYLE = [  # Gemma 3's block: the first layer slides over 8 positions, the
 
 
 def test_sliding_window_layers_train_the_single_device_model_on_a_ring():
-    """A sliding layer's ring (masked by the window, its unneeded hops left out) and a global
-    layer's full ring, chosen per layer inside the layer scan, give the one-device gradients."""
-    want = run({}, GEMMA_STYLE)[0]
-    got, r = run({"context": 4, "data": 2}, GEMMA_STYLE, init=want.init)
+    """A sliding layer's ring (masked by the window, its unneeded hops left out: 64 positions in
+    8 chunks of 8, a window of 8) and a global layer's full ring, chosen per layer inside the
+    layer scan, give the one-device gradients."""
+    assert needed_shifts(64, 4, "zigzag", 8) == (0, 1, 3)  # the path taken: not every hop
+    extra = [*GEMMA_STYLE, "train.seq_len=64"]
+    want = run({}, extra)[0]
+    got, r = run({"context": 4, "data": 2}, extra, init=want.init)
     assert_parity(got, want)
     assert r["collectives"]["collective-permute"]["count"] > 0

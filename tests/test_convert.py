@@ -552,6 +552,15 @@ FAMILY_CASES = {  # ModelConfig changes covering every branch of each family's t
         "rope_local_theta": 1e4,
         "rope_scaling": config_lib.RopeScalingConfig(type="linear", factor=8.0),
     },
+    "gemma3-one-rotary-no-window": {
+        "qk_norm": True,
+        "tie_embeddings": True,
+        "mlp_activation": "gelu_tanh",
+        "embed_scale": True,
+        "norm_offset": True,
+        "post_norms": True,
+        "rope_scaling": config_lib.RopeScalingConfig(type="linear", factor=4.0),
+    },
 }
 FAMILY_OF_CASE = {
     "llama-gqa-untied": "llama",
@@ -561,6 +570,7 @@ FAMILY_OF_CASE = {
     "mixtral": "mixtral",
     "qwen3-moe-grouped": "qwen3_moe",
     "gemma3-windows": "gemma3",
+    "gemma3-one-rotary-no-window": "gemma3",
 }
 
 

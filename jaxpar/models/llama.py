@@ -279,12 +279,12 @@ class Attention(nnx.Module):
 
 
 def rotate(cfg: ModelConfig, x, positions, sliding=None):
-    """The rotary embedding of q or k: model.rope_theta and its scaling, or in a sliding layer
-    (`sliding` true, a traced bool) model.rope_local_theta without scaling."""
+    """The rotary embedding of q or k: model.rope_theta and its scaling; in a sliding layer
+    (`sliding` true, a traced bool) with model.rope_local_theta set, that base without scaling."""
     theta, scaling = cfg.rope_theta, rope_scaling_of(cfg)
     rotated = rotary(x, positions, theta, scaling)
     local = cfg.rope_local_theta
-    if sliding is None or cfg.sliding_window is None or local is None or (local, scaling) == (theta, None):
+    if sliding is None or cfg.sliding_window is None or local is None:
         return rotated
     return jnp.where(sliding, rotary(x, positions, local, None), rotated)
 

@@ -231,15 +231,19 @@ class _Ring:
         return state
 
 
+@functools.lru_cache(maxsize=64)
 def needed_shifts(seq_len: int, context: int, layout: str, window: int) -> tuple[int, ...] | None:
     """The ring distances t (device i needs the block of device i - t) at which some query sees
-    some key through a causal `window` in `layout`; None when that is every distance."""
-    chunks = layout_indices(seq_len, context, layout).reshape(context, -1)  # each device's positions
+    some key through a causal `window` in `layout`; None when that is every distance. Each
+    device holds whole chunks, runs of consecutive positions: a query chunk [a0, a1] sees a key
+    chunk [b0, b1] iff b0 <= a1 (causal) and b1 > a0 - window."""
+    chunks = LAYOUT_CHUNKS[layout]
+    runs = layout_indices(seq_len, context, layout).reshape(context, chunks, -1)[:, :, [0, -1]]
     needed = set()
     for i in range(context):
         for t in range(context):
-            q, k = chunks[i][:, None], chunks[(i - t) % context][None, :]
-            if np.any((q >= k) & (q - k < window)):
+            pairs = ((q, k) for q in runs[i] for k in runs[(i - t) % context])
+            if any(b0 <= a1 and b1 > a0 - window for (a0, a1), (b0, b1) in pairs):
                 needed.add(t)
     return None if len(needed) == context else tuple(sorted(needed))
 

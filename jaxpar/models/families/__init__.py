@@ -47,7 +47,10 @@ def family_of_model(m: ModelConfig) -> ModuleType:
 def settings_from_hf(hf: dict, where: str) -> dict:
     """config.json (a dict) -> the model.* settings it implies, or ConfigError naming what jaxpar
     cannot represent exactly. `where` names the file in messages. The inverse of `hf_config`."""
-    return family_of_config(hf, where).settings_from_hf(hf, where)
+    family = family_of_config(hf, where)
+    # What transformers assumes for the keys a config.json leaves out, by architecture.
+    defaults = family.DEFAULTS.get(hf["architectures"][0], {})
+    return family.settings_from_hf({**defaults, **hf}, where)
 
 
 def hf_config(m: ModelConfig) -> dict:

@@ -211,14 +211,16 @@ def check_fixed(hf: dict, fixed: tuple, where: str) -> None:
             raise refuse(where, f"{key}={hf[key]!r}, jaxpar has {want!r}")
 
 
-def check_full_attention(hf: dict, where: str) -> None:
-    """Refuses sliding-window attention and layer types other than full attention."""
+def check_full_attention(hf: dict, where: str, window_applies: bool = False) -> None:
+    """Refuses sliding-window attention and layer types other than full attention. The window
+    is on where use_sliding_window says so (Qwen), or, with `window_applies` (Mistral, Mixtral,
+    which have no switch), wherever sliding_window is shorter than the context."""
     max_len, window = int(hf.get("max_position_embeddings", 2048)), hf.get("sliding_window")
     if hf.get("use_sliding_window", False):
         raise refuse(
             where, f"use_sliding_window=true (sliding_window={window}): jaxpar attends to the whole context"
         )
-    if "use_sliding_window" not in hf and window is not None and window < max_len:
+    if window_applies and window is not None and window < max_len:
         raise refuse(
             where,
             f"sliding_window={window} < max_position_embeddings={max_len}: "

@@ -13,7 +13,8 @@ lookup; jaxpar trains every row alike, so fine-tuning on inputs that hold the pa
 there (and only there).
 
 Refused: attention or final-logit soft-capping, bidirectional attention, another activation,
-layer types that do not repeat as every n-th layer global, rope scaling on the sliding layers.
+layer types that do not repeat as every n-th layer global, sliding layers with no window, a rope
+scaling on the sliding layers other than the global ones'.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ FIXED_KEYS = (
     ("use_bidirectional_attention", False),
 )
 LAYER = "model.layers.{l}."
+DEFAULTS = {
+    "Gemma3ForCausalLM": {
+        "head_dim": 256,
+        "num_key_value_heads": 4,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+    }
+}
 
 
 def writes(m: ModelConfig) -> bool:
@@ -68,12 +79,14 @@ def _window(hf: dict, layers: int, where: str) -> dict:
     """model.sliding_window and global_every from sliding_window and layer_types (or the
     sliding_window_pattern older config.json files give instead)."""
     window = hf.get("sliding_window")
-    if window is None:
-        return {}
     pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     ]
+    if "sliding_attention" not in types:
+        return {}  # every layer global, whatever sliding_window says
+    if window is None:
+        raise common.refuse(where, f"sliding_window=null with sliding layers (layer_types={types})")
     every = types.index("full_attention") + 1 if "full_attention" in types else 0
     settings = {"sliding_window": int(window), "global_every": every}
     expected = layer_types(ModelConfig(n_layers=layers, sliding_window=int(window), global_every=every))
@@ -94,13 +107,14 @@ def _rope(hf: dict, where: str) -> dict:
         local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
     theta, scaling = common.rope_from_hf(hf, where, full, float(hf.get("rope_theta", 1e6)))
     local_theta, local_scaling = common.rope_from_hf(hf, where, local, 10000.0)
+    if (local_theta, local_scaling) == (theta, scaling):  # one rotary for both kinds of layer
+        return {"rope_theta": theta, "rope_scaling": scaling}
     if local_scaling["type"] != "none":
-        raise common.refuse(where, f"rope scaling {local_scaling['type']!r} on the sliding layers")
-    return {
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "rope_local_theta": None if local_theta == theta else local_theta,
-    }
+        raise common.refuse(
+            where,
+            f"rope scaling {local_scaling['type']!r} on the sliding layers differs from the global ones'",
+        )
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
 
 
 def settings_from_hf(hf: dict, where: str) -> dict:
@@ -127,17 +141,19 @@ def hf_config(m: ModelConfig) -> dict:
     for key in ("rope_theta", "rope_scaling", "hidden_act"):
         del hf[key]
     full = {"rope_type": "default", **(common.rope_scaling_config(m) or {}), "rope_theta": m.rope_theta}
-    local = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
+    # model.rope_local_theta None: the sliding layers rotate as the global ones, scaling included.
+    local = full if m.rope_local_theta is None else {"rope_type": "default", "rope_theta": m.rope_local_theta}
     scalar = m.head_width if m.attn_scale_dim is None else m.attn_scale_dim
     return {
         **hf,
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,  # transformers: int
-        "sliding_window": m.sliding_window,
+        # transformers needs a window even where no layer slides (then every type is full)
+        "sliding_window": m.max_seq_len if m.sliding_window is None else m.sliding_window,
         "layer_types": layer_types(m),
         "rope_parameters": {
             "full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+            "sliding_attention": local,
         },
         "attention_bias": False,
         "attn_logit_softcapping": None,

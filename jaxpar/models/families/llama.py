@@ -1,10 +1,10 @@
 """The Llama family: `LlamaForCausalLM` (Llama 2, 3, 3.1, 3.2, TinyLlama), `MistralForCausalLM`
 and `Qwen2ForCausalLM` (q/k/v biases: model.qkv_bias). Grouped-query attention, tied or untied
-embeddings, rotary scaling none or `llama3`, head_dim given or hidden_size / heads. Written back
+embeddings, rotary scaling none, `llama3` or `linear`, head_dim given or hidden_size / heads. Written back
 as Qwen2 when the model has q/k/v biases, as Llama otherwise.
 
 Refused: another activation, biases on the output or the MLP, partial rotary, a sliding window
-or layer types that cut attention short, rope scaling other than llama3.
+or layer types that cut attention short, rope scaling other than llama3 or linear.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from jaxpar.config import ModelConfig
 from jaxpar.models.families import common
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# transformers' values for keys a config.json may leave out, where they differ from common's.
+DEFAULTS = {"MistralForCausalLM": {"sliding_window": 4096}}
 # What jaxpar's block is: written as these, and a config.json that says otherwise is refused.
 FIXED_KEYS = (("hidden_act", "silu"), ("mlp_bias", False), ("attention_bias", False))
 
@@ -45,7 +47,7 @@ def settings_from_hf(hf: dict, where: str) -> dict:
             "attention_bias=True (it adds biases to q, k, v and o; jaxpar has q/k/v biases for Qwen2 only)",
         )
     common.check_fixed(hf, fixed, where)
-    common.check_full_attention(hf, where)
+    common.check_full_attention(hf, where, window_applies=architecture == "MistralForCausalLM")
     return {**common.base_settings(hf, where), "qkv_bias": architecture == "Qwen2ForCausalLM"}
 
 

@@ -3,7 +3,7 @@ experts: softmax router, the top model.moe.top_k experts, their weights renormal
 Each expert is its own Hugging Face tensor (w1 = gate, w3 = up, w2 = down).
 
 Refused: top-1 routing (transformers' weight 1 against jaxpar's router probability), router
-jitter, a sliding window, rope scaling other than llama3.
+jitter, a sliding window, rope scaling other than llama3 or linear.
 """
 
 from __future__ import annotations
@@ -13,6 +13,15 @@ from jaxpar.models.families import common
 
 ARCHITECTURES = ("MixtralForCausalLM",)
 FIXED_KEYS = (("hidden_act", "silu"), ("router_jitter_noise", 0.0))
+DEFAULTS = {
+    "MixtralForCausalLM": {
+        "rms_norm_eps": 1e-5,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1e6,
+    }
+}
 EXPERTS = (
     "model.layers.{l}.block_sparse_moe.gate.weight",
     "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",
@@ -47,7 +56,7 @@ def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
 
 def settings_from_hf(hf: dict, where: str) -> dict:
     common.check_fixed(hf, FIXED_KEYS, where)
-    common.check_full_attention(hf, where)
+    common.check_full_attention(hf, where, window_applies=True)
     moe = common.moe_settings(hf, where)
     if moe["top_k"] < 2:
         raise common.refuse(

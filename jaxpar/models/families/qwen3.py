@@ -2,7 +2,7 @@
 before the rotation (model.qk_norm), no q/k/v biases, and head_dim set on its own (wider or
 narrower than hidden_size / heads).
 
-Refused: attention biases, a sliding window, rope scaling other than llama3.
+Refused: attention biases, a sliding window, rope scaling other than llama3 or linear.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from jaxpar.models.families import common
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 FIXED_KEYS = (("hidden_act", "silu"), ("attention_bias", False))
+DEFAULTS = {"Qwen3ForCausalLM": {"head_dim": 128, "max_position_embeddings": 32768}}
 
 
 def writes(m: ModelConfig) -> bool:

@@ -13,7 +13,17 @@ from jaxpar.config import ModelConfig
 from jaxpar.models.families import common
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-FIXED_KEYS = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_only_layers", []))
+FIXED_KEYS = (("hidden_act", "silu"), ("attention_bias", False))
+DEFAULTS = {
+    "Qwen3MoeForCausalLM": {
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": False,
+        "max_position_embeddings": 32768,
+    }
+}
 EXPERTS = (
     "model.layers.{l}.mlp.gate.weight",
     "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
@@ -49,6 +59,8 @@ def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
 
 def settings_from_hf(hf: dict, where: str) -> dict:
     common.check_fixed(hf, FIXED_KEYS, where)
+    if hf.get("mlp_only_layers"):  # absent, null and [] alike: none
+        raise common.refuse(where, f"mlp_only_layers={hf['mlp_only_layers']}, jaxpar has []")
     common.check_full_attention(hf, where)
     settings = common.base_settings(hf, where)
     step, layers = int(hf.get("decoder_sparse_step", 1)), settings["n_layers"]
