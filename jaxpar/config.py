@@ -143,6 +143,13 @@ class ModelConfig:
         reads it here."""
         return self.head_dim or self.d_model // self.n_heads
 
+    def slides(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) attends within model.sliding_window: all but every
+        model.global_every-th layer (the last of each run) when there is a window; every use
+        reads it here."""
+        every = self.global_every
+        return self.sliding_window is not None and (every == 0 or (layer + 1) % every != 0)
+
 
 @dataclass
 class MeshConfig:

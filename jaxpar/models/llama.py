@@ -393,9 +393,8 @@ def sliding_layers(cfg: ModelConfig, count: int | None = None):
     pattern as the model's first `count`."""
     if cfg.sliding_window is None:
         return None
-    every = cfg.global_every
     count = cfg.n_layers if count is None else count
-    return jnp.asarray([every == 0 or (i + 1) % every != 0 for i in range(count)])
+    return jnp.asarray([cfg.slides(i) for i in range(count)])
 
 
 def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = "none", sliding=None):

@@ -68,11 +68,7 @@ def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
 
 
 def layer_types(m: ModelConfig) -> list[str]:
-    every = m.global_every
-    slides = [
-        m.sliding_window is not None and (every == 0 or (i + 1) % every != 0) for i in range(m.n_layers)
-    ]
-    return ["sliding_attention" if s else "full_attention" for s in slides]
+    return ["sliding_attention" if m.slides(i) else "full_attention" for i in range(m.n_layers)]
 
 
 def _window(hf: dict, layers: int, where: str) -> dict:
