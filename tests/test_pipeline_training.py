@@ -10,6 +10,8 @@ of the unpipelined step accumulating one microstep per microbatch. The reference
 accumulation by about 5% (configs/tiny.yaml, 8 layers, 8 experts), so a pipeline that took the
 router losses per batch, or weighted them otherwise, fails here."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -71,20 +73,32 @@ LAYOUTS = {
 OWN_INIT = "pipe2_fsdp4_zero3"
 
 
+# Compiled once and shared by the parity test and the masked-token test below.
+SHARED = (None, "pipe2_context2_fsdp2")
+
+
 def trainer_for(mesh, extra=()):
     return parity_trainer(PIPE + list(extra), mesh)
 
 
+def _compile(layout: str | None):
+    """(trainer, compiled step) for a layout of LAYOUTS, or None for one device."""
+    trainer = trainer_for(*LAYOUTS[layout]) if layout else trainer_for({})
+    return trainer, compile_step(trainer)
+
+
+_shared = functools.cache(_compile)
+
+
 @pytest.fixture(scope="module")
 def single_device():
-    trainer = trainer_for({})
-    return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
+    trainer, compiled = _shared(None)
+    return run_parity(trainer, compiled, random_batches(trainer.cfg))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipelined_training_matches_single_device(layout, single_device):
-    trainer = trainer_for(*LAYOUTS[layout])
-    compiled = compile_step(trainer)
+    trainer, compiled = (_shared if layout in SHARED else _compile)(layout)
     got = run_parity(
         trainer,
         compiled,
@@ -100,6 +114,49 @@ def test_pipelined_training_matches_single_device(layout, single_device):
             assert widest == 5 and not inside, (widest, inside)
         else:  # uniform: two-way conds, which may hold the chunk's collectives
             assert widest == 2 and inside, (widest, inside)
+
+
+def prompt_masked(batches, seed: int = 1):
+    """`batches` as fine-tuning on conversations sees them: in every row, runs of 2 to 6 tokens
+    alternate between prompt (loss mask 0) and reply (kept as it was), so that about half of the
+    targets, at different places in every row, are not trained on."""
+    rng = np.random.default_rng(seed)
+    for batch in batches:
+        rows, seq = batch["loss_mask"].shape
+        reply = np.zeros((rows, seq), dtype=bool)
+        for row in reply:
+            at, is_reply = 0, bool(rng.integers(2))
+            while at < seq:
+                n = int(rng.integers(2, 7))
+                row[at : at + n] = is_reply
+                at, is_reply = at + n, not is_reply
+        yield {**batch, "loss_mask": np.where(reply, batch["loss_mask"], 0.0).astype(np.float32)}
+
+
+def test_masked_targets_contribute_exactly_zero_gradient_with_pipeline_and_ring(single_device):
+    """Prompt-masked batches (what data.train_on=assistant trains on) on pipe 2 x context 2
+    (zigzag ring attention inside each stage) x fsdp 2: the run equals one device's on the same
+    batches, per leaf; and replacing every masked target by another token leaves every gradient
+    leaf bit-identical, on the layout and on one device (a masked token contributes exactly 0; a
+    mask read one position off, or applied after the normalisation only, changes them)."""
+    one, one_step = _shared(None)
+    ring, ring_step = _shared("pipe2_context2_fsdp2")
+    batches = list(prompt_masked(random_batches(one.cfg)))
+    kept = sum(float(b["loss_mask"].sum()) for b in batches) / sum(b["loss_mask"].size for b in batches)
+    assert 0.3 < kept < 0.7, kept
+    want = run_parity(one, one_step, batches, init=single_device.init)
+    assert_parity(run_parity(ring, ring_step, batches, init=single_device.init), want)
+    # The loss is the mean over target tokens: the masked tokens' count does not dilute it.
+    assert want.history[0]["loss"] > 0.9 * single_device.history[0]["loss"]
+    first = batches[0]
+    other = np.where(first["loss_mask"] > 0, first["targets"], (first["targets"] + 7) % 257)
+    assert (other != first["targets"]).sum() > 0.3 * other.size
+    changed = [{**first, "targets": other.astype(np.int32)}]
+    for trainer, step, reference in ((one, one_step, want), (ring, ring_step, None)):
+        base = reference or run_parity(trainer, step, batches[:1], init=single_device.init)
+        got = run_parity(trainer, step, changed, init=single_device.init)
+        errors = relative_errors(got.grads, base.grads)
+        assert max(errors.values()) == 0.0, {k: v for k, v in errors.items() if v}
 
 
 @pytest.mark.parametrize(
