@@ -202,16 +202,16 @@ class ChatTemplate:
             )
         return after
 
-    def pieces(self, messages: list[dict], first_target: int = 0) -> list[tuple[str, bool]]:
+    def pieces(self, messages: list[dict], first_target: int = 0, **variables) -> list[tuple[str, bool]]:
         """The rendered conversation cut into (text, is a target) pieces: the assistant replies
         of messages[first_target:] with their end-of-turn markers are targets (see the module
-        docstring), the rest is not. The texts joined are `render(messages)`."""
-        whole, eot = self.render(messages), self.end_of_turn
+        docstring), the rest is not. The texts joined are `render(messages, **variables)`."""
+        whole, eot = self.render(messages, **variables), self.end_of_turn
         pieces, at = [], 0
         for k, message in enumerate(messages):
             if k < first_target or message.get("role") != "assistant":
                 continue
-            prompt = self.render(messages[:k], add_generation_prompt=True)
+            prompt = self.render(messages[:k], add_generation_prompt=True, **variables)
             end = whole.find(eot, len(prompt))
             if not whole.startswith(prompt) or len(prompt) < at or end < 0:
                 raise ConfigError(
@@ -239,13 +239,20 @@ def _normalized(messages: list[dict]) -> list[dict]:
     return out
 
 
+def special_tokens(tokenizer: str) -> tuple[tuple[str, str], ...]:
+    """The named special tokens of the tokenizer_config.json beside a tokenizer.json, as a
+    template sees them (none for the byte tokenizer)."""
+    config, _ = _tokenizer_files(tokenizer)
+    return tuple((name, text) for name in SPECIAL_TOKENS if (text := _token_text(config.get(name))))
+
+
 def load_template(spec: str | None, tokenizer: str) -> ChatTemplate:
     """The chat template a run or a preparation uses: `spec` (a .jinja file, or a CHAT_TEMPLATES name),
     else the tokenizer's own (chat_template.jinja beside its tokenizer.json, else the
     chat_template of its tokenizer_config.json). The tokenizer's special tokens come with it.
     ConfigError when there is none, naming what would work."""
     config, jinja = _tokenizer_files(tokenizer)
-    special = tuple((name, text) for name in SPECIAL_TOKENS if (text := _token_text(config.get(name))))
+    special = special_tokens(tokenizer)
     if spec is not None:
         path = (
             os.path.join(TEMPLATES, f"{spec}.jinja") if spec in CHAT_TEMPLATES else os.path.expanduser(spec)

@@ -137,6 +137,43 @@ def packed_source(cfg: DataConfig, tokenizer, seq_len: int):
     return pack(read_documents(cfg), tokenizer, seq_len, functools.cache(template), cfg.train_on)
 
 
+RUN_TEMPLATE = "chat_template.jinja"  # the chat template a run trained with, in its run directory
+
+
+def training_template(cfg: DataConfig):
+    """The chat template a run's conversations are rendered with, where the run must keep a copy
+    (RUN_DIR/chat_template.jinja, written at the start): data.chat_template's, else the one the
+    prepared data.source / data.sources recorded in their manifest; None otherwise (plain text,
+    or the tokenizer's own template, which the run finds beside its tokenizer)."""
+    if cfg.chat_template is not None:
+        return chat.load_template(cfg.chat_template, cfg.tokenizer)
+    paths = [cfg.source] if cfg.sources is None else [s.path for s in cfg.sources]
+    for path in map(os.path.expanduser, paths):
+        if os.path.isfile(os.path.join(path, shards.MANIFEST)):
+            if (recorded := shards.read_manifest(path).get("chat_template")) is not None:
+                return chat.ChatTemplate(
+                    recorded["source"], recorded["origin"], chat.special_tokens(cfg.tokenizer)
+                )
+    return None
+
+
+def save_run_template(cfg: DataConfig, run_dir: str) -> None:
+    """RUN_DIR/chat_template.jinja: the `training_template`, where there is one."""
+    if (template := training_template(cfg)) is not None:
+        with open(os.path.join(run_dir, RUN_TEMPLATE), "w", encoding="utf-8") as f:
+            f.write(template.source)
+
+
+def run_template(run_dir: str, cfg: DataConfig):
+    """The chat template of a trained run (for `sample --chat`): the copy in its run directory,
+    else the one its data names (`training_template`), else its tokenizer's own; ConfigError
+    when there is none. The tokenizer's special tokens come with it."""
+    path = os.path.join(run_dir, RUN_TEMPLATE)
+    if os.path.isfile(path):
+        return chat.load_template(path, cfg.tokenizer)
+    return training_template(cfg) or chat.load_template(None, cfg.tokenizer)
+
+
 # --- Mixtures -----------------------------------------------------------------------------
 
 

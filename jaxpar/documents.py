@@ -423,8 +423,8 @@ def record_document(record: dict, where: str, field: str) -> dict:
             _check_messages(completion, where, "completion")
         return {"prompt": prompt, "completion": completion}
     raise ConfigError(
-        f"{where} has no field '{field}' (data.text_field), 'messages' or 'prompt'/'completion'; "
-        f"it has {sorted(record)}: a record holds {RECORD_KINDS}"
+        f"{where} has no field '{field}' (data.text_field); it has {sorted(record)} (a record "
+        f"holds {RECORD_KINDS})"
     )
 
 
@@ -463,8 +463,8 @@ def parquet_columns(pf, path: str, field: str) -> list[str]:
         if all(c in names for c in columns):
             return columns
     raise ConfigError(
-        f"{path} has no column '{field}' (data.text_field), 'messages' or 'prompt'/'completion'; "
-        f"it has {names}"
+        f"{path} has no column '{field}' (data.text_field); it has {names} (a conversation source "
+        "has 'messages', a prompt/completion source 'prompt' and 'completion')"
     )
 
 
