@@ -4,7 +4,8 @@ assistant replies with their end-of-turn marker, the masks travel through packin
 shards alike, and `python -m jaxpar.sample --chat` answers and stops at the end of the turn.
 
 The templates are those of Llama 3.2 Instruct, Qwen3 and Gemma 3 (tests/data/chat_templates, see
-the README there) and jaxpar's own `simple`."""
+the README there), jaxpar's own `simple`, and `blocks`, written for these tests in the style
+without whitespace control (the rendering depends on trim_blocks and lstrip_blocks)."""
 
 import json
 import os
@@ -29,8 +30,9 @@ TEMPLATES = {
     "qwen3": ("qwen3.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
     "gemma-3": ("gemma-3-it.jinja", {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}),
     "simple": (os.path.join(ROOT, "jaxpar", "templates", "simple.jinja"), {}),
+    "blocks": ("blocks.jinja", {"bos_token": "<s>", "eos_token": "</s>"}),  # trim_blocks, tojson
 }
-SYSTEM = {"role": "system", "content": "You answer in one word."}
+SYSTEM = {"role": "system", "content": "You answer in one word: 'oui' — <short> & sweet."}
 TURNS = [
     {"role": "user", "content": "Capital of France?"},
     {"role": "assistant", "content": "Paris."},
@@ -48,6 +50,7 @@ REPLIES = {
     "qwen3": ["Paris.<|im_end|>", "Rome. \n<|im_end|>", "<think>\n\n</think>\n\ncba<|im_end|>"],
     "gemma-3": ["Paris.<end_of_turn>", "Rome.<end_of_turn>", "cba<end_of_turn>"],
     "simple": ["Paris.<|end|>", "Rome. \n<|end|>", "cba<|end|>"],
+    "blocks": ["Paris.</s>", "Rome. \n</s>", "cba</s>"],
 }
 DATE = {"date_string": "26 Jul 2024"}  # Llama's date line; without it, today's (strftime_now)
 
