@@ -9,7 +9,8 @@ by one). Every token carries the id of its document, which gives, per sequence:
 - `positions`: restart at 0 at every document start (and at the sequence start, for a document
   that began in the previous sequence), so rotary positions are positions within the document;
 - `loss_mask`: 0 where the target belongs to another document (the end-of-document token
-  predicting the next document's first token), 1 elsewhere.
+  predicting the next document's first token), or, under data.train_on=assistant, is no target
+  token of a conversation or prompt/completion record (jaxpar.chat: its prompt); 1 elsewhere.
 
 Order and shares. Sequences are shuffled with `train.seed` (a fresh order every epoch) and the
 global batch of step s is the global samples [s*B, (s+1)*B). Process p of P reads only rows

@@ -1,6 +1,8 @@
 """Documents and tokens, the ground floor of the data pipeline: tokenizers (bytes, or a local
 Hugging Face `tokenizer.json`), reading a source's documents (the running interpreter's standard
-library, text files, JSONL, Parquet; .gz and .zst decompressed; data.errors for what is not text),
+library, text files, JSONL, Parquet; .gz and .zst decompressed; data.errors for what is not text;
+a JSONL line or Parquet row without the text field may be a conversation or a prompt/completion
+record, kept as a dict for jaxpar.chat to render),
 and the packed rows a window of the token stream becomes (`packed_rows`). Both consumers of
 documents build on this module: packing in memory and the grain pipeline (jaxpar.data) and the
 prepared token shards (jaxpar.shards)."""

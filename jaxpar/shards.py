@@ -10,11 +10,17 @@ library's batch encoding) and writes, into DIR:
   source (same documents, order, end-of-document tokens, sequences, shuffle);
 - `train-NNNNN.idx`: little-endian int64, the end offset (exclusive) of each document in the shard
   (the document index: segment ids and positions come from it, by binary search, per window);
+- `train-NNNNN.msk`, in a shard that holds conversation or prompt/completion records
+  (jaxpar.chat): one byte a token, 1 where the token is a target (an assistant reply, a
+  completion), 0 where it is prompt; the tokens of plain-text documents are 1s, and a shard
+  without records has no .msk (all targets). A manifest whose shards have masks says version 2
+  (MASKED_VERSION), so that a reader that would ignore them refuses it;
 - `val-NNNNN.bin/.idx` with `--val-fraction`: the documents carved off for validation (chosen by a
   hash of their text: the same document always falls on the same side);
 - `manifest.json`: the tokenizer (spec, SHA-256 of its file, vocabulary, end-of-document id), the
+  chat template conversations are rendered with (its origin and text; null without one), the
   token dtype, the options, every source file (path, size, SHA-256) and every shard (documents,
-  tokens, SHA-256 of both files). Training checks the shards it reads against it before the
+  tokens, SHA-256 of each file). Training checks the shards it reads against it before the
   first step (`verify_shards`: sizes, hashes, the document index, the token ids, the tokenizer),
   and reads a shard again only when its files' identity changed; `python -m jaxpar.data verify
   DIR` checks every shard whole.
