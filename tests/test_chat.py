@@ -335,3 +335,54 @@ def test_sample_chat_reply_stops_at_the_end_of_turn(tmp_path):
     proc = subprocess.run(sample, cwd=ROOT, env=env, capture_output=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert proc.stdout.decode() == "ok\n"
+    conversation = tmp_path / "conversation.jsonl"
+    write_jsonl(
+        conversation, [{"role": "user", "content": "question 1"}, {"role": "assistant", "content": "ok"}]
+    )
+    more = ["--messages", str(conversation), "--system", "Be brief.", "--max-tokens", "24"]
+    proc = subprocess.run(
+        [*sample[:4], *more], cwd=ROOT, env=env, capture_output=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert proc.stdout.decode() == "ok\n"
+
+
+def test_hf_tokenizer_pieces_keep_special_tokens_and_add_no_bos(tmp_path):
+    """With a Hugging Face tokenizer: the pieces are encoded without the BOS its post-processor
+    adds (the template writes its own), each end-of-turn marker is its one special token, and
+    exactly the replies' markers are targets; `token_id` finds the marker sampling stops at."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from jaxpar.documents import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<bos>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["Capital of France? Paris. Rome."] * 20, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    bos, eot = tok.token_to_id("<bos>"), hf.token_id("<|im_end|>")
+    assert hf.encode("Paris.")[0] == bos and bos not in hf.encode_plain(["Paris."])[0]
+    ids, mask, _ = chat.encode_record({"messages": CONVERSATION}, hf, template("qwen3"))
+    assert bos not in ids
+    ends = np.flatnonzero(ids == eot)
+    assert len(ends) == len(CONVERSATION)  # every turn closes with the one token
+    assert mask[ends].tolist() == [0, 0, 1, 0, 1, 0, 1]  # system, user, assistant, ...
+    assert hf.decode(ids[mask == 1]) == "".join(r.removesuffix("<|im_end|>") for r in REPLIES["qwen3"])
+
+
+def test_a_missing_chat_template_file_is_a_config_error():
+    from jaxpar import config as config_lib
+
+    cfg = config_lib.load_config(
+        os.path.join(ROOT, "configs", "tiny.yaml"), ["data.chat_template=/no/such.jinja"]
+    )
+    with pytest.raises(ConfigError, match="data.chat_template='/no/such.jinja' does not exist"):
+        config_lib.validate(cfg, 8)
