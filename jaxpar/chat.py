@@ -307,3 +307,14 @@ def encode_record(record: dict, tokenizer, template) -> tuple[np.ndarray, np.nda
     if not ids:
         return np.zeros(0, np.int32), np.zeros(0, np.uint8), eod_target
     return np.concatenate(ids), np.concatenate(masks), eod_target
+
+
+def record_text(record: dict) -> str:
+    """The words of a record, without a template: its messages' text contents (or its prompt and
+    completion), one a line. What `train-tokenizer` learns its merges from."""
+    messages = record.get("messages") or [
+        {"content": part} if isinstance(part, str) else part
+        for part in (record.get("prompt"), record.get("completion"))
+        for part in (part if isinstance(part, list) else [part])
+    ]
+    return "\n".join(m["content"] for m in messages if isinstance(m.get("content"), str))

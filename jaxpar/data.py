@@ -500,7 +500,7 @@ def _train_tokenizer_command(args) -> int:
     cfg = DataConfig(
         source=args.source, text_field=args.text_field, max_documents=args.max_documents, errors=args.errors
     )
-    docs = read_documents(cfg)
+    docs = [doc if isinstance(doc, str) else chat.record_text(doc) for doc in read_documents(cfg)]
     train_tokenizer(docs, args.vocab_size, args.out)
     print(f"wrote {args.out}: vocabulary {args.vocab_size}, trained on {len(docs)} documents")
     return 0

@@ -172,6 +172,7 @@ def test_prompt_completion_targets_the_completion_and_the_end_of_document():
     listed = {"prompt": TURNS[:1], "completion": TURNS[1:2]}
     ids, mask, eod_target = chat.encode_record(listed, ByteTokenizer(), template("simple"))
     assert ByteTokenizer().decode(ids[mask == 1]) == "Paris.<|end|>" and not eod_target
+    assert chat.record_text(listed) == "Capital of France?\nParis."  # what train-tokenizer reads
 
 
 # --- Packing: the loss mask, in memory and from prepared shards -----------------------------------
