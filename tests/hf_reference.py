@@ -361,8 +361,10 @@ def tokenizer(where: str, cases_path: str, out: str) -> None:
 def chat(cases_path: str, out: str) -> None:
     """CASES.json: {"templates": {name: {"source": jinja, "special": {bos_token: ...}}},
     "cases": [{"messages": [...], "add_generation_prompt": bool, "variables": {...}}]}.
-    OUT_DIR/rendered.json: {name: [the rendering of each case]}; OUT_DIR/<name> the saved
-    tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    OUT_DIR/rendered.json: {name: [the rendering of each case]}, and for a template with
+    `{% generation %}` blocks {name/assistant: [the text of the tokens transformers'
+    return_assistant_tokens_mask marks, per case]}; OUT_DIR/<name> the saved tokenizer
+    (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
     import transformers
 
     with open(cases_path) as f:
@@ -385,6 +387,13 @@ def chat(cases_path: str, out: str) -> None:
             )
             for case in cases["cases"]
         ]
+        if "{% generation %}" in template["source"]:  # the tokens return_assistant_tokens_mask marks
+            for case in cases["cases"]:
+                encoded = tok.apply_chat_template(
+                    case["messages"], return_dict=True, return_assistant_tokens_mask=True, **case["variables"]
+                )
+                marked = [i for i, m in zip(encoded["input_ids"], encoded["assistant_masks"]) if m]
+                rendered.setdefault(f"{name}/assistant", []).append(tok.decode(marked))
     with open(os.path.join(out, "rendered.json"), "w") as f:
         json.dump(rendered, f)
 

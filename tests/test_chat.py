@@ -109,6 +109,16 @@ def test_rendering_is_transformers_byte_for_byte(transformers_rendered, name):
         assert loaded.render(messages, add_generation_prompt=generation, **DATE) == expected
 
 
+def test_targets_are_what_transformers_marks_in_generation_blocks(transformers_rendered):
+    """On a template that marks its replies with {% generation %} blocks, transformers'
+    return_assistant_tokens_mask marks the text jaxpar takes as targets (found without the
+    blocks, by rendering)."""
+    _, rendered = transformers_rendered
+    for (messages, _), marked in zip(CASES, rendered["blocks/assistant"], strict=True):
+        targets = "".join(text for text, target in template("blocks").pieces(messages) if target)
+        assert marked == targets and (targets or not any(m["role"] == "assistant" for m in messages))
+
+
 def test_template_from_tokenizer_config_and_from_a_file(tmp_path):
     """A chat_template in tokenizer_config.json (transformers 4's way) is found too; a file or
     `simple` given explicitly wins; a tokenizer without one is a clear error."""
