@@ -225,6 +225,16 @@ class ChatTemplate:
         pieces.append((whole[at:], False))
         return [(text, target) for text, target in pieces if text]
 
+    def prompt_pieces(self, messages: list[dict], **variables) -> list[str]:
+        """The conversation with the generation prompt after it, as texts to tokenize one by
+        one: the `pieces` of the conversation (cut where training cuts it, so that its tokens are
+        those training saw), then the generation prompt; one text where the template renders the
+        conversation otherwise once a generation prompt follows."""
+        prompt = self.render(messages, add_generation_prompt=True, **variables)
+        texts = [text for text, _ in self.pieces(messages, **variables)] if messages else []
+        joined = "".join(texts)
+        return [*texts, prompt[len(joined) :]] if prompt.startswith(joined) else [prompt]
+
 
 def _normalized(messages: list[dict]) -> list[dict]:
     """Messages as transformers hands them to a template: keys whose value is None dropped, and

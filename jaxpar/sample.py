@@ -344,8 +344,8 @@ def _chat_command(args, cfg, tokenizer) -> int:
     from jaxpar import data as data_lib  # grain: only for --chat
 
     template = data_lib.run_template(args.run_dir, cfg.data)
-    prompt = template.render(chat_messages(args), add_generation_prompt=True)
-    prompt_ids = tokenizer.encode_plain([prompt])[0]
+    pieces = [text for text in template.prompt_pieces(chat_messages(args)) if text]
+    prompt_ids = np.concatenate(tokenizer.encode_plain(pieces)).astype(np.int32)
     check_prompt(len(prompt_ids), cfg.model.max_seq_len)
     _, model, _ = load_model(args.run_dir, args.step, args.overrides)
     eot = template.end_of_turn

@@ -160,6 +160,15 @@ def test_targets_are_exactly_the_replies_and_their_end_of_turn(name):
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
+def test_sampling_prompt_is_cut_as_training_cuts(name):
+    """`sample --chat`'s prompt: the conversation's training pieces, then the generation prompt."""
+    t = template(name)
+    texts = t.prompt_pieces(CONVERSATION[:-1], **DATE)
+    assert "".join(texts) == t.render(CONVERSATION[:-1], add_generation_prompt=True, **DATE)
+    assert texts[:-1] == [text for text, _ in t.pieces(CONVERSATION[:-1], **DATE)]
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
 def test_token_mask_covers_the_replies(name):
     """Byte tokens of the rendered conversation: the masked-in ones spell the replies and their
     end-of-turn markers, nothing else; the prompt tokens spell the rest."""
