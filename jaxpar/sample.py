@@ -340,7 +340,8 @@ def chat_messages(args) -> list[dict]:
 def _chat_command(args, cfg, tokenizer) -> int:
     """--chat / --messages: the conversation rendered with the run's chat template and its
     generation prompt (`data.run_template`); the reply generated until the template's end of turn
-    (its token where the tokenizer has one, else its text) and printed alone."""
+    (its token where the tokenizer has one, else its text) and printed alone. The prompt is
+    tokenized in the pieces training cut conversations into (`ChatTemplate.prompt_pieces`)."""
     from jaxpar import data as data_lib  # grain: only for --chat
 
     template = data_lib.run_template(args.run_dir, cfg.data)
