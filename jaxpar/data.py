@@ -143,19 +143,30 @@ RUN_TEMPLATE = "chat_template.jinja"  # the chat template a run trained with, in
 
 def training_template(cfg: DataConfig):
     """The chat template a run's conversations are rendered with, where the run must keep a copy
-    (RUN_DIR/chat_template.jinja, written at the start): data.chat_template's, else the one the
-    prepared data.source / data.sources recorded in their manifest; None otherwise (plain text,
-    or the tokenizer's own template, which the run finds beside its tokenizer)."""
-    if cfg.chat_template is not None:
-        return chat.load_template(cfg.chat_template, cfg.tokenizer)
+    (RUN_DIR/chat_template.jinja, written at the start): the one prepared data.source /
+    data.sources recorded in their manifest (their tokens were rendered with it), else
+    data.chat_template's; None otherwise (plain text, or the tokenizer's own template, which the
+    run finds beside its tokenizer). ConfigError when data.chat_template is another template
+    than the prepared data's."""
     paths = [cfg.source] if cfg.sources is None else [s.path for s in cfg.sources]
-    for path in map(os.path.expanduser, paths):
-        if os.path.isfile(os.path.join(path, shards.MANIFEST)):
-            if (recorded := shards.read_manifest(path).get("chat_template")) is not None:
-                return chat.ChatTemplate(
-                    recorded["source"], recorded["origin"], chat.special_tokens(cfg.tokenizer)
-                )
-    return None
+    recorded = [
+        (path, template)
+        for path in map(os.path.expanduser, paths)
+        if os.path.isfile(os.path.join(path, shards.MANIFEST))
+        and (template := shards.read_manifest(path).get("chat_template")) is not None
+    ]
+    given = None if cfg.chat_template is None else chat.load_template(cfg.chat_template, cfg.tokenizer)
+    for path, template in recorded:
+        if given is not None and template["source"] != given.source:
+            raise ConfigError(
+                f"data.chat_template={cfg.chat_template} is not the chat template {path} was "
+                f"prepared with ({template['origin']}); leave data.chat_template unset (the "
+                "prepared tokens are what is trained on), or prepare the data again with it"
+            )
+    if given is None and recorded:
+        path, template = recorded[0]
+        return chat.ChatTemplate(template["source"], template["origin"], chat.special_tokens(cfg.tokenizer))
+    return given
 
 
 def save_run_template(cfg: DataConfig, run_dir: str) -> None:
@@ -250,6 +261,8 @@ def source_counter(cfg: DataConfig):
 
 def training_source(cfg: DataConfig, tokenizer, seq_len: int):
     """What a run trains on: `packed_source` of data.source, or the Mixture of data.sources."""
+    if cfg.chat_template is not None:
+        training_template(cfg)  # the prepared data's chat template, if any, is data.chat_template
     if cfg.sources is None:
         return packed_source(cfg, tokenizer, seq_len)
     sources = [

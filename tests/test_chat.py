@@ -406,3 +406,16 @@ def test_a_missing_chat_template_file_is_a_config_error():
     )
     with pytest.raises(ConfigError, match="data.chat_template='/no/such.jinja' does not exist"):
         config_lib.validate(cfg, 8)
+
+
+def test_the_run_keeps_the_template_its_prepared_data_was_rendered_with(tmp_path):
+    out = tmp_path / "shards"
+    source = write_jsonl(tmp_path / "c.jsonl", RECORDS)
+    shards.prepare([str(source)], str(out), chat_template="simple", progress=False, log=print)
+    kept = data.training_template(DataConfig(source=str(out)))
+    assert kept.source == template("simple").source
+    other = tmp_path / "other.jinja"
+    other.write_text(template("blocks").source)
+    with pytest.raises(ConfigError, match="is not the chat template .* was prepared with"):
+        data.training_source(DataConfig(source=str(out), chat_template=str(other)), ByteTokenizer(), 16)
+    assert data.training_template(DataConfig(source=str(source))) is None  # raw text: the tokenizer's
