@@ -248,8 +248,11 @@ def write_jsonl(path, records):
 
 
 @pytest.mark.parametrize("train_on", ["assistant", "all"])
-def test_prepared_shards_give_the_in_memory_samples_mask_included(tmp_path, train_on):
-    source = write_jsonl(tmp_path / "chats.jsonl", RECORDS * 3)
+def test_prepared_shards_give_the_in_memory_samples_mask_included(tmp_path, train_on, monkeypatch):
+    """Also where a shard's first records are plain text written out before its first
+    conversation (the .msk then starts with their 1s): writes every 8 tokens."""
+    monkeypatch.setattr(shards, "_FLUSH_TOKENS", 8)
+    source = write_jsonl(tmp_path / "chats.jsonl", RECORDS[1:2] * 2 + RECORDS * 3)
     out = tmp_path / "shards"
     shards.prepare(
         [str(source)], str(out), chat_template="simple", shard_tokens=300, progress=False, log=print
