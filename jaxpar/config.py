@@ -58,6 +58,8 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
 ZeroStage = Literal[0, 1, 2, 3]
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 DataErrors = Literal["strict", "replace", "skip"]
+TrainOn = Literal["assistant", "all"]
+CHAT_TEMPLATES = ("simple",)  # jaxpar's own chat templates: jaxpar/templates/<name>.jinja
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
 RopeScaling = Literal["none", "llama3", "linear"]
@@ -200,6 +202,16 @@ class DataConfig:
     format: DataFormat = "auto"  # auto (by extension) | text | jsonl | parquet
     text_field: str = "text"  # the JSONL field (Parquet column) that holds a document
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
+    # Records without data.text_field: conversations {"messages": [{role, content}, ...]} rendered
+    # with a chat template, and {"prompt": ..., "completion": ...} pairs (jaxpar.chat). assistant:
+    # only the assistant replies (with their end-of-turn marker) and completions are targets;
+    # all: every token is, as for plain text. Plain text documents are all targets either way.
+    train_on: TrainOn = "assistant"  # assistant | all (see above)
+    # The chat template of conversations: null = the tokenizer's own (chat_template.jinja or
+    # tokenizer_config.json beside its tokenizer.json) | a .jinja file | simple (jaxpar's own,
+    # jaxpar/templates/simple.jinja, e.g. for the byte tokenizer, which has none). Never chosen
+    # silently: a conversation source without a template is an error.
+    chat_template: str | None = None  # null | FILE.jinja | simple (see above)
     max_documents: int | None = None  # read at most this many documents (None = all)
     shuffle: bool = True  # shuffle the packed sequences with train.seed (a new order every epoch)
     # A document that is not text (invalid UTF-8, NUL bytes, a JSONL text that is null or not a
@@ -593,6 +605,9 @@ def resolve_paths(cfg: Config) -> Config:
         source=d.source if d.source == "stdlib" else absolute(d.source),
         sources=sources,
         tokenizer=d.tokenizer if d.tokenizer == "byte" else absolute(d.tokenizer),
+        chat_template=(
+            d.chat_template if d.chat_template in (None, *CHAT_TEMPLATES) else absolute(d.chat_template)
+        ),
     )
     init_from = None if t.init_from is None else absolute(t.init_from)
     return dataclasses.replace(
@@ -914,6 +929,12 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
         raise ConfigError(
             f"data.tokenizer='{cfg.data.tokenizer}' does not exist; use 'byte' or the path of a "
             "tokenizer.json (python -m jaxpar.data train-tokenizer makes one)"
+        )
+    template = cfg.data.chat_template
+    if template is not None and template not in CHAT_TEMPLATES and not os.path.isfile(template):
+        raise ConfigError(
+            f"data.chat_template='{template}' does not exist; use null (the tokenizer's own), the "
+            f"path of a .jinja chat template, or one of jaxpar's: {', '.join(CHAT_TEMPLATES)}"
         )
     return sizes
 

@@ -9,7 +9,8 @@ by one). Every token carries the id of its document, which gives, per sequence:
 - `positions`: restart at 0 at every document start (and at the sequence start, for a document
   that began in the previous sequence), so rotary positions are positions within the document;
 - `loss_mask`: 0 where the target belongs to another document (the end-of-document token
-  predicting the next document's first token), 1 elsewhere.
+  predicting the next document's first token), or, under data.train_on=assistant, is no target
+  token of a conversation or prompt/completion record (jaxpar.chat: its prompt); 1 elsewhere.
 
 Order and shares. Sequences are shuffled with `train.seed` (a fresh order every epoch) and the
 global batch of step s is the global samples [s*B, (s+1)*B). Process p of P reads only rows
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 
-from jaxpar import cli, shards
+from jaxpar import chat, cli, shards
 from jaxpar.config import ConfigError, DataConfig, source_names
 from jaxpar.documents import EOD_TOKEN, packed_rows, read_documents, split_rows
 
@@ -64,14 +66,13 @@ class PackedSequences:
     tokens: np.ndarray  # [stream] int32
     doc_ids: np.ndarray  # [stream] int32, the document of each token
     seq_len: int
+    targets: np.ndarray | None = None  # [stream] uint8: 1 where a token is a target (None: all)
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        start = int(index) * self.seq_len
-        window = slice(start, start + self.seq_len + 1)
-        return packed_sample(self.tokens[window], self.doc_ids[window])
+        return self._getitems([index])[0]
 
     def _getitems(self, indices) -> list[dict[str, np.ndarray]]:
         """Several sequences at once (grain's batched read; see `batch_dataset`)."""
@@ -79,26 +80,42 @@ class PackedSequences:
         docs = self.doc_ids[window]
         starts = np.zeros(docs.shape, dtype=bool)
         starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
-        return split_rows(packed_rows(self.tokens[window], starts))
+        targets = None if self.targets is None else self.targets[window]
+        return split_rows(packed_rows(self.tokens[window], starts, targets))
 
 
-def packed_sample(tokens: np.ndarray, docs: np.ndarray) -> dict[str, np.ndarray]:
+def packed_sample(
+    tokens: np.ndarray, docs: np.ndarray, targets: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """One packed sequence from seq_len + 1 consecutive stream tokens and their documents' ids
     (any increasing numbering): `packed_rows` of one row."""
     starts = np.concatenate([[False], docs[1:] != docs[:-1]])
-    return split_rows(packed_rows(tokens[None], starts[None]))[0]
+    return split_rows(packed_rows(tokens[None], starts[None], None if targets is None else targets[None]))[0]
 
 
-def pack(documents: list[str], tokenizer, seq_len: int) -> PackedSequences:
+def pack(
+    documents: list, tokenizer, seq_len: int, template=None, train_on: str = "assistant"
+) -> PackedSequences:
+    """The documents (texts, and conversation or prompt/completion records: jaxpar.chat) as one
+    packed stream, each followed by the end-of-document token. `template`: the ChatTemplate for
+    conversations, or a function returning it (called at the first). With train_on=assistant the
+    records' prompt tokens are no targets; texts are all targets."""
     if not documents:
         raise ConfigError("data: the source has no documents")
-    pieces, ids = [], []
+    pieces, ids, masks = [], [], []
     for n, doc in enumerate(documents):
-        toks = np.append(tokenizer.encode(doc), np.int32(tokenizer.eod_id))
+        if isinstance(doc, str):
+            toks = np.append(tokenizer.encode(doc), np.int32(tokenizer.eod_id))
+            masks.append(np.ones(len(toks), np.uint8))
+        else:
+            toks, mask, eod_target = chat.encode_record(doc, tokenizer, template)
+            toks = np.append(toks, np.int32(tokenizer.eod_id))
+            masks.append(np.append(mask, np.uint8(eod_target)))
         pieces.append(toks)
         ids.append(np.full(len(toks), n, dtype=np.int32))
     tokens = np.concatenate(pieces).astype(np.int32)
-    packed = PackedSequences(tokens, np.concatenate(ids), seq_len)
+    records = train_on == "assistant" and any(not isinstance(doc, str) for doc in documents)
+    packed = PackedSequences(tokens, np.concatenate(ids), seq_len, np.concatenate(masks) if records else None)
     if len(packed) == 0:
         raise ConfigError(
             f"data: the corpus has {len(tokens)} tokens, fewer than one sequence of train.seq_len={seq_len}"
@@ -111,11 +128,62 @@ def packed_source(cfg: DataConfig, tokenizer, seq_len: int):
     into a cache on first use), memory-mapped; else the source's documents, packed in memory."""
     source = os.path.expanduser(cfg.source)
     if cfg.source != "stdlib" and os.path.isdir(source):
-        return shards.PreparedSequences(source, cfg.tokenizer, seq_len, cfg.max_documents)
+        return shards.PreparedSequences(
+            source, cfg.tokenizer, seq_len, cfg.max_documents, train_on=cfg.train_on
+        )
     if cfg.source == "stdlib" and cfg.max_documents is None:
         if (directory := shards.stdlib_prepared(cfg.tokenizer)) is not None:
             return shards.PreparedSequences(directory, cfg.tokenizer, seq_len)
-    return pack(read_documents(cfg), tokenizer, seq_len)
+    template = functools.partial(chat.load_template, cfg.chat_template, cfg.tokenizer)
+    return pack(read_documents(cfg), tokenizer, seq_len, functools.cache(template), cfg.train_on)
+
+
+RUN_TEMPLATE = "chat_template.jinja"  # the chat template a run trained with, in its run directory
+
+
+def training_template(cfg: DataConfig):
+    """The chat template a run's conversations are rendered with, where the run must keep a copy
+    (RUN_DIR/chat_template.jinja, written at the start): the one prepared data.source /
+    data.sources recorded in their manifest (their tokens were rendered with it), else
+    data.chat_template's; None otherwise (plain text, or the tokenizer's own template, which the
+    run finds beside its tokenizer). ConfigError when data.chat_template is another template
+    than the prepared data's."""
+    paths = [cfg.source] if cfg.sources is None else [s.path for s in cfg.sources]
+    recorded = [
+        (path, template)
+        for path in map(os.path.expanduser, paths)
+        if os.path.isfile(os.path.join(path, shards.MANIFEST))
+        and (template := shards.read_manifest(path).get("chat_template")) is not None
+    ]
+    given = None if cfg.chat_template is None else chat.load_template(cfg.chat_template, cfg.tokenizer)
+    for path, template in recorded:
+        if given is not None and template["source"] != given.source:
+            raise ConfigError(
+                f"data.chat_template={cfg.chat_template} is not the chat template {path} was "
+                f"prepared with ({template['origin']}); leave data.chat_template unset (the "
+                "prepared tokens are what is trained on), or prepare the data again with it"
+            )
+    if given is None and recorded:
+        path, template = recorded[0]
+        return chat.ChatTemplate(template["source"], template["origin"], chat.special_tokens(cfg.tokenizer))
+    return given
+
+
+def save_run_template(cfg: DataConfig, run_dir: str) -> None:
+    """RUN_DIR/chat_template.jinja: the `training_template`, where there is one."""
+    if (template := training_template(cfg)) is not None:
+        with open(os.path.join(run_dir, RUN_TEMPLATE), "w", encoding="utf-8") as f:
+            f.write(template.source)
+
+
+def run_template(run_dir: str, cfg: DataConfig):
+    """The chat template of a trained run (for `sample --chat`): the copy in its run directory,
+    else the one its data names (`training_template`), else its tokenizer's own; ConfigError
+    when there is none. The tokenizer's special tokens come with it."""
+    path = os.path.join(run_dir, RUN_TEMPLATE)
+    if os.path.isfile(path):
+        return chat.load_template(path, cfg.tokenizer)
+    return training_template(cfg) or chat.load_template(None, cfg.tokenizer)
 
 
 # --- Mixtures -----------------------------------------------------------------------------
@@ -193,10 +261,14 @@ def source_counter(cfg: DataConfig):
 
 def training_source(cfg: DataConfig, tokenizer, seq_len: int):
     """What a run trains on: `packed_source` of data.source, or the Mixture of data.sources."""
+    if cfg.chat_template is not None:
+        training_template(cfg)  # the prepared data's chat template, if any, is data.chat_template
     if cfg.sources is None:
         return packed_source(cfg, tokenizer, seq_len)
     sources = [
-        shards.PreparedSequences(os.path.expanduser(s.path), cfg.tokenizer, seq_len, cfg.max_documents)
+        shards.PreparedSequences(
+            os.path.expanduser(s.path), cfg.tokenizer, seq_len, cfg.max_documents, train_on=cfg.train_on
+        )
         for s in cfg.sources
     ]
     return Mixture(sources, mixture_proportions([s.weight for s in cfg.sources]), source_names(cfg))
@@ -232,7 +304,9 @@ def eval_dataset(
                 "--val-fraction); prepare it again with --val-fraction 0.01 (into a new directory), "
                 "or set train.eval_every=0"
             )
-        vals.append(shards.PreparedSequences(directory, cfg.tokenizer, seq_len, split="val"))
+        vals.append(
+            shards.PreparedSequences(directory, cfg.tokenizer, seq_len, split="val", train_on=cfg.train_on)
+        )
     proportions = mixture_proportions([s.weight for s in cfg.sources] if cfg.sources else [1.0])
 
     def taken(n_batches: int) -> list[int]:  # sequences each val split gives to n_batches batches
@@ -385,7 +459,9 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="SOURCE",
         help="stdlib, or a file or glob: text (one document per file), JSONL (.jsonl/"
-        ".json, one per line), Parquet; .gz and .zst are decompressed",
+        ".json, one per line), Parquet; .gz and .zst are decompressed. A JSONL line or Parquet "
+        "row without the text field may be a conversation ('messages') or a 'prompt' and "
+        "'completion' (jaxpar.chat)",
     )
     prep.add_argument("--out", required=True, help="the directory of shards (resumed if unfinished)")
     prep.add_argument("--tokenizer", default="byte", help="byte, or a tokenizer.json")
@@ -404,6 +480,13 @@ def _parser() -> argparse.ArgumentParser:
         help="documents carved off into the val split (chosen by a hash of the text)",
     )
     prep.add_argument("--max-documents", type=int, default=None)
+    prep.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="the chat template of conversation records: a .jinja file, or 'simple' (jaxpar's own); "
+        "default: the tokenizer's (chat_template.jinja / tokenizer_config.json beside it)",
+    )
     prep.add_argument(
         "--shard-tokens",
         type=int,
@@ -430,7 +513,7 @@ def _train_tokenizer_command(args) -> int:
     cfg = DataConfig(
         source=args.source, text_field=args.text_field, max_documents=args.max_documents, errors=args.errors
     )
-    docs = read_documents(cfg)
+    docs = [doc if isinstance(doc, str) else chat.record_text(doc) for doc in read_documents(cfg)]
     train_tokenizer(docs, args.vocab_size, args.out)
     print(f"wrote {args.out}: vocabulary {args.vocab_size}, trained on {len(docs)} documents")
     return 0
@@ -461,6 +544,7 @@ def _prepare_command(args) -> int:
             val_fraction=args.val_fraction,
             max_documents=args.max_documents,
             shard_tokens=args.shard_tokens or shards.DEFAULT_SHARD_TOKENS,
+            chat_template=args.chat_template,
         )
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):

@@ -1,6 +1,8 @@
 """Documents and tokens, the ground floor of the data pipeline: tokenizers (bytes, or a local
 Hugging Face `tokenizer.json`), reading a source's documents (the running interpreter's standard
-library, text files, JSONL, Parquet; .gz and .zst decompressed; data.errors for what is not text),
+library, text files, JSONL, Parquet; .gz and .zst decompressed; data.errors for what is not text;
+a JSONL line or Parquet row without the text field may be a conversation or a prompt/completion
+record, kept as a dict for jaxpar.chat to render),
 and the packed rows a window of the token stream becomes (`packed_rows`). Both consumers of
 documents build on this module: packing in memory and the grain pipeline (jaxpar.data) and the
 prepared token shards (jaxpar.shards)."""
@@ -37,6 +39,14 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+
+    def encode_plain(self, texts: list[str]) -> list[np.ndarray]:
+        """The same ids as `encode` (bytes add no special tokens)."""
+        return [self.encode(text) for text in texts]
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token spelled `text`: None, bytes have no multi-byte tokens."""
+        return None
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -86,6 +96,16 @@ class HFTokenizer:
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
         encodings = encode(texts)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def encode_plain(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids without the tokens the tokenizer adds on its own (a BOS): the pieces
+        of a rendered conversation, whose chat template writes those itself (jaxpar.chat)."""
+        encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled `text` (a special token such as <|eot_id|>), or None."""
+        return self._tok.token_to_id(text)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
@@ -342,10 +362,11 @@ def iter_documents(
             yield i, records, text
 
 
-def read_documents(cfg: DataConfig) -> list[str]:
-    """The source's documents, in a fixed order (sorted file names, then line order). A document
-    that is not text is handled as data.errors says."""
-    docs: list[str] = []
+def read_documents(cfg: DataConfig) -> list[str | dict]:
+    """The source's documents, in a fixed order (sorted file names, then line order): texts, and
+    conversation or prompt/completion records (dicts, `record_document`). A document that is not
+    text is handled as data.errors says."""
+    docs: list[str | dict] = []
     skipped = Skipped()
     entries = source_entries(cfg.source, cfg.format)
     for _, _, text in iter_documents(entries, cfg.text_field, cfg.errors, skipped):
@@ -367,8 +388,9 @@ def _not_a_string(value, path: str, n: int, field: str, errors: str, skipped: Sk
 
 def _jsonl_text(
     line_bytes: bytes, path: str, n: int, field: str, errors: str, skipped: Skipped
-) -> str | None:
-    """The document of JSONL line `n`, or None when data.errors leaves it out."""
+) -> str | dict | None:
+    """The document of JSONL line `n` (its text, or a `record_document`), or None when
+    data.errors leaves it out."""
     line = _text(line_bytes, path, n, errors, skipped)
     if line is None:
         return None
@@ -379,15 +401,48 @@ def _jsonl_text(
     if not isinstance(record, dict):
         raise ConfigError(f"{path}:{n} is not a JSON object (one document per line, in '{field}')")
     if field not in record:
-        raise ConfigError(f"{path}:{n} has no field '{field}' (data.text_field); it has {sorted(record)}")
+        return record_document(record, f"{path}:{n}", field)
     text = record[field]
     if not isinstance(text, str):
         return _not_a_string(text, path, n, field, errors, skipped)
     return text
 
 
+RECORD_KINDS = "a text in data.text_field, a 'messages' list, or a 'prompt' and a 'completion'"
+
+
+def record_document(record: dict, where: str, field: str) -> dict:
+    """A record without the text field as a document: a conversation (`messages`: a list of
+    {role, content}) or a prompt/completion pair (both strings, or both lists of messages); the
+    record's other fields are dropped. ConfigError naming `where` for anything else."""
+    if "messages" in record:
+        _check_messages(record["messages"], where, "messages")
+        return {"messages": record["messages"]}
+    if "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            _check_messages(prompt, where, "prompt")
+            _check_messages(completion, where, "completion")
+        return {"prompt": prompt, "completion": completion}
+    raise ConfigError(
+        f"{where} has no field '{field}' (data.text_field); it has {sorted(record)} (a record "
+        f"holds {RECORD_KINDS})"
+    )
+
+
+def _check_messages(messages, where: str, key: str) -> None:
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
+    ):
+        raise ConfigError(
+            f"{where}: '{key}' is {json.dumps(messages, default=repr)[:60]}, not a list of "
+            '{"role": ..., "content": ...} messages'
+        )
+
+
 def parquet_file(path: str, field: str):
-    """The opened Parquet file, after checking it has the text column (ConfigError naming it)."""
+    """The opened Parquet file, after checking it has the text column or the columns of
+    conversations / prompt-completion records (ConfigError naming them)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:  # a dependency of jaxpar; missing only in a hand-made environment
@@ -398,25 +453,42 @@ def parquet_file(path: str, field: str):
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError) for a file that is not Parquet
         raise ConfigError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]})") from None
-    names = pf.schema_arrow.names
-    if field not in names:
-        raise ConfigError(f"{path} has no column '{field}' (data.text_field); it has {names}")
+    parquet_columns(pf, path, field)
     return pf
+
+
+def parquet_columns(pf, path: str, field: str) -> list[str]:
+    """The columns that hold a Parquet file's documents: the text column, else `messages`,
+    else `prompt` and `completion`."""
+    names = pf.schema_arrow.names
+    for columns in ([field], ["messages"], ["prompt", "completion"]):
+        if all(c in names for c in columns):
+            return columns
+    raise ConfigError(
+        f"{path} has no column '{field}' (data.text_field); it has {names} (a conversation source "
+        "has 'messages', a prompt/completion source 'prompt' and 'completion')"
+    )
 
 
 def _parquet_documents(path, field, errors, skipped, start, raw_position):
     pf = parquet_file(path, field)
+    columns = parquet_columns(pf, path, field)
     row, total, size = 0, max(pf.metadata.num_rows, 1), os.path.getsize(path)
     for group in range(pf.num_row_groups):
         rows = pf.metadata.row_group(group).num_rows
         if row + rows <= start:
             row += rows
             continue
-        for batch in pf.iter_batches(batch_size=4096, row_groups=[group], columns=[field]):
-            for value in batch.column(0).to_pylist():
+        for batch in pf.iter_batches(batch_size=4096, row_groups=[group], columns=columns):
+            values = zip(*(batch.column(i).to_pylist() for i in range(len(columns))))
+            for value in values:
                 row += 1
                 if row <= start:
                     continue
+                if columns != [field]:  # conversations or prompt/completion records
+                    yield row, record_document(dict(zip(columns, value)), f"{path}: row {row}", field)
+                    continue
+                value = value[0]
                 if isinstance(value, bytes):  # a binary column: text under data.errors
                     value = _text(value, path, row, errors, skipped)
                     if value is None:
@@ -432,10 +504,14 @@ def _parquet_documents(path, field, errors, skipped, start, raw_position):
 # --- Packed rows ----------------------------------------------------------------------------
 
 
-def packed_rows(tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+def packed_rows(
+    tokens: np.ndarray, starts: np.ndarray, targets: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """Packed sequences from windows of seq_len + 1 consecutive stream tokens, [rows, seq_len + 1],
     and where documents start in them (starts[r, j]: a document begins at window position j;
-    column 0 is not read): inputs, targets (shifted by one), positions, segment ids, loss mask."""
+    column 0 is not read): inputs, targets (shifted by one), positions, segment ids, loss mask.
+    `targets` (same shape, 0/1; None: all 1) says which stream tokens are to be predicted (the
+    assistant tokens of a conversation, jaxpar.chat): the loss mask is 0 where it is 0 too."""
     seq_len = tokens.shape[1] - 1
     begins = starts[:, :seq_len].copy()  # the inputs' document starts
     begins[:, 0] = True
@@ -448,8 +524,11 @@ def packed_rows(tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]
         "targets": tokens[:, 1:],
         "positions": index - latest,
         "segment_ids": np.cumsum(begins, axis=1, dtype=np.int32),
-        # 0 where the target begins another document (the end-of-document token predicting it).
-        "loss_mask": (~starts[:, 1:]).astype(np.float32),
+        # 0 where the target begins another document (the end-of-document token predicting it),
+        # or is not a target token.
+        "loss_mask": (~starts[:, 1:] if targets is None else ~starts[:, 1:] & (targets[:, 1:] != 0)).astype(
+            np.float32
+        ),
     }
 
 

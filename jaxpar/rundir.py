@@ -59,6 +59,8 @@ DATA_KEYS = (
     "data.max_documents",
     "data.shuffle",
     "data.text_field",
+    "data.chat_template",
+    "data.train_on",
     "train.seed",
 )
 

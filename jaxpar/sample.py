@@ -1,6 +1,14 @@
 """`python -m jaxpar.sample RUN_DIR --prompt TEXT --max-tokens N [--temperature T] [--top-k K]
 [--seed S] [--step N] [model.dtype=... model.fp8=...]`: text from a run's newest intact checkpoint.
 
+`--chat TEXT` (a user message) or `--messages FILE` (a conversation), with `--system TEXT`: the
+assistant's reply instead. The conversation is rendered with the run's chat template
+(RUN_DIR/chat_template.jinja, which training writes when data.chat_template or its prepared data
+named one, else the tokenizer's own: jaxpar.data.run_template) and its generation prompt;
+generation stops at the template's end-of-turn marker (`ChatTemplate.end_of_turn`: a token such as
+<|eot_id|> where the tokenizer has it, else the text) or the end-of-document token, and only the
+reply is printed.
+
 The params are restored alone onto one device (`jaxpar.export.load_params`), the prompt is
 tokenized with the run's tokenizer (data.tokenizer), and generation runs under one `nnx.jit`:
 a prefill of the whole prompt into a `KVCache` sized prompt + max_tokens (at most
@@ -23,6 +31,7 @@ says).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -233,7 +242,20 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", help="text to continue")
+    given.add_argument(
+        "--chat",
+        metavar="TEXT",
+        help="a user message: the assistant's reply, through the run's chat template",
+    )
+    given.add_argument(
+        "--messages",
+        metavar="FILE",
+        help='a conversation (JSON list of {role, content}, or {"messages": [...]}, or JSONL, one '
+        "message a line): the assistant's next reply",
+    )
+    parser.add_argument("--system", default=None, help="with --chat/--messages: a system message first")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random"
@@ -265,6 +287,8 @@ def _sample_command(args) -> int:
             raise ConfigError(f"{flag}={value}: must be {want}")
     cfg = run_config(args.run_dir, args.overrides)
     tokenizer = make_tokenizer(cfg.data)
+    if args.prompt is None:
+        return _chat_command(args, cfg, tokenizer)
     prompt_ids = tokenizer.encode(args.prompt)
     max_seq_len = cfg.model.max_seq_len
     check_prompt(len(prompt_ids), max_seq_len)  # before the slower restore
@@ -286,6 +310,60 @@ def _sample_command(args) -> int:
         stop_token=tokenizer.eod_id,
     )
     print(args.prompt + tokenizer.decode(ids))
+    return 0
+
+
+def chat_messages(args) -> list[dict]:
+    """The conversation of --messages FILE (and --chat, a user message after it), with --system
+    first."""
+    messages: list[dict] = []
+    if args.messages is not None:
+        with open(args.messages, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                loaded = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--messages={args.messages} is neither JSON nor JSONL: {e}") from None
+        messages = loaded.get("messages") if isinstance(loaded, dict) else loaded
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ConfigError(f"--messages={args.messages} is not a list of {{role, content}} messages")
+    if args.chat is not None:
+        messages.append({"role": "user", "content": args.chat})
+    if args.system is not None:
+        messages.insert(0, {"role": "system", "content": args.system})
+    return messages
+
+
+def _chat_command(args, cfg, tokenizer) -> int:
+    """--chat / --messages: the conversation rendered with the run's chat template and its
+    generation prompt (`data.run_template`); the reply generated until the template's end of turn
+    (its token where the tokenizer has one, else its text) and printed alone. The prompt is
+    tokenized in the pieces training cut conversations into (`ChatTemplate.prompt_pieces`)."""
+    from jaxpar import data as data_lib  # grain: only for --chat
+
+    template = data_lib.run_template(args.run_dir, cfg.data)
+    pieces = [text for text in template.prompt_pieces(chat_messages(args)) if text]
+    prompt_ids = np.concatenate(tokenizer.encode_plain(pieces)).astype(np.int32)
+    check_prompt(len(prompt_ids), cfg.model.max_seq_len)
+    _, model, _ = load_model(args.run_dir, args.step, args.overrides)
+    eot = template.end_of_turn
+    stop = tokenizer.token_id(eot)
+    ids = generate(
+        model,
+        prompt_ids,
+        args.max_tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        vocab_limit=tokenizer.vocab_size,
+        stop_token=tokenizer.eod_id if stop is None else stop,
+    )
+    if stop is not None and tokenizer.eod_id in ids:  # the end of the document ends the reply too
+        ids = ids[: ids.index(tokenizer.eod_id)]
+    print(tokenizer.decode(ids).split(eot)[0])
     return 0
 
 

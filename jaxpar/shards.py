@@ -10,11 +10,17 @@ library's batch encoding) and writes, into DIR:
   source (same documents, order, end-of-document tokens, sequences, shuffle);
 - `train-NNNNN.idx`: little-endian int64, the end offset (exclusive) of each document in the shard
   (the document index: segment ids and positions come from it, by binary search, per window);
+- `train-NNNNN.msk`, in a shard that holds conversation or prompt/completion records
+  (jaxpar.chat): one byte a token, 1 where the token is a target (an assistant reply, a
+  completion), 0 where it is prompt; the tokens of plain-text documents are 1s, and a shard
+  without records has no .msk (all targets). A manifest whose shards have masks says version 2
+  (MASKED_VERSION), so that a reader that would ignore them refuses it;
 - `val-NNNNN.bin/.idx` with `--val-fraction`: the documents carved off for validation (chosen by a
   hash of their text: the same document always falls on the same side);
 - `manifest.json`: the tokenizer (spec, SHA-256 of its file, vocabulary, end-of-document id), the
+  chat template conversations are rendered with (its origin and text; null without one), the
   token dtype, the options, every source file (path, size, SHA-256) and every shard (documents,
-  tokens, SHA-256 of both files). Training checks the shards it reads against it before the
+  tokens, SHA-256 of each file). Training checks the shards it reads against it before the
   first step (`verify_shards`: sizes, hashes, the document index, the token ids, the tokenizer),
   and reads a shard again only when its files' identity changed; `python -m jaxpar.data verify
   DIR` checks every shard whole.
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -58,6 +65,7 @@ import time
 
 import numpy as np
 
+from jaxpar import chat
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.documents import (
     Skipped,
@@ -72,6 +80,7 @@ from jaxpar.documents import (
 
 FORMAT = "jaxpar-token-shards"
 VERSION = 1
+MASKED_VERSION = 2  # shards with target masks (.msk): a reader of VERSION alone would ignore them
 MANIFEST = "manifest.json"
 PLAN = "prepare.json"
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB shards of uint16
@@ -155,22 +164,28 @@ def _locked(directory: str):
 
 
 class _SplitWriter:
-    """One shard of one split: tokens to `<name>.bin`, document ends to `<name>.idx`, both under
-    temporary names until `close` renames them."""
+    """One shard of one split: tokens to `<name>.bin`, document ends to `<name>.idx` and, from the
+    first document that has one, the target mask to `<name>.msk` (the tokens before it all
+    targets), all under temporary names until `close` renames them."""
 
     def __init__(self, directory: str, name: str, dtype: str, eod_id: int):
         self.directory, self.name, self.dtype = directory, name, np.dtype(dtype)
         self.eod = np.array([eod_id], dtype=self.dtype)
-        suffix = f".tmp-{os.getpid()}"
+        self.suffix = f".tmp-{os.getpid()}"
         self.paths = {ext: os.path.join(directory, f"{name}.{ext}") for ext in ("bin", "idx")}
-        self.tmp = {ext: path + suffix for ext, path in self.paths.items()}
+        self.tmp = {ext: path + self.suffix for ext, path in self.paths.items()}
         self.files = {ext: open(path, "wb") for ext, path in self.tmp.items()}
         self.hashes = {ext: hashlib.sha256() for ext in self.paths}
-        self.tokens = self.documents = 0
-        self._pieces, self._ends, self._held = [], [], 0
+        self.tokens = self.documents = self._written = 0
+        self._pieces, self._ends, self._masks, self._held = [], [], [], 0
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None, eod_target: bool = True) -> None:
+        """A document: its ids, their target mask (None: all targets) and whether the
+        end-of-document token after them is a target."""
+        if mask is not None and "msk" not in self.files:
+            self._open_mask()
         self._pieces += [ids, self.eod]
+        self._masks.append(None if mask is None else np.append(mask, np.uint8(eod_target)))
         self.tokens += len(ids) + 1
         self.documents += 1
         self._ends.append(self.tokens)
@@ -178,16 +193,35 @@ class _SplitWriter:
         if self._held >= _FLUSH_TOKENS:
             self._flush()
 
+    def _open_mask(self) -> None:
+        """Starts `<name>.msk`: the tokens already written are all targets."""
+        self.paths["msk"] = os.path.join(self.directory, f"{self.name}.msk")
+        self.tmp["msk"] = self.paths["msk"] + self.suffix
+        self.files["msk"] = open(self.tmp["msk"], "wb")
+        self.hashes["msk"] = hashlib.sha256()
+        for at in range(0, self._written, _FLUSH_TOKENS):
+            ones = np.ones(min(_FLUSH_TOKENS, self._written - at), np.uint8).tobytes()
+            self.files["msk"].write(ones)
+            self.hashes["msk"].update(ones)
+
     def _flush(self) -> None:
         if self._pieces:
-            for ext, array in (
+            arrays = [
                 ("bin", np.concatenate(self._pieces).astype(self.dtype)),
                 ("idx", np.asarray(self._ends, dtype="<i8")),
-            ):
+            ]
+            if "msk" in self.files:
+                masks = [
+                    np.ones(len(ids) + 1, np.uint8) if m is None else m
+                    for ids, m in zip(self._pieces[::2], self._masks)
+                ]
+                arrays.append(("msk", np.concatenate(masks)))
+            for ext, array in arrays:
                 data = array.tobytes()
                 self.files[ext].write(data)
                 self.hashes[ext].update(data)
-        self._pieces, self._ends, self._held = [], [], 0
+            self._written = self.tokens
+        self._pieces, self._ends, self._masks, self._held = [], [], [], 0
 
     def close(self) -> dict:
         self._flush()
@@ -212,12 +246,14 @@ class _SplitWriter:
 
 
 def _shard_files(directory: str, record: dict, dtype: str) -> list[tuple[str, int]]:
-    """(path, expected size in bytes) of a shard's two files."""
+    """(path, expected size in bytes) of a shard's files: .bin and .idx, and .msk where it has a
+    target mask (one byte a token)."""
     base = os.path.join(directory, record["name"])
-    return [
+    files = [
         (base + ".bin", record["tokens"] * np.dtype(dtype).itemsize),
         (base + ".idx", record["documents"] * 8),
     ]
+    return files + ([(base + ".msk", record["tokens"])] if "msk" in record["sha256"] else [])
 
 
 def _shard_problem(directory: str, record: dict, dtype: str) -> str | None:
@@ -306,21 +342,29 @@ def _tokens_problem(scan: _Scan, ends: np.ndarray, vocab_size: int, eod_id: int)
 
 
 def verify_shard(directory: str, record: dict, dtype: str, tokenizer: dict) -> str | None:
-    """Reads a shard's two files whole: None when they are what the manifest's `record` says
+    """Reads a shard's files whole: None when they are what the manifest's `record` says
     (sizes, SHA-256), a document index that rises to the shard's end, every token id below the
-    tokenizer's vocabulary and its end-of-document id closing every document; else the first
-    problem, naming the file."""
+    tokenizer's vocabulary and its end-of-document id closing every document, a target mask (if
+    any) of 0s and 1s; else the first problem, naming the file."""
     if (problem := _shard_problem(directory, record, dtype)) is not None:
         return problem
-    (bin_path, _), (idx_path, _) = _shard_files(directory, record, dtype)
+    (bin_path, _), (idx_path, _), *mask_file = _shard_files(directory, record, dtype)
     index = _Scan(idx_path, np.dtype("<i8"))
     problem = _index_problem(index, record["tokens"])
     tokens = _Scan(bin_path, np.dtype(dtype))
     ends = _map(idx_path, "<i8") if record["documents"] else np.zeros(0, np.int64)
     problem = problem or _tokens_problem(tokens, ends, tokenizer["vocab_size"], tokenizer["eod_id"])
+    scans = [(tokens, "bin"), (index, "idx")]
+    if mask_file:
+        scans.append((_Scan(mask_file[0][0], np.dtype(np.uint8)), "msk"))
+        for at, mask in scans[-1][0].chunks():
+            if problem is None and (bad := np.flatnonzero(mask > 1)).size:
+                problem = (
+                    f"{scans[-1][0].path}: token {at + int(bad[0])} has mask {int(mask[bad[0]])}, not 0 or 1"
+                )
     if problem is not None:
         return problem
-    for scan, ext in ((tokens, "bin"), (index, "idx")):
+    for scan, ext in scans:
         if (have := scan.digest.hexdigest()) != (want := record["sha256"][ext]):
             return (
                 f"{scan.path}: its SHA-256 is {have[:16]}..., but {MANIFEST} records "
@@ -471,7 +515,7 @@ def _complete_parts(out: str, plan: dict) -> list[dict]:
             break
         parts.append(part)
     keep = {MANIFEST, PLAN, ".lock"} | {f"part-{k:05d}.json" for k in range(len(parts))}
-    keep |= {f"{r['name']}.{ext}" for p in parts for r in p["splits"].values() for ext in ("bin", "idx")}
+    keep |= {f"{r['name']}.{ext}" for p in parts for r in p["splits"].values() for ext in r["sha256"]}
     for name in os.listdir(out):
         if name not in keep:
             os.unlink(os.path.join(out, name))
@@ -501,6 +545,7 @@ def prepare(
     val_fraction: float = 0.0,
     max_documents: int | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    chat_template: str | None = None,
     progress: bool | None = None,
     log=None,
 ) -> dict:
@@ -522,10 +567,16 @@ def prepare(
     tok = make_tokenizer(DataConfig(tokenizer=tokenizer))
     identity = tokenizer_identity(tokenizer, tok)
     dtype = token_dtype(identity["vocab_size"])
+    template = _chat_template(chat_template, tokenizer)
     plan = {
         "format": FORMAT,
         "version": VERSION,
         "tokenizer": identity,
+        "chat_template": (
+            {"origin": template.origin, "source": template.source}
+            if isinstance(template, chat.ChatTemplate)
+            else None
+        ),
         "dtype": dtype,
         "options": {
             "sources": list(sources),
@@ -548,7 +599,7 @@ def prepare(
         _write_json(os.path.join(out, PLAN), plan)
         parts = _complete_parts(out, plan)
         try:
-            manifest = _prepare_parts(out, plan, entries, tok, parts, progress, log, clock)
+            manifest = _prepare_parts(out, plan, entries, tok, template, parts, progress, log, clock)
         except BaseException as e:
             # Bad input (a ConfigError) must change before a rerun, which then starts over: nothing
             # is kept. An interruption keeps the complete shards, for the rerun to resume from.
@@ -561,6 +612,18 @@ def prepare(
         return manifest
 
 
+def _chat_template(spec: str | None, tokenizer: str):
+    """The chat template of conversations: `spec`'s, else the tokenizer's own, loaded up front
+    (the plan records it, so a changed template is changed input); without either, a function
+    that raises the error naming what would work, called at the first conversation."""
+    try:
+        return chat.load_template(spec, tokenizer)
+    except ConfigError:
+        if spec is not None:
+            raise
+        return functools.partial(chat.load_template, None, tokenizer)
+
+
 def _finished(out, plan, log) -> dict | None:
     """The manifest in `out` if it holds this `plan`'s finished, intact shards (a ConfigError if
     it holds others); None when preparation is to run, with an unfinished preparation of other
@@ -568,8 +631,8 @@ def _finished(out, plan, log) -> dict | None:
     manifest_path, plan_path = os.path.join(out, MANIFEST), os.path.join(out, PLAN)
     if os.path.isfile(manifest_path):
         manifest = _read_json(manifest_path)
-        old = {k: manifest.get(k) for k in plan}
-        if old == plan:
+        old = {k: manifest.get(k) for k in plan if k != "version"}  # a masked one's is MASKED_VERSION
+        if old == {k: v for k, v in plan.items() if k != "version"}:
             for split in manifest["splits"].values():
                 for record in split["shards"]:
                     if (problem := _shard_problem(out, record, plan["dtype"])) is not None:
@@ -659,7 +722,23 @@ def _progress_bar(total_bytes, done_bytes, progress):
     )
 
 
-def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict:
+def _document_text(doc) -> str:
+    """A document's text, or a record's (conversation, prompt/completion) JSON: what decides its
+    split and counts towards a batch's size."""
+    return doc if isinstance(doc, str) else json.dumps(doc, sort_keys=True, ensure_ascii=False)
+
+
+def _encode(tok, docs: list, template) -> list[tuple[np.ndarray, np.ndarray | None, bool]]:
+    """(ids, target mask or None for all, end-of-document target) of each document: the texts
+    on all cores (the tokenizer's batch encoding), the records with `chat.encode_record`."""
+    texts = iter(tok.encode_batch([d for d in docs if isinstance(d, str)]))
+    return [
+        (next(texts), None, True) if isinstance(d, str) else chat.encode_record(d, tok, template)
+        for d in docs
+    ]
+
+
+def _prepare_parts(out, plan, entries, tok, template, parts, progress, log, clock) -> dict:
     options = plan["options"]
     val_fraction, shard_tokens = options["val_fraction"], options["shard_tokens"]
     max_documents = options["max_documents"]
@@ -693,9 +772,13 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
     def encode(batch) -> bool:
         """Tokenizes and writes a batch; True once max_documents are in."""
         nonlocal new_tokens
-        for (i, records, text), ids in zip(batch, tok.encode_batch([t for _, _, t in batch])):
+        for (i, records, doc), (ids, mask, eod_target) in zip(
+            batch, _encode(tok, [d for _, _, d in batch], template)
+        ):
             writers = chunk()
-            writers["val" if _is_val(text, val_fraction) else "train"].add(ids)
+            writers["val" if _is_val(_document_text(doc), val_fraction) else "train"].add(
+                ids, mask, eod_target
+            )
             new_tokens += len(ids) + 1
             state["total"] += 1
             state["end"] = (i, records)
@@ -712,7 +795,7 @@ def _prepare_parts(out, plan, entries, tok, parts, progress, log, clock) -> dict
                 entries, options["text_field"], options["errors"], skipped, start, raw
             ):
                 batch.append(item)
-                held += len(item[2])
+                held += len(_document_text(item[2]))
                 if held >= _BATCH_BYTES or len(batch) >= _BATCH_DOCS:
                     full = encode(batch)
                     batch, held = [], 0
@@ -752,6 +835,8 @@ def _write_manifest(
             "tokens": sum(r["tokens"] for r in shards),
             "shards": shards,
         }
+    if any("msk" in r["sha256"] for split in manifest["splits"].values() for r in split["shards"]):
+        manifest["version"] = MASKED_VERSION  # older readers, which would ignore the masks, refuse it
     train = manifest["splits"]["train"]
     if train["tokens"] <= train["documents"]:  # nothing but end-of-document tokens
         files = ", ".join(f"{s['path']} ({s['bytes']} bytes)" for s in plan["sources"][:5])
@@ -794,9 +879,9 @@ def read_manifest(directory: str) -> dict:
             )
         )
     manifest = _read_json(path)
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in (VERSION, MASKED_VERSION):
         raise ConfigError(
-            f"{path} is not a {FORMAT} manifest of version {VERSION}; prepare the "
+            f"{path} is not a {FORMAT} manifest of version {VERSION} or {MASKED_VERSION}; prepare the "
             "corpus again with this jaxpar"
         )
     return manifest
@@ -843,8 +928,9 @@ class PreparedSequences:
         seq_len: int,
         max_documents: int | None = None,
         split: str = "train",
+        train_on: str = "assistant",
     ):
-        self._args = (directory, tokenizer, seq_len, max_documents, split)
+        self._args = (directory, tokenizer, seq_len, max_documents, split, train_on)
         self.directory, self.seq_len = directory, seq_len
         manifest = read_manifest(directory)
         path = os.path.join(directory, MANIFEST)
@@ -863,10 +949,10 @@ class PreparedSequences:
             used.append(record)
             wanted = None if wanted is None else wanted - record["documents"]
         verify_shards(directory, used, dtype, identity)
-        self.paths, self.ends, counts, docs = [], [], [], []
+        self.paths, self.ends, self.masks, counts, docs = [], [], [], [], []
         left = max_documents
         for record in used:
-            (bin_path, _), (idx_path, _) = _shard_files(directory, record, dtype)
+            (bin_path, _), (idx_path, _), *mask_file = _shard_files(directory, record, dtype)
             n_docs, n_tokens = record["documents"], record["tokens"]
             if n_docs == 0:
                 continue
@@ -874,6 +960,7 @@ class PreparedSequences:
             if left is not None and left < n_docs:
                 n_docs, n_tokens = left, int(ends[left - 1])
             self.paths.append(bin_path)
+            self.masks.append(mask_file[0][0] if mask_file and train_on == "assistant" else None)
             self.ends.append(ends)
             counts.append(n_tokens)
             docs.append(n_docs)
@@ -909,7 +996,8 @@ class PreparedSequences:
         width = self.seq_len + 1
         tokens = np.empty((len(indices), width), dtype=self.dtype)
         starts = np.zeros((len(indices), width), dtype=bool)
-        fds: dict[int, int] = {}
+        targets = np.ones((len(indices), width), np.uint8) if any(self.masks) else None
+        fds: dict[str, int] = {}
         try:
             for row, index in enumerate(indices):
                 begin = int(index) * self.seq_len
@@ -920,9 +1008,9 @@ class PreparedSequences:
                     lo = begin + at - base
                     hi = min(begin + width, self._shard_starts[shard + 1]) - base
                     if hi > lo:
-                        if shard not in fds:
-                            fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
-                        _read_into(fds[shard], self.paths[shard], tokens[row, at : at + hi - lo], lo)
+                        self._read(fds, self.paths[shard], tokens[row, at : at + hi - lo], lo)
+                        if targets is not None and self.masks[shard] is not None:
+                            self._read(fds, self.masks[shard], targets[row, at : at + hi - lo], lo)
                         # A document starts at each end of one inside the piece, and (documents
                         # never cross shards) where a later shard's piece begins.
                         ends = self.ends[shard]
@@ -935,7 +1023,14 @@ class PreparedSequences:
         finally:
             for fd in fds.values():
                 os.close(fd)
-        return split_rows(packed_rows(tokens, starts))
+        return split_rows(packed_rows(tokens, starts, targets))
+
+    @staticmethod
+    def _read(fds: dict[str, int], path: str, out: np.ndarray, lo: int) -> None:
+        """Items [lo, lo + len(out)) of a shard's file into `out`, the file opened once a batch."""
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        _read_into(fds[path], path, out, lo)
 
     def __getstate__(self) -> dict:
         """What a grain worker process (spawned) needs to open the shards again, rather than a

@@ -495,6 +495,9 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
         preemption.check_startup(start + 1)
         if is_main and start < t.steps:  # a run with nothing to do keeps the record it has
             config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
+            from jaxpar import data as data_lib
+
+            data_lib.save_run_template(cfg.data, t.run_dir)  # what `sample --chat` renders with
         summary = _loop(cfg, sizes, trainer, ckpt, dataset, state, data_state, start, preemption, eval_data)
         finished = True
         return summary

@@ -22,6 +22,10 @@ torch, and PyPI's Linux torch for its Python needs the CUDA libraries.
     .venv-hf/bin/python tests/hf_reference.py tokenizer DIR CASES.json OUT.json
         Loads DIR (a jaxpar export) with AutoTokenizer and AutoModelForCausalLM and writes to
         OUT.json what they give on CASES.json (see `tokenizer` below).
+    .venv-hf/bin/python tests/hf_reference.py chat CASES.json OUT_DIR
+        For each chat template of CASES.json, saves a tokenizer carrying it into OUT_DIR/<name>
+        (save_pretrained, as transformers writes one), loads it back with AutoTokenizer and writes
+        to OUT_DIR/rendered.json what apply_chat_template(tokenize=False) renders (see `chat`).
 
 Every norm weight and bias is drawn at random too (transformers starts them at 1 and 0), so a
 swapped norm or a missing bias changes the logits.
@@ -354,6 +358,46 @@ def tokenizer(where: str, cases_path: str, out: str) -> None:
         json.dump(result, f)
 
 
+def chat(cases_path: str, out: str) -> None:
+    """CASES.json: {"templates": {name: {"source": jinja, "special": {bos_token: ...}}},
+    "cases": [{"messages": [...], "add_generation_prompt": bool, "variables": {...}}]}.
+    OUT_DIR/rendered.json: {name: [the rendering of each case]}, and for a template with
+    `{% generation %}` blocks {name/assistant: [the text of the tokens transformers'
+    return_assistant_tokens_mask marks, per case]}; OUT_DIR/<name> the saved tokenizer
+    (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    import transformers
+
+    with open(cases_path) as f:
+        cases = json.load(f)
+    rendered = {}
+    for name, template in cases["templates"].items():
+        where = os.path.join(out, name)
+        tok = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=make_tokenizer("<|endoftext|>"), **template["special"]
+        )
+        tok.chat_template = template["source"]
+        tok.save_pretrained(where)
+        tok = transformers.AutoTokenizer.from_pretrained(where)
+        rendered[name] = [
+            tok.apply_chat_template(
+                case["messages"],
+                tokenize=False,
+                add_generation_prompt=case["add_generation_prompt"],
+                **case["variables"],
+            )
+            for case in cases["cases"]
+        ]
+        if "{% generation %}" in template["source"]:  # the tokens return_assistant_tokens_mask marks
+            for case in cases["cases"]:
+                encoded = tok.apply_chat_template(
+                    case["messages"], return_dict=True, return_assistant_tokens_mask=True, **case["variables"]
+                )
+                marked = [i for i, m in zip(encoded["input_ids"], encoded["assistant_masks"]) if m]
+                rendered.setdefault(f"{name}/assistant", []).append(tok.decode(marked))
+    with open(os.path.join(out, "rendered.json"), "w") as f:
+        json.dump(rendered, f)
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     {
@@ -361,4 +405,5 @@ if __name__ == "__main__":
         "logits": lambda: logits(args[0], args[1:]),
         "train": lambda: train(args[0], args[1:]),
         "tokenizer": lambda: tokenizer(*args),
+        "chat": lambda: chat(*args),
     }[command]()
