@@ -337,33 +337,55 @@ def chat_messages(args) -> list[dict]:
     return messages
 
 
-def _chat_command(args, cfg, tokenizer) -> int:
-    """--chat / --messages: the conversation rendered with the run's chat template and its
-    generation prompt (`data.run_template`); the reply generated until the template's end of turn
-    (its token where the tokenizer has one, else its text) and printed alone. The prompt is
-    tokenized in the pieces training cut conversations into (`ChatTemplate.prompt_pieces`)."""
-    from jaxpar import data as data_lib  # grain: only for --chat
-
-    template = data_lib.run_template(args.run_dir, cfg.data)
-    pieces = [text for text in template.prompt_pieces(chat_messages(args)) if text]
-    prompt_ids = np.concatenate(tokenizer.encode_plain(pieces)).astype(np.int32)
-    check_prompt(len(prompt_ids), cfg.model.max_seq_len)
-    _, model, _ = load_model(args.run_dir, args.step, args.overrides)
+def chat_reply(
+    model: Transformer,
+    tokenizer,
+    template,
+    messages: list[dict],
+    max_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+) -> str:
+    """The assistant's next reply to `messages`: rendered with `template` (a jaxpar.chat
+    template) and its generation prompt, generated until the template's end of turn (its token
+    where the tokenizer has one, else its text, or the end-of-document token), the marker left
+    out. Raises ValueError for a conversation too long for the model."""
+    prompt = template.render(messages, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode_plain([prompt])[0]
+    check_prompt(len(prompt_ids), model.cfg.max_seq_len)
     eot = template.end_of_turn
     stop = tokenizer.token_id(eot)
     ids = generate(
         model,
         prompt_ids,
-        args.max_tokens,
-        args.temperature,
-        args.top_k,
-        args.seed,
+        max_tokens,
+        temperature,
+        top_k,
+        seed,
         vocab_limit=tokenizer.vocab_size,
         stop_token=tokenizer.eod_id if stop is None else stop,
     )
     if stop is not None and tokenizer.eod_id in ids:  # the end of the document ends the reply too
         ids = ids[: ids.index(tokenizer.eod_id)]
-    print(tokenizer.decode(ids).split(eot)[0])
+    return tokenizer.decode(ids).split(eot)[0]
+
+
+def _chat_command(args, cfg, tokenizer) -> int:
+    """--chat / --messages: the run's chat template (`data.run_template`) and `chat_reply`,
+    printed alone."""
+    from jaxpar import data as data_lib  # grain: only for --chat
+
+    template = data_lib.run_template(args.run_dir, cfg.data)
+    messages = chat_messages(args)
+    # The prompt's length is checked before the slower restore.
+    prompt = template.render(messages, add_generation_prompt=True)
+    check_prompt(len(tokenizer.encode_plain([prompt])[0]), cfg.model.max_seq_len)
+    _, model, _ = load_model(args.run_dir, args.step, args.overrides)
+    reply = chat_reply(
+        model, tokenizer, template, messages, args.max_tokens, args.temperature, args.top_k, args.seed
+    )
+    print(reply)
     return 0
 
 
