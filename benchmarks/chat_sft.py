@@ -1,0 +1,160 @@
+"""`python -m benchmarks.chat_sft [--steps N] [--train-on assistant all] [overrides ...]`: a tiny
+model fine-tuned on a generated conversation task (benchmarks/chat_task.py: reverse a word, add
+two numbers, in the style the system prompt asks for, over several turns), then asked held-out
+questions; the figure is the share answered exactly right.
+
+Everything goes through the commands a user runs: `python -m jaxpar.data prepare` writes the
+conversations into shards with jaxpar's `simple` chat template and the byte tokenizer, then
+`python -m jaxpar.train configs/sft.yaml` trains a model from scratch (the MODEL overrides below,
+on one device) once per `data.train_on` value, each in its own process. The held-out check calls
+`jaxpar.sample.chat_reply`, what `python -m jaxpar.sample RUN --messages FILE` prints, greedily,
+in this process (one compile per prompt length instead of one process per question); one
+question also goes through that command line, and must agree. Prints one JSON object and writes
+it to benchmarks/results/chat_sft.json: per run, the accuracy on every kind of question, a few
+answers, the final loss and the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import chat_task
+
+ROOT = Path(__file__).resolve().parent.parent
+# The model trained from scratch: the default job's shape in float32 (XLA:CPU runs bfloat16
+# matmuls slower), on one device, with a from-scratch learning rate (configs/sft.yaml's is for
+# moving pre-trained weights).
+MODEL = [
+    "model.vocab_size=264",
+    "model.d_model=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=384",
+    "model.max_seq_len=512",
+    "model.dtype=float32",
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "mesh.tensor=1",
+    "runtime.cpu_devices=1",
+    "parallel.zero_stage=0",
+    "parallel.remat=none",
+    "train.batch_size=16",
+    "train.seq_len=512",
+    "optimizer.lr=3e-3",
+    "optimizer.warmup_steps=50",
+    "optimizer.weight_decay=0.1",
+]
+
+
+def run(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", *args], cwd=ROOT, check=True)
+
+
+def prepare(tmp: str, conversations: int) -> str:
+    source, out = os.path.join(tmp, "train.jsonl"), os.path.join(tmp, "shards")
+    chat_task.write_jsonl(source, chat_task.conversations(conversations, "train", seed=0))
+    run("jaxpar.data", "prepare", source, "--chat-template", "simple", "--out", out)
+    return out
+
+
+def train(run_dir: str, shards: str, train_on: str, steps: int, overrides: list[str]) -> dict:
+    start = time.time()
+    run(
+        "jaxpar.train",
+        "configs/sft.yaml",
+        *MODEL,
+        f"data.source={shards}",
+        f"data.train_on={train_on}",
+        f"train.steps={steps}",
+        f"checkpoint.every={steps}",
+        f"train.run_dir={run_dir}",
+        "train.progress=false",
+        *overrides,
+    )
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    return {"wall_s": round(time.time() - start, 1), "final_loss": losses[-1]}
+
+
+def kind(question: str) -> str:
+    return question.split(" ")[0].rstrip(":")  # reverse | add | the (first word again)
+
+
+def evaluate(run_dir: str, held_out: list) -> dict:
+    """Greedy replies to the held-out questions: accuracy overall and per kind of question."""
+    from jaxpar import data as data_lib
+    from jaxpar.documents import make_tokenizer
+    from jaxpar.sample import chat_reply, load_model
+
+    cfg, model, _ = load_model(run_dir)
+    tokenizer, template = make_tokenizer(cfg.data), data_lib.run_template(run_dir, cfg.data)
+    right, total, examples = {}, {}, []
+    for messages, want in chat_task.questions(held_out):
+        got = chat_reply(model, tokenizer, template, messages, max_tokens=16)
+        k = kind(messages[-1]["content"])
+        total[k] = total.get(k, 0) + 1
+        right[k] = right.get(k, 0) + (got == want)
+        if len(examples) < 6:
+            examples.append({"question": messages[-1]["content"], "want": want, "got": got})
+    accuracy = sum(right.values()) / sum(total.values())
+    return {
+        "accuracy": round(accuracy, 4),
+        "by_kind": {k: f"{right[k]}/{total[k]}" for k in sorted(total)},
+        "examples": examples,
+    }
+
+
+def command_line_agrees(run_dir: str, tmp: str, held_out: list, evaluated: dict) -> bool:
+    """`python -m jaxpar.sample RUN --messages FILE` prints what `evaluate` got for the first
+    held-out question."""
+    messages, _ = chat_task.questions(held_out)[0]
+    path = os.path.join(tmp, "question.json")
+    with open(path, "w") as f:
+        json.dump(messages, f)
+    printed = subprocess.run(
+        [sys.executable, "-m", "jaxpar.sample", run_dir, "--messages", path, "--max-tokens", "16"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return printed.rstrip("\n") == evaluated["examples"][0]["got"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--conversations", type=int, default=40000, help="training conversations")
+    parser.add_argument("--held-out", type=int, default=300, help="held-out conversations asked")
+    parser.add_argument("--train-on", nargs="+", default=["assistant", "all"])
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value, for every run")
+    args = parser.parse_args(argv)
+    held_out = chat_task.conversations(args.held_out, "held_out", seed=0)
+    out = {"steps": args.steps, "conversations": args.conversations, "overrides": args.overrides}
+    with tempfile.TemporaryDirectory(prefix="jaxpar-chat-sft-") as tmp:
+        shards = prepare(tmp, args.conversations)
+        for train_on in args.train_on:
+            run_dir = os.path.join(tmp, train_on)
+            result = train(run_dir, shards, train_on, args.steps, args.overrides)
+            result.update(evaluate(run_dir, held_out))
+            result["command_line_agrees"] = command_line_agrees(run_dir, tmp, held_out, result)
+            out[f"train_on={train_on}"] = result
+            print(json.dumps({train_on: result}), flush=True)
+    text = json.dumps(out, indent=1)
+    print(text)
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(exist_ok=True)
+    (results / "chat_sft.json").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
