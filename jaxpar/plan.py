@@ -34,21 +34,34 @@ weight casts happen inside the layer loop), calibrated on each backend's compile
 (benchmarks/plan_memory.py prints predicted against compiled for 28 layouts on both). The
 planner predicts for "gpu"; the CPU tests predict for "cpu".
 
-Step time (`predict_time`), in seconds:
+Step time (`predict_time`), in seconds, with a stated uncertainty:
 - compute: the model's FLOPs (6N + 12LdT per token, `jaxpar.metrics`) plus what is computed
   twice (remat: the attention core for `dots`, the whole block forward for `full`; the chunked
-  loss recomputes the head matmul), at a fraction of the device's bf16 peak that grows with the
-  model width: eff(d) = MATMUL_CEILING * d / (d + D_HALF), calibrated on one measured H100 run;
+  loss recomputes the head matmul). Matmuls at a fraction of the device's bf16 peak that grows
+  with the model width, eff(d) = MATMUL_CEILING * d / (d + d_half) (what narrow models lose to
+  memory-bound work); the attention core's forward at its kernel's measured rate, a flash
+  kernel's backward at `attention_backward` of it;
+- host: a fixed cost per layer per forward+backward pass (launches, dispatch, gaps);
+- the optimizer step: AdamW's update, memory-bound, the state a device updates read and written
+  at the HBM bandwidth (`optimizer_step_s`);
 - communication per mesh axis, ring formulas (all-reduce 2(n-1)/n of the bytes, all-gather and
   reduce-scatter (n-1)/n, all-to-all (n-1)/n) over NVLink when the axis stays inside a node and
-  over the node's network when it does not. Overlap assumed: data/fsdp traffic (gradient
-  reduction, ZeRO-3 weight gathers) overlaps the compute, so only what exceeds the compute
-  time shows -- except a pipeline's sum over its row axes, after its loop, exposed once per
-  pipelined pass; ring attention's K/V passes overlap that layer's attention; tensor-parallel
-  all-reduces, expert all-to-alls and pipeline sends are not overlapped;
+  over the node's network when it does not. data/fsdp traffic (gradient reduction, ZeRO-3
+  weight gathers) overlaps the compute: what exceeds the compute shows, and never less than
+  `exposed_fraction` of it -- except a pipeline's sum over its row axes, after its loop, exposed
+  once per pipelined pass; ring attention's K/V passes overlap that layer's attention;
+  tensor-parallel all-reduces, expert all-to-alls and pipeline sends are not overlapped;
 - the pipeline bubble of the schedule as the runtime builds it (`schedule_bubble`: the idle
   fraction of `jaxpar.parallel.pipeline`'s own lowered schedule, not a textbook formula).
 MFU = model FLOPs per step / (step time * GPUs * peak).
+The four constants (`FITTED`: d_half 714, host 0.59 ms a layer, exposed_fraction 0, attention
+backward at 0.241 of cuDNN's forward rate) are fitted by `benchmarks/plan_fit.py` to the "fit"
+results of `jaxpar.published` (4 single-H100 plain-JAX steps measured here, Megatron-LM's 1.7B
+and 16B, torchtitan's Llama 3.1 8B on 8 H100s; RMS log residual 0.10, worst 0.19) and checked
+against its "check" results, never fitted (torchtitan's 8B on 128 H100s and 405B on 128,
+Megatron-LM's 7.1B and 70B, a nanoGPT and a plain-JAX single-H100 step): predicted/measured
+step time 0.68-1.40 on those. Every predicted step time and MFU carries STEP_TIME_BAND (x1.5):
+the measured value is expected within that factor (how it is derived: STEP_TIME_BAND's comment).
 
 Exit codes: 0 with plans; 2 for bad input (a config error, an unknown GPU type, a count that
 does not divide into nodes); 3 when no layout fits, with how many GPUs would be needed.
