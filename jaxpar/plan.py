@@ -263,6 +263,10 @@ class Backend:
     # An MoE layer's residuals per routed (token, choice) copy, in units of one hidden array
     # of the expert MLP (see `_moe_or_dense`), under remat dots and none.
     moe_saved: tuple[tuple[str, float], ...]
+    # A dense SwiGLU MLP's residuals without remat, in [rows, tokens, d_ff] model-dtype arrays
+    # (the three its backward reads -- gate, up, their product -- and what else the compiler
+    # keeps rather than recompute). The working sets above stay in units of the three.
+    mlp_saved_none: float
     # True: under remat the model-dtype casts of the (unsharded) block weights are made
     # inside the layer loop, one layer's slice at a time, so no cast copy of the whole stack
     # is held (the per-layer slice is a transient, left out).
@@ -280,6 +284,7 @@ BACKENDS = {
         working_set_remat=1.0,
         ring_arrays=6,
         moe_saved=(("dots", 2.0), ("none", 10.0)),
+        mlp_saved_none=3.0,
         casts_in_loop=False,
     ),
     # XLA:GPU (the H100 program, compiled without a GPU) keeps the CPU's structure where it
@@ -289,21 +294,29 @@ BACKENDS = {
     # - casts_in_loop: under remat its while loop converts each layer's float32 weights as it
     #   reaches them (the H100 program of data8-z0-full holds no bf16[4, ...] weight stack;
     #   with remat none, the stacked casts are saved residuals and it does);
-    # - working_set_remat 0.5: about half of a layer's residuals are alive at once while its
-    #   forward is recomputed in the backward (dots and full rows); we attribute this to
-    #   XLA:GPU fusing the recomputation into the backward's kernels;
+    # - working_set and working_set_remat 0.5: about half of a layer's (three-MLP-array)
+    #   residuals are alive at once in its backward, with or without remat; we attribute this
+    #   to XLA:GPU fusing the backward's elementwise work (and any recomputation) into its
+    #   kernels;
     # - ring_arrays 3: half of XLA:CPU's float32 block arrays per hop (attributed likewise
     #   to fusion of a hop's scale, mask and softmax);
-    # - moe_saved none 8 instead of 10 (attributed likewise to the expert MLP's fusions).
-    # The attributions are not traced buffer by buffer.
-    # The three numbers are calibrated on the H100 compiles of the same 25 layouts
-    # (benchmarks/results/plan_memory-h100.json), one value each for all layouts.
+    # - moe_saved none 8 instead of 10 (attributed likewise to the expert MLP's fusions);
+    # - mlp_saved_none 6: without remat its forward layer loop saves six bf16 [rows, seq, d_ff]
+    #   arrays per layer where the model had three (read off the loop's outputs in two H100
+    #   programs, configs/llama-1b.yaml and benchmarks/plan_layouts.py's MODEL, each at 3
+    #   layers, ZeRO-0, no remat: 4 + 3 arrays of [rows, seq, d_model], 2 of the KV width, 6
+    #   of d_ff, the attention statistics).
+    # The attributions are not traced buffer by buffer, except mlp_saved_none's.
+    # working_set (0.5, with mlp_saved_none 6, was 1.0 with 3) was refitted on the 1B's no-remat
+    # H100 compiles at 2 and 4 layers (tests/test_plan.py); the rest are calibrated on the H100
+    # compiles of the 28 layouts (benchmarks/results/plan_memory-h100.json), one value each.
     "gpu": Backend(
         "gpu",
-        working_set=1.0,
+        working_set=0.5,
         working_set_remat=0.5,
         ring_arrays=3,
         moe_saved=(("dots", 2.0), ("none", 8.0)),
+        mlp_saved_none=6.0,
         casts_in_loop=True,
     ),
 }
@@ -325,11 +338,20 @@ class Shape:
 
 
 def layer_residuals(
-    m: ModelConfig, s: Shape, remat: str, kernel: str, ring: bool, stashed: bool = False, backend: str = "gpu"
+    m: ModelConfig,
+    s: Shape,
+    remat: str,
+    kernel: str,
+    ring: bool,
+    stashed: bool = False,
+    backend: str = "gpu",
+    kept: bool = True,
 ) -> float:
     """Bytes one layer keeps for its backward, per row, under `remat`. `stashed`: the
     residuals are what `jax.vjp` returns (the pipeline stashes them), which XLA cannot thin
-    out: XLA attention's float32 scores before the softmax are among them."""
+    out: XLA attention's float32 scores before the softmax are among them. `kept`: with the
+    MLP intermediates the backend's compiler keeps beyond the three the backward reads
+    (`Backend.mlp_saved_none`); False gives the working sets' unit."""
     a = _BYTES[m.dtype]
     d = m.d_model
     x = s.between * d * a  # the layer input (and the residual stream after attention)
@@ -349,7 +371,8 @@ def layer_residuals(
         attention = s.heads * s.tokens * s.seq * (4 + a + (4 if stashed else 0)) + s.tokens * s.seq
     # input, norm output, q/k/v before and after rotary, attention, its output, the stream
     # after attention, the MLP norm output, the MLP
-    return 2 * x + 2 * proj + 2 * (q + 2 * kv) - kv + attention + q + mlp["none"]
+    extra = (BACKENDS[backend].mlp_saved_none - 3) * ff * (1 - moe_layers(m) / m.n_layers) if kept else 0.0
+    return 2 * x + 2 * proj + 2 * (q + 2 * kv) - kv + attention + q + mlp["none"] + extra
 
 
 def _moe_or_dense(m: ModelConfig, s: Shape, ff: float, proj: float, backend: Backend) -> dict[str, float]:
@@ -464,7 +487,7 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str, backend: str
     rows = t.batch_size // (dp * p.grad_accum * (p.microbatches if pipelined else 1))
     s = shape_for(cfg, sizes, rows)
     saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipelined, backend=backend) * rows
-    whole = layer_residuals(m, s, "none", kernel, ring, backend=backend) * rows
+    whole = layer_residuals(m, s, "none", kernel, ring, backend=backend, kept=False) * rows
     if ring:  # one hop's float32 block attention: scores, probabilities and their gradients
         whole += b.ring_arrays * 4 * rows * s.heads * s.tokens * s.tokens
     stream = rows * s.between * m.d_model * a  # one [rows, seq, embed] activation
