@@ -1,6 +1,8 @@
 """`python -m jaxpar.plan`: its memory model against XLA's compiled programs (a representative
-handful here; benchmarks/plan_memory.py has 25 layouts), the ZeRO paper's table, the
-Playbook's guidance as it falls out of the model, and bad input."""
+handful here; benchmarks/plan_memory.py has 28 layouts), the ZeRO paper's table, the
+Playbook's guidance as it falls out of the model, its step-time model against the published
+and measured runs of `jaxpar.published` (fitted on some, checked on the others, within its
+stated band), and bad input."""
 
 from __future__ import annotations
 
