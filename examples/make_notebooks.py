@@ -935,12 +935,162 @@ EXPERTS = [
 ]
 
 
+# ----------------------------------------------------------------------------------------------
+# 06: fine-tuning on conversations
+
+
+CHAT_FINETUNE = [
+    intro(
+        "06_chat_finetune",
+        "Fine-tuning on conversations: prompts masked, a chat template, answers checked",
+        """
+        Most fine-tuning is on conversations: a system message, user turns, assistant replies,
+        and only the replies are trained on. This notebook builds such a task that a tiny
+        model learns on a CPU -- reverse a made-up word, add two numbers, in the style the
+        system message asks for, over several turns (`benchmarks/chat_task.py`) -- writes it
+        as a Hugging Face-style chat dataset, prepares it into shards with a chat template,
+        trains a model on the replies alone, and asks it questions it has never seen, before
+        and after. `python -m benchmarks.chat_sft` runs the same as a benchmark (its figures
+        are in the README). With `JAXPAR_NOTEBOOK_SMALL=1` (CI) it trains a few steps only and
+        the answers stay wrong; the full run takes about 25 minutes on two CPU cores.
+    """,
+    ),
+    code(SETUP),
+    md("""
+        ## The task
+
+        Each conversation is a list of `{"role", "content"}` messages, the format of Hugging
+        Face chat datasets. Held-out words and number pairs never occur in training.
+    """),
+    code("""
+        import jaxpar
+
+        # The task's generator lives beside jaxpar in its repository, in benchmarks/: the checkout
+        # this notebook is in or beside, else the one jaxpar is installed from (editable).
+        checkout = find_checkout(Path.cwd()) or find_checkout(Path(jaxpar.__file__).parent)
+        if checkout is None:
+            raise RuntimeError("this notebook needs the jaxpar repository (its benchmarks/ folder); "
+                               f"clone {REPO_URL} beside it")
+        if str(checkout) not in sys.path:
+            sys.path.insert(0, str(checkout))
+        from benchmarks import chat_task
+        from benchmarks.chat_sft import MODEL
+
+        train_rows = chat_task.conversations(2000 if SMALL else 40000, "train", seed=0)
+        held_out = chat_task.conversations(6 if SMALL else 200, "held_out", seed=0)
+        for message in train_rows[0]:
+            print(f"{message['role']:>9}: {message['content']}")
+    """),
+    md("""
+        ## A chat template, and what is a target
+
+        A template turns messages into text. Hugging Face tokenizers carry their own (Jinja2,
+        rendered here exactly as `transformers`' `apply_chat_template` renders it); the byte
+        tokenizer has none, so this notebook names jaxpar's `simple` one. Below, the targets
+        of one conversation are in brackets: each assistant reply and its `<|end|>`, so the
+        model learns to stop; system and user text, and the role headers, are only context.
+    """),
+    code("""
+        from jaxpar import chat
+
+        template = chat.load_template("simple", "byte")
+        print(template.render(train_rows[0][:3], add_generation_prompt=False))
+        print("".join(f"[{text}]" if target else text for text, target in template.pieces(train_rows[0])))
+    """),
+    md("""
+        ## Shards
+
+        `python -m jaxpar.data prepare` reads the JSONL, renders every conversation, tokenizes
+        it and writes the tokens with a loss mask beside them (`train-00000.msk`).
+    """),
+    code("""
+        import tempfile
+
+        work = Path(tempfile.mkdtemp(prefix="jaxpar-sft-"))
+        chat_task.write_jsonl(str(work / "chats.jsonl"), train_rows)
+        subprocess.run([sys.executable, "-m", "jaxpar.data", "prepare", str(work / "chats.jsonl"),
+                        "--chat-template", "simple", "--out", str(work / "shards")], check=True)
+        print(sorted(os.listdir(work / "shards")))
+    """),
+    md("""
+        ## Before
+
+        A freshly initialised model of the shape trained below, asked the held-out questions
+        through `chat_reply` -- what `python -m jaxpar.sample RUN --chat ...` prints.
+    """),
+    code("""
+        import logging
+
+        from flax import nnx
+
+        from jaxpar import config as config_lib
+        from jaxpar.documents import ByteTokenizer
+        from jaxpar.models.llama import Transformer
+        from jaxpar.sample import chat_reply
+
+        logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
+        STEPS = 3 if SMALL else 1500
+        run_dir = str(work / "run")
+        overrides = [*MODEL, f"data.source={work / 'shards'}", f"train.steps={STEPS}",
+                     f"checkpoint.every={STEPS}", f"train.run_dir={run_dir}", "train.log_every=50",
+                     "train.progress=false"]
+        cfg = config_lib.load_config(str(checkout / "configs" / "sft.yaml"), overrides)
+        tokenizer = ByteTokenizer()
+
+
+        def ask(model, rows):
+            answers = []
+            for messages, want in chat_task.questions(rows):
+                answers.append((messages[-1]["content"], want,
+                                chat_reply(model, tokenizer, template, messages, max_tokens=16)))
+            return answers
+
+
+        before = ask(Transformer(cfg.model, rngs=nnx.Rngs(0)), held_out[:6])
+        for question, want, got in before:
+            print(f"{question!r:36} want {want!r:8} got {got!r}")
+    """),
+    md("""
+        ## Train on the replies
+
+        `configs/sft.yaml` with the benchmark's model (`MODEL`: the default job's shape, from
+        scratch, a from-scratch learning rate), laid out as the default job is (data x fsdp x
+        tensor = 2 x 2 x 2 on 8 devices; one device is the benchmark's). `data.train_on:
+        assistant` is the default; `data.train_on=all` would train on every token.
+    """),
+    code("""
+        from jaxpar.train import format_summary, train
+
+        cfg.mesh = config_lib.fit_default_mesh(jax.device_count())  # 2 x 2 x 2 on 8 devices
+        summary = train(cfg, config_lib.validate(cfg, jax.device_count()))
+        print(format_summary(summary))
+    """),
+    md("""
+        ## After
+
+        The trained model, restored from its checkpoint, asked the same held-out questions,
+        then the whole held-out set scored.
+    """),
+    code("""
+        from jaxpar.sample import load_model
+
+        _, trained, _ = load_model(run_dir)
+        after = ask(trained, held_out)
+        for (question, want, got_before), (_, _, got) in zip(before, after):
+            print(f"{question!r:36} want {want!r:8} before {got_before!r:18} after {got!r}")
+        right = sum(got == want for _, want, got in after)
+        print(f"held-out accuracy: {right}/{len(after)} = {right / len(after):.0%}")
+    """),
+]
+
+
 NOTEBOOKS = {
     "01_quickstart": QUICKSTART,
     "02_data_fsdp_tensor": DATA_FSDP_TENSOR,
     "03_pipeline": PIPELINE,
     "04_ring_attention": RING_ATTENTION,
     "05_experts": EXPERTS,
+    "06_chat_finetune": CHAT_FINETUNE,
 }
 
 

@@ -24,7 +24,14 @@ from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-NOTEBOOKS = ["01_quickstart", "02_data_fsdp_tensor", "03_pipeline", "04_ring_attention", "05_experts"]
+NOTEBOOKS = [
+    "01_quickstart",
+    "02_data_fsdp_tensor",
+    "03_pipeline",
+    "04_ring_attention",
+    "05_experts",
+    "06_chat_finetune",
+]
 CELL_TIMEOUT_S = 300  # a generous bound per cell; a whole notebook takes ~10-25 s on 2 cores
 
 
