@@ -65,7 +65,7 @@ def prepare(tmp: str, conversations: int) -> str:
     return out
 
 
-def train(run_dir: str, shards: str, train_on: str, steps: int, overrides: list[str]) -> dict:
+def train(run_dir: str, shards: str, train_on: str, steps: int, every: int, overrides: list[str]) -> dict:
     start = time.time()
     run(
         "jaxpar.train",
@@ -74,7 +74,8 @@ def train(run_dir: str, shards: str, train_on: str, steps: int, overrides: list[
         f"data.source={shards}",
         f"data.train_on={train_on}",
         f"train.steps={steps}",
-        f"checkpoint.every={steps}",
+        f"checkpoint.every={every}",
+        f"checkpoint.keep={steps // every + 1}",
         f"train.run_dir={run_dir}",
         "train.progress=false",
         *overrides,
@@ -88,13 +89,14 @@ def kind(question: str) -> str:
     return question.split(" ")[0].rstrip(":")  # reverse | add | the (first word again)
 
 
-def evaluate(run_dir: str, held_out: list) -> dict:
-    """Greedy replies to the held-out questions: accuracy overall and per kind of question."""
+def evaluate(run_dir: str, held_out: list, step: int) -> dict:
+    """Greedy replies to the held-out questions from the checkpoint of `step`: accuracy overall
+    and per kind of question, and the first few answers."""
     from jaxpar import data as data_lib
     from jaxpar.documents import make_tokenizer
     from jaxpar.sample import chat_reply, load_model
 
-    cfg, model, _ = load_model(run_dir)
+    cfg, model, _ = load_model(run_dir, step)
     tokenizer, template = make_tokenizer(cfg.data), data_lib.run_template(run_dir, cfg.data)
     right, total, examples = {}, {}, []
     for messages, want in chat_task.questions(held_out):
@@ -131,7 +133,8 @@ def command_line_agrees(run_dir: str, tmp: str, held_out: list, evaluated: dict)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--every", type=int, default=500, help="evaluate every this many steps")
     parser.add_argument("--conversations", type=int, default=40000, help="training conversations")
     parser.add_argument("--held-out", type=int, default=300, help="held-out conversations asked")
     parser.add_argument("--train-on", nargs="+", default=["assistant", "all"])
@@ -143,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         shards = prepare(tmp, args.conversations)
         for train_on in args.train_on:
             run_dir = os.path.join(tmp, train_on)
-            result = train(run_dir, shards, train_on, args.steps, args.overrides)
-            result.update(evaluate(run_dir, held_out))
+            result = train(run_dir, shards, train_on, args.steps, args.every, args.overrides)
+            curve = {s: evaluate(run_dir, held_out, s) for s in range(args.every, args.steps + 1, args.every)}
+            result["accuracy_by_step"] = {s: r["accuracy"] for s, r in curve.items()}
+            result.update(curve[max(curve)])
             result["command_line_agrees"] = command_line_agrees(run_dir, tmp, held_out, result)
             out[f"train_on={train_on}"] = result
             print(json.dumps({train_on: result}), flush=True)
