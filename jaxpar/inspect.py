@@ -87,6 +87,11 @@ def batch_bytes_per_device(trainer: Trainer) -> int:
     )
 
 
+def _trained(trainer: Trainer, params_tree):
+    """The part of a params-shaped tree that trains (`Trainer.trainable`): all, or the adapters."""
+    return params_tree if trainer.trainable is None else trainer.trainable.split(params_tree)[0]
+
+
 def report(
     trainer: Trainer, compiled, compare: bool = False, target: targets_lib.Target | None = None
 ) -> dict:
@@ -99,7 +104,8 @@ def report(
     memory = {
         "params": shard_bytes(shapes["params"], shardings["params"]),
         "optimizer": shard_bytes(shapes["opt_state"], shardings["opt_state"]),
-        "gradients": shard_bytes(shapes["params"], trainer.grad_shardings),
+        # of what trains: every param, or with finetune.lora the adapters alone
+        "gradients": shard_bytes(_trained(trainer, shapes["params"]), trainer.grad_shardings),
         "temp": int(mem.temp_size_in_bytes),
         "total": int(
             mem.argument_size_in_bytes
@@ -109,6 +115,10 @@ def report(
         ),
         "arguments": int(mem.argument_size_in_bytes),
     }
+    if trainer.trainable is not None:  # LoRA: the adapters' share of "params"
+        memory["adapters"] = shard_bytes(
+            _trained(trainer, shapes["params"]), _trained(trainer, shardings["params"])
+        )
     flops_device = _cost(compiled)
     devices = trainer.mesh.devices.size
     out = {
