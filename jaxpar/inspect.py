@@ -115,10 +115,9 @@ def report(
         ),
         "arguments": int(mem.argument_size_in_bytes),
     }
+    trained = _trained(trainer, shapes["params"])
     if trainer.trainable is not None:  # LoRA: the adapters' share of "params"
-        memory["adapters"] = shard_bytes(
-            _trained(trainer, shapes["params"]), _trained(trainer, shardings["params"])
-        )
+        memory["adapters"] = shard_bytes(trained, _trained(trainer, shardings["params"]))
     flops_device = _cost(compiled)
     devices = trainer.mesh.devices.size
     out = {
@@ -126,6 +125,8 @@ def report(
         "mesh": sizes,
         "zero_stage": cfg.parallel.zero_stage,
         "params": params,
+        # what the step updates: every param, or with finetune.lora the adapters
+        "trainable_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trained))),
         "memory_per_device": memory,
         # Both for the whole step, all devices together; see FLOPS_NOTE.
         "model_flops_per_step": metrics_lib.flops_per_token(cfg.model, cfg.train.seq_len)
@@ -168,6 +169,8 @@ def format_human(r: dict) -> str:
     mb = 1 / 2**20
     mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
     lines = [f"devices {r['devices']}  mesh {mesh}  zero_stage {r['zero_stage']}  params {r['params']:,}"]
+    if r["trainable_params"] != r["params"]:
+        lines[0] += f" (trainable {r['trainable_params']:,})"
     if "target" in r:
         t = r["target"]
         lines.append(f"compiled for {t['count']} x {t['device']} (nothing ran)")
