@@ -39,7 +39,7 @@ families' (`jaxpar.models.families`)):
 | blocks.mlp.down[l]            | [X, F', E]  | MoE MLP                      |
 | final_norm.scale              | [E]         |                              |
 | lm_head                       | [E, V]      | untied                       |
-| blocks.attn.wq_lora.lora_a[l] | [E, r]      | finetune.lora (`jaxpar.models.lora`: every targeted weight, A [in, r] and B [r, out]) |
+| blocks.attn.wq_lora.lora_a[l] | [E, r]      | finetune.lora (`models.lora`) |
 
 With model.moe.every = k > 1 the scanned unit is a group of k blocks (`BlockGroup`), the last
 with the MoE MLP: `blocks.blocks.{i}.<as above>[g]` is block g * k + i.
