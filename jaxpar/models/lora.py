@@ -69,6 +69,11 @@ def enabled(lora: LoRAConfig) -> bool:
     return lora.rank > 0
 
 
+def scale(lora: LoRAConfig) -> float:
+    """What the adapters' output is multiplied by: alpha / rank (PEFT's `scaling`, without rsLoRA)."""
+    return lora.alpha / lora.rank
+
+
 # --- Building -------------------------------------------------------------------------------
 
 
@@ -94,7 +99,7 @@ def _adapter(shape, names, in_dims: int, lora: LoRAConfig, dtypes, rngs: nnx.Rng
         b_metadata={"out_sharding": (None, names[in_dims]), "eager_sharding": False},
         rngs=rngs,
     )
-    adapter.scale = lora.alpha / lora.rank
+    adapter.scale = scale(lora)
     adapter.dropout = lora.dropout
     return adapter
 
@@ -266,12 +271,10 @@ def merged(params: dict, lora: LoRAConfig) -> dict:
     """The params with every adapter folded into its weight, W + (alpha / rank) A B (computed in
     float32, cast to W's dtype), and the adapters removed: the base model's tree."""
     flat = {p: np.asarray(v) for p, v in _flat(params).items()}
-    scale = lora.alpha / lora.rank
     for weight, a, b in list(_adapted_weights(flat)):
         w = flat[weight]
-        flat[weight] = (w.astype(np.float32) + delta(flat.pop(a), flat.pop(b), w.shape, scale)).astype(
-            w.dtype
-        )
+        change = delta(flat.pop(a), flat.pop(b), w.shape, scale(lora))
+        flat[weight] = (w.astype(np.float32) + change).astype(w.dtype)
     return _nest(flat)
 
 
@@ -282,8 +285,8 @@ def jaxpar_path(flat_key: tuple) -> str:
 def peft_tensors(params: dict, table: dict, n_layers: int) -> dict[str, np.ndarray]:
     """{PEFT name: tensor} of the adapters in `params`: for the Hugging Face weight
     `model.layers.N.self_attn.q_proj.weight` (from the family's tensor `table`), lora_A.weight =
-    A.T [rank, in] and lora_B.weight = B.T [out, rank] under base_model.model.<module> (torch
-    Linear orientation: PEFT computes x A^T... as lora_B(lora_A(x)))."""
+    A.T [rank, in] and lora_B.weight = B.T [out, rank] under base_model.model.<module>: torch
+    Linear weights are [out, in], so PEFT's lora_B(lora_A(x)) is x A B."""
     flat = {p: np.asarray(v) for p, v in _flat(params).items()}
     out = {}
     for weight, a, b in _adapted_weights(flat):
