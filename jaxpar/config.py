@@ -64,6 +64,7 @@ OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
 RopeScaling = Literal["none", "llama3", "linear"]
 MoEDispatch = Literal["auto", "padded", "ragged"]
+LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
 
 
 class ConfigError(ValueError):
@@ -267,6 +268,29 @@ class TrainConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021, "LoRA"): each targeted projection W becomes
+    y = x W + (alpha / rank) * dropout(x) A B, A [in, rank], B [rank, out]; B starts at zero, so
+    step 0 computes the base model. Only A and B train: the base weights get no gradient and no
+    optimizer state (jaxpar/models/lora.py). Meant with train.init_from (the base); without it the
+    frozen base is the random init of train.seed, which is allowed (tests do it) but learns only
+    through the adapters."""
+
+    rank: int = 0  # adapter rank r; 0 = no LoRA (every weight trains)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (as PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input while training, in [0, 1); none at eval
+    # q, k, v, o: attention projections; gate, up, down: the dense MLP's (not MoE experts)
+    targets: list[LoRATarget] = field(
+        default_factory=lambda: ["q", "k", "v", "o"]
+    )  # projections adapted (see above)
+
+
+@dataclass
+class FinetuneConfig:
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # low-rank adapters (off while rank = 0)
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 100  # save every n steps and at the end (0 = only on preemption)
     keep: int = 3  # newest checkpoints to keep
@@ -299,6 +323,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)  # corpus and tokenizer
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # update rule and schedule
     train: TrainConfig = field(default_factory=TrainConfig)  # the loop
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)  # parameter-efficient fine-tuning
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # multi-process
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # the local machine
@@ -816,6 +841,38 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
             )
 
 
+def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
+    """finetune.lora: a rank of 0 (off) or more, a positive alpha, a dropout in [0, 1), targets
+    named once each, none of them MoE experts; no dropout inside a pipeline."""
+    lora, moe = cfg.finetune.lora, cfg.model.moe
+    if lora.rank < 0:
+        raise ConfigError(f"finetune.lora.rank={lora.rank}: use a positive rank (e.g. 8), or 0 for no LoRA")
+    if lora.rank == 0:
+        return
+    if not (lora.alpha > 0 and math.isfinite(lora.alpha)):
+        raise ConfigError(f"finetune.lora.alpha={lora.alpha}: use a positive, finite scale (e.g. 16)")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"finetune.lora.dropout={lora.dropout}: use a probability in [0, 1)")
+    choices = typing.get_args(LoRATarget)
+    if not lora.targets or len(set(lora.targets)) != len(lora.targets):
+        raise ConfigError(
+            f"finetune.lora.targets={lora.targets}: name each projection once, at least one, "
+            f"from {', '.join(choices)}"
+        )
+    mlp = [t for t in lora.targets if t in ("gate", "up", "down")]
+    if moe.num_experts and mlp:
+        raise ConfigError(
+            f"finetune.lora.targets={lora.targets} with model.moe.num_experts={moe.num_experts}: "
+            f"LoRA does not adapt MoE experts ({', '.join(mlp)}); use attention targets only "
+            "(q, k, v, o)"
+        )
+    if lora.dropout > 0 and sizes["pipe"] > 1:
+        raise ConfigError(
+            f"finetune.lora.dropout={lora.dropout} with mesh.pipe={sizes['pipe']}: the pipeline "
+            "draws no dropout masks; use finetune.lora.dropout=0, or mesh.pipe=1"
+        )
+
+
 def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
     p, par, t = sizes["pipe"], cfg.parallel, cfg.train
     if p == 1:
@@ -922,6 +979,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     _validate_window(cfg, sizes)
     _validate_splits(cfg, sizes)
     _validate_moe(cfg, sizes)
+    _validate_lora(cfg, sizes)
     _validate_pipeline(cfg, sizes)
     _validate_sequence_splits(cfg, sizes)
     _validate_data(cfg)

@@ -35,7 +35,8 @@ is transposed) and one read; never the model. No file is memory-mapped.
 default branch) starts a run from such weights on any mesh: `apply_init_from` resolves DIR to a
 local directory (recorded as train.init_from), takes the model's shape and tokenizer from it before
 the config is validated, `init_state` loads the weights onto the run's shardings and adds a fresh
-optimizer state at step 0.
+optimizer state at step 0. With finetune.lora those weights are the frozen base and the adapters
+start fresh (B = 0: step 0 computes the base model).
 """
 
 from __future__ import annotations
@@ -554,6 +555,9 @@ def init_state(trainer, path: str):
     from jaxpar.optim import make_optimizer
 
     shapes, shardings = trainer.state_shape["params"], trainer.state_shardings["params"]
+    lora = trainer.trainable
+    if lora is not None:  # finetune.lora: the base's weights from `path`, fresh adapters
+        shapes, shardings = lora.split(shapes)[1], lora.split(shardings)[1]
     if is_hf_dir(path):
         params = load_hf_params(path, trainer.cfg.model, shapes, shardings)
     else:
@@ -562,13 +566,15 @@ def init_state(trainer, path: str):
             params = ckpt.restore({"params": shapes}, {"params": shardings})[0]["params"]
         finally:
             ckpt.close()
+    if lora is not None:
+        params = lora.join(trainer.init_adapters(), params)
     optimizer = make_optimizer(trainer.cfg)
 
     def fresh(params):
         zero = jnp.zeros((), jnp.int32)
         return {
             "params": params,
-            "opt_state": optimizer.init(params),
+            "opt_state": optimizer.init(params if lora is None else lora.split(params)[0]),
             "step": zero,
             "skipped_steps": zero,
             "first_bad_step": zero,

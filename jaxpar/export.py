@@ -16,6 +16,10 @@ q/k/v biases `Qwen2ForCausalLM`, per-head q/k norms `Qwen3ForCausalLM`, MoE in e
 is refused by name. Rotary scaling (model.rope_scaling) goes into config.json's rope_scaling, for
 Gemma 3 into the per-layer-type rope_parameters that transformers >= 5 reads.
 
+A LoRA run (finetune.lora) exports its merged model, each adapted weight W + (alpha / rank) A B
+(`jaxpar.models.lora.merged`); with `--adapter-only` its adapters alone, as a PEFT adapter
+directory (`write_adapter`) to load over train.init_from's model with `peft`.
+
 The tokenizer goes along: the run's tokenizer.json (and the tokenizer_config.json beside it, if
 any) is copied when data.tokenizer names one; a byte-level run (data.tokenizer=byte) gets a
 tokenizer.json built with the `tokenizers` library (`byte_tokenizer`) and a tokenizer_config.json,
@@ -176,13 +180,16 @@ def write_tokenizer(cfg, out: str) -> int | None:
     return make_tokenizer(cfg.data).eod_id
 
 
-def load_params(run_dir: str, step: int | None = None):
+def load_params(run_dir: str, step: int | None = None, merge_lora: bool = True):
     """(config, params as numpy arrays, step) from the run's newest intact checkpoint (or
-    `step`), restored onto one CPU device without the optimizer state."""
+    `step`), restored onto one CPU device without the optimizer state. A LoRA run's adapters
+    are folded into their weights (`jaxpar.models.lora.merged`: the base model's tree, what
+    `sample` and the merged export read) unless `merge_lora` is false."""
     import jax
 
     from jaxpar import config as config_lib
     from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+    from jaxpar.models import lora as lora_lib
     from jaxpar.trainer import build_trainer
 
     cfg = config_lib.load_config(os.path.join(run_dir, "config.yaml"))
@@ -195,14 +202,62 @@ def load_params(run_dir: str, step: int | None = None):
         )
     finally:
         checkpointer.close()
-    return cfg, jax.tree.map(np.asarray, state["params"]), step
+    params = jax.tree.map(np.asarray, state["params"])
+    if merge_lora and lora_lib.enabled(cfg.finetune.lora):
+        params = lora_lib.merged(params, cfg.finetune.lora)
+    return cfg, params, step
+
+
+def write_adapter(cfg, params: dict, out: str) -> dict[str, np.ndarray]:
+    """A LoRA run's adapters as a PEFT adapter directory: adapter_model.safetensors (PEFT's
+    names, `jaxpar.models.lora.peft_tensors`) and adapter_config.json (r, lora_alpha,
+    lora_dropout, target_modules, base_model_name_or_path: train.init_from). Returns the tensors."""
+    from safetensors.numpy import save_file
+
+    from jaxpar.models import lora as lora_lib
+
+    lora = cfg.finetune.lora
+    if not lora_lib.enabled(lora):
+        raise ConfigError(
+            f"--adapter-only: this run has no LoRA adapters (finetune.lora.rank={lora.rank}); "
+            "export the whole model without --adapter-only"
+        )
+    tensors = lora_lib.peft_tensors(params, families.tensor_table(cfg.model), cfg.model.n_layers)
+    modules = sorted({name.split(".")[-3] for name in tensors})  # ...q_proj.lora_A.weight -> q_proj
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    settings = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": cfg.train.init_from,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(settings, f, indent=2)
+    return tensors
 
 
 def export(
-    run_dir: str, out: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, step: int | None = None
+    run_dir: str,
+    out: str,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    step: int | None = None,
+    adapter_only: bool = False,
 ) -> dict:
-    """Writes the Hugging Face checkpoint of `run_dir` into `out`; returns a summary."""
-    cfg, params, step = load_params(run_dir, step)
+    """Writes the Hugging Face checkpoint of `run_dir` into `out` (a LoRA run's merged model),
+    or with `adapter_only` its LoRA adapters in PEFT's format; returns a summary."""
+    cfg, params, step = load_params(run_dir, step, merge_lora=not adapter_only)
+    if adapter_only:
+        tensors = write_adapter(cfg, params, out)
+        files = ["adapter_model.safetensors"]
+        return {"step": step, "out": out, "files": files, "tensors": len(tensors), "bytes": _nbytes(tensors)}
     tensors = hf_state_dict(params, cfg.model)
     files = write_safetensors(tensors, out, max_shard_bytes)
     eod_id = write_tokenizer(cfg, out)
@@ -217,8 +272,12 @@ def export(
         "out": out,
         "files": files,
         "tensors": len(tensors),
-        "bytes": sum(t.nbytes for t in tensors.values()),
+        "bytes": _nbytes(tensors),
     }
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.nbytes for t in tensors.values())
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -> int:
@@ -235,6 +294,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -
         help=f"largest safetensors file (default {DEFAULT_MAX_SHARD_BYTES})",
     )
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    parser.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA run (finetune.lora): write its adapters in PEFT's format (adapter_model.safetensors, "
+        "adapter_config.json) instead of the merged model",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
     return cli.run(lambda: _export_command(args), failures={FileNotFoundError: 1})
@@ -244,7 +309,7 @@ def _export_command(args) -> int:
     check_writable_dir(args.out, "--out")  # before the checkpoint is read
     if args.max_shard_bytes < 1:
         raise ConfigError(f"--max-shard-bytes={args.max_shard_bytes}: must be at least 1")
-    summary = export(args.run_dir, args.out, args.max_shard_bytes, args.step)
+    summary = export(args.run_dir, args.out, args.max_shard_bytes, args.step, args.adapter_only)
     print(
         f"exported step {summary['step']}: {summary['tensors']} tensors, "
         f"{summary['bytes'] / 1e6:.1f} MB in {len(summary['files'])} file(s) -> {summary['out']}"

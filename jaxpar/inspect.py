@@ -87,6 +87,11 @@ def batch_bytes_per_device(trainer: Trainer) -> int:
     )
 
 
+def _trained(trainer: Trainer, params_tree):
+    """The part of a params-shaped tree that trains (`Trainer.trainable`): all, or the adapters."""
+    return params_tree if trainer.trainable is None else trainer.trainable.split(params_tree)[0]
+
+
 def report(
     trainer: Trainer, compiled, compare: bool = False, target: targets_lib.Target | None = None
 ) -> dict:
@@ -99,7 +104,8 @@ def report(
     memory = {
         "params": shard_bytes(shapes["params"], shardings["params"]),
         "optimizer": shard_bytes(shapes["opt_state"], shardings["opt_state"]),
-        "gradients": shard_bytes(shapes["params"], trainer.grad_shardings),
+        # of what trains: every param, or with finetune.lora the adapters alone
+        "gradients": shard_bytes(_trained(trainer, shapes["params"]), trainer.grad_shardings),
         "temp": int(mem.temp_size_in_bytes),
         "total": int(
             mem.argument_size_in_bytes
@@ -109,6 +115,9 @@ def report(
         ),
         "arguments": int(mem.argument_size_in_bytes),
     }
+    trained = _trained(trainer, shapes["params"])
+    if trainer.trainable is not None:  # LoRA: the adapters' share of "params"
+        memory["adapters"] = shard_bytes(trained, _trained(trainer, shardings["params"]))
     flops_device = _cost(compiled)
     devices = trainer.mesh.devices.size
     out = {
@@ -116,6 +125,8 @@ def report(
         "mesh": sizes,
         "zero_stage": cfg.parallel.zero_stage,
         "params": params,
+        # what the step updates: every param, or with finetune.lora the adapters
+        "trainable_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(trained))),
         "memory_per_device": memory,
         # Both for the whole step, all devices together; see FLOPS_NOTE.
         "model_flops_per_step": metrics_lib.flops_per_token(cfg.model, cfg.train.seq_len)
@@ -158,6 +169,8 @@ def format_human(r: dict) -> str:
     mb = 1 / 2**20
     mesh = " ".join(f"{a}={s}" for a, s in r["mesh"].items())
     lines = [f"devices {r['devices']}  mesh {mesh}  zero_stage {r['zero_stage']}  params {r['params']:,}"]
+    if r["trainable_params"] != r["params"]:
+        lines[0] += f" (trainable {r['trainable_params']:,})"
     if "target" in r:
         t = r["target"]
         lines.append(f"compiled for {t['count']} x {t['device']} (nothing ran)")

@@ -573,6 +573,12 @@ def _initial_state(
         if is_main:
             print(f"initialised from {t.init_from}", file=sys.stderr)
         return state, None, 0
+    if trainer.trainable is not None and is_main:
+        print(
+            "finetune.lora without train.init_from: the frozen base is this run's random init "
+            f"(train.seed={t.seed}); only the adapters train",
+            file=sys.stderr,
+        )
     return trainer.init(), None, 0
 
 

@@ -19,6 +19,11 @@ torch, and PyPI's Linux torch for its Python needs the CUDA libraries.
         global norm of its gradient (`<NAME>/grad_norms`), the losses with weight decay on every
         parameter (`<NAME>/losses_decay_all`), and ADAMW (`adamw/<key>`) and TRAIN_BATCHES
         (`batches`) for the jaxpar side to read.
+    .venv-hf/bin/python tests/hf_reference.py peft OUT.npz NAME=BASE_DIR,ADAPTER_DIR ...
+        Loads each BASE_DIR with AutoModelForCausalLM in float32, puts the PEFT adapter in
+        ADAPTER_DIR (a jaxpar `to-hf --adapter-only` export) on it with peft's
+        PeftModel.from_pretrained, and writes its float32 logits on TOKENS to OUT.npz under
+        `<NAME>/logits` (and the base's alone under `<NAME>/base_logits`).
     .venv-hf/bin/python tests/hf_reference.py tokenizer DIR CASES.json OUT.json
         Loads DIR (a jaxpar export) with AutoTokenizer and AutoModelForCausalLM and writes to
         OUT.json what they give on CASES.json (see `tokenizer` below).
@@ -285,6 +290,24 @@ def logits(out: str, pairs: list[str]) -> None:
     np.savez(out, **results)
 
 
+def peft_logits(out: str, pairs: list[str]) -> None:
+    import peft
+    import torch
+    import transformers
+
+    results = {}
+    for pair in pairs:
+        name, dirs = pair.split("=", 1)
+        base_dir, adapter_dir = dirs.split(",")
+        model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            results[f"{name}/base_logits"] = model(torch.tensor(TOKENS)).logits.float().numpy()
+        adapted = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+        with torch.no_grad():
+            results[f"{name}/logits"] = adapted(torch.tensor(TOKENS)).logits.float().numpy()
+    np.savez(out, **results)
+
+
 def train(out: str, pairs: list[str]) -> None:
     import torch
     import transformers
@@ -404,6 +427,7 @@ if __name__ == "__main__":
         "build": lambda: build(args[0]),
         "logits": lambda: logits(args[0], args[1:]),
         "train": lambda: train(args[0], args[1:]),
+        "peft": lambda: peft_logits(args[0], args[1:]),
         "tokenizer": lambda: tokenizer(*args),
         "chat": lambda: chat(*args),
     }[command]()

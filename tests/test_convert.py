@@ -615,3 +615,77 @@ def test_the_family_reads_back_what_it_writes(case):
             # The second half of every even axis: a shard as a mesh would ask for it.
             idx = tuple(slice(d // 2, d) if d % 2 == 0 else slice(None) for d in want.shape)
             np.testing.assert_array_equal(t.layout.read(rows, idx, want.shape), want[idx])
+
+
+LORA_VARIANTS = ["llama2-gqa-sharded", "qwen3-wide-heads"]  # Llama's projections; Qwen3's, with q/k norms
+
+
+def _lora_run(hf_dir, run_dir) -> tuple:
+    """A LoRA run directory over the Hugging Face model `hf_dir` (train.init_from), its
+    checkpoint 0 the base's weights (`convert.init_state`) with adapters of random A and B on
+    every projection; returns (config, those params on one device)."""
+    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+    from jaxpar.trainer import build_trainer
+
+    lora = ["finetune.lora.rank=4", "finetune.lora.alpha=8", "finetune.lora.targets=[q,k,v,o,gate,up,down]"]
+    cfg = dataclasses.replace(
+        _config(hf_dir, lora), train=dataclasses.replace(_config(hf_dir).train, run_dir=str(run_dir))
+    )
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(hf_dir)))
+    sizes = {a: 1 for a in config_lib.MESH_AXES}
+    trainer = build_trainer(cfg, sizes, devices=jax.devices()[:1])
+    state = jax.device_get(convert.init_state(trainer, str(hf_dir)))
+    rng = np.random.default_rng(3)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: (
+            rng.normal(0, 0.05, x.shape).astype(x.dtype) if "lora_b" in jax.tree_util.keystr(p) else x
+        ),
+        state["params"],
+    )
+    os.makedirs(run_dir)
+    config_lib.dump_yaml(cfg, str(run_dir / "config.yaml"))
+    ckpt = Checkpointer(checkpoint_dir(str(run_dir)), keep=1)
+    try:
+        ckpt.save(0, {"params": params}, None, force=True)
+    finally:
+        ckpt.close()
+    return cfg, params
+
+
+def test_lora_exports_a_merged_model_and_a_peft_adapter_transformers_runs(hf, tmp_path):
+    """(b) the merged export, read back by jaxpar, gives the adapted model's logits; (c) the PEFT
+    adapter over the base model in transformers + peft gives them too."""
+    from jaxpar.trainer import new_model
+
+    root, ref = hf
+    tokens = jnp.asarray(ref["tokens"], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    adapted, pairs = {}, []
+    for variant in LORA_VARIANTS:
+        run, merged_dir, adapter_dir = (tmp_path / variant / d for d in ("run", "merged", "adapter"))
+        cfg, params = _lora_run(root / variant, run)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: new_model(cfg)))
+        adapted[variant] = np.asarray(
+            nnx.merge(graphdef, params)(tokens, positions, jnp.ones_like(tokens))[0]
+        )
+        export_lib.export(str(run), str(merged_dir))
+        export_lib.export(str(run), str(adapter_dir), adapter_only=True)
+        layout, shapes, shardings = _on_mesh(cfg, {})
+        merged = convert.load_hf_params(str(merged_dir), cfg.model, shapes, shardings)
+        got = _forward(cfg, layout)(merged, tokens)[0]
+        # float32 sums in another order (W + s A B formed first): 1e-5 of the largest logit
+        assert _max_diff(got, adapted[variant]) <= 1e-5 * np.max(np.abs(adapted[variant])), variant
+        settings = json.load(open(adapter_dir / "adapter_config.json"))
+        assert settings["r"] == 4 and settings["lora_alpha"] == 8 and settings["peft_type"] == "LORA"
+        assert settings["base_model_name_or_path"] == str(root / variant)
+        assert sorted(settings["target_modules"]) == sorted(
+            f"{m}_proj" for m in ("q", "k", "v", "o", "gate", "up", "down")
+        )
+        pairs.append(f"{variant}={root / variant},{adapter_dir}")
+    _hf("peft", str(tmp_path / "peft.npz"), *pairs)
+    hf_logits = np.load(tmp_path / "peft.npz")
+    for variant in LORA_VARIANTS:
+        assert _max_diff(hf_logits[f"{variant}/base_logits"], ref[f"{variant}/logits"]) <= ATOL
+        assert _max_diff(hf_logits[f"{variant}/logits"], adapted[variant]) <= ATOL, variant
+        # The adapters matter: the same check fails against the base model's logits.
+        assert _max_diff(hf_logits[f"{variant}/base_logits"], adapted[variant]) > 100 * ATOL, variant

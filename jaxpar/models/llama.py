@@ -39,6 +39,7 @@ families' (`jaxpar.models.families`)):
 | blocks.mlp.down[l]            | [X, F', E]  | MoE MLP                      |
 | final_norm.scale              | [E]         |                              |
 | lm_head                       | [E, V]      | untied                       |
+| blocks.attn.wq_lora.lora_a[l] | [E, r]      | finetune.lora (`models.lora`) |
 
 With model.moe.every = k > 1 the scanned unit is a group of k blocks (`BlockGroup`), the last
 with the MoE MLP: `blocks.blocks.{i}.<as above>[g]` is block g * k + i.
@@ -64,6 +65,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.fp8 import einsum as block_einsum
+from jaxpar.models import lora as lora_lib
 from jaxpar.models.attention import attend, kernel_for
 from jaxpar.models.loss import chunked_cross_entropy
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_layers, moe_matmul_params
@@ -222,9 +224,10 @@ class Attention(nnx.Module):
         only, with the sliding layers' rotary base."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         matmul = functools.partial(block_einsum, fp8=cfg.fp8, dtype=dtype)
-        q = matmul("bse,enh->bsnh", x, self.wq[...])
-        k = matmul("bse,ekh->bskh", x, self.wk[...])
-        v = matmul("bse,ekh->bskh", x, self.wv[...])
+        project = functools.partial(lora_lib.project, self, matmul=matmul)  # + LoRA adapters, if any
+        q = project("wq", spec="bse,enh->bsnh", x=x)
+        k = project("wk", spec="bse,ekh->bskh", x=x)
+        v = project("wv", spec="bse,ekh->bskh", x=x)
         if cfg.qkv_bias:
             q, k, v = (y + b[...].astype(dtype) for y, b in ((q, self.bq), (k, self.bk), (v, self.bv)))
         if cfg.qk_norm:
@@ -258,7 +261,7 @@ class Attention(nnx.Module):
                 sliding=sliding if window is not None else None,
             )
         out = constrain(out, ("batch", "seq", "heads", None))
-        out = matmul("bsnh,nhe->bse", out, self.wo[...])
+        out = project("wo", spec="bsnh,nhe->bse", x=out)
         return out if cache is None else (out, cache)
 
     def _ring(self, q, k, v, segment_ids, window, sliding):
@@ -300,6 +303,9 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def __call__(self, x):  # [batch, seq, embed]
+        if lora_lib.has_adapters(self):
+            matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=jnp.dtype(self.cfg.dtype))
+            return lora_lib.adapted_swiglu(self, x, matmul)
         return block_swiglu(
             x,
             self.w_gate[...],
@@ -403,13 +409,15 @@ def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = 
     layer whether its attention slides. Returns (x, per-layer statistics stacked)."""
 
     def one_layer(h, scanned):
-        params, slides = scanned
+        params, slides, key = scanned
         kwargs = {} if slides is None else {"sliding": slides}
-        return nnx.merge(graphdef, params)(h, positions, segment_ids, **kwargs)
+        with lora_lib.dropout_scope(key):  # LoRA dropout's key for this layer (None: no dropout)
+            return nnx.merge(graphdef, params)(h, positions, segment_ids, **kwargs)
 
     if remat != "none":
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat])
-    return jax.lax.scan(one_layer, x, (layer_params, sliding))
+    keys = lora_lib.layer_keys(jax.tree.leaves(layer_params)[0].shape[0])
+    return jax.lax.scan(one_layer, x, (layer_params, sliding, keys))
 
 
 def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache, sliding=None):

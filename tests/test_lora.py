@@ -1,0 +1,220 @@
+"""LoRA (finetune.lora, jaxpar/models/lora.py): settings refused by name, the adapters' gradients
+on a data x fsdp x tensor mesh equal one device's leaf by leaf, the frozen weights stay
+bit-identical and hold no optimizer state, dropout applies in training only, a run resumes
+bit-exact. The Hugging Face side (merged export, PEFT adapter) is in tests/test_convert.py.
+
+The base is configs/tiny.yaml's random init (no train.init_from: allowed, the base is then the
+seed's init). B starts at zero, which makes A's gradient zero at step 0; the parity runs start
+from random B (`with_random_b`) so that every adapter leaf has a gradient to compare.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import config as config_lib
+from jaxpar.config import ConfigError
+from jaxpar.models import lora as lora_lib
+from tests import parity
+
+ALL = "[q,k,v,o,gate,up,down]"
+LORA = ["finetune.lora.rank=4", "finetune.lora.alpha=8", f"finetune.lora.targets={ALL}"]
+MESH = {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def with_random_b(state, seed: int = 1):
+    """A host copy of `state` with every lora_b drawn N(0, 0.05^2) instead of zero."""
+    rng = np.random.default_rng(seed)
+
+    def fill(path, x):
+        if "lora_b" in jax.tree_util.keystr(path):
+            return rng.normal(0.0, 0.05, x.shape).astype(x.dtype)
+        return np.asarray(x)
+
+    return jax.tree_util.tree_map_with_path(fill, jax.device_get(state))
+
+
+def _flat(tree) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["finetune.lora.rank=-1"], ["finetune.lora.rank=-1", "positive rank"]),
+        (
+            ["finetune.lora.rank=4", "finetune.lora.targets=[q,qkv]"],
+            ["finetune.lora.targets[1]", "q, k, v, o, gate"],
+        ),
+        (["finetune.lora.rank=4", "finetune.lora.targets=[q,q]"], ["finetune.lora.targets", "once"]),
+        (["finetune.lora.rank=4", "finetune.lora.alpha=0"], ["finetune.lora.alpha=0"]),
+        (["finetune.lora.rank=4", "finetune.lora.dropout=1.0"], ["finetune.lora.dropout=1.0", "[0, 1)"]),
+        (
+            ["finetune.lora.rank=4", "finetune.lora.targets=[q,up]", "model.moe.num_experts=4"],
+            ["MoE experts", "up", "q, k, v, o"],
+        ),
+        (
+            [
+                "finetune.lora.rank=4",
+                "finetune.lora.dropout=0.1",
+                "mesh.pipe=2",
+                "mesh.data=4",
+                "mesh.fsdp=1",
+            ],
+            ["finetune.lora.dropout=0.1", "mesh.pipe=2"],
+        ),
+    ],
+)
+def test_bad_lora_settings_are_refused_by_name(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        cfg = parity.tiny_config(["mesh.tensor=1", "mesh.fsdp=2", "mesh.data=4", *overrides])
+        config_lib.validate(cfg, 8)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+@pytest.fixture(scope="module")
+def parity_runs():
+    """The same LoRA training (SGD, 3 steps, from the same state with random B, dropout 0.1) on
+    one device and on data x fsdp x tensor = 2 x 2 x 2."""
+    runs, extra = {}, [*LORA, "finetune.lora.dropout=0.1"]
+    init = None
+    for name, mesh in (("one", {}), ("mesh", MESH)):
+        trainer = parity.parity_trainer(extra, mesh)
+        init = with_random_b(trainer.init()) if init is None else init
+        runs[name] = (
+            trainer,
+            parity.run_parity(trainer, trainer.step, parity.random_batches(trainer.cfg), init),
+        )
+    return runs
+
+
+def test_adapter_gradients_on_a_mesh_equal_one_device_leaf_by_leaf(parity_runs):
+    one, mesh = parity_runs["one"][1], parity_runs["mesh"][1]
+    names = set(_flat(one.grads))
+    assert len(names) == 2 * 7 and all("lora_a" in n or "lora_b" in n for n in names), names
+    parity.assert_nonzero(one.grads)
+    parity.assert_grads_match(mesh.grads, one.grads)
+    np.testing.assert_allclose(mesh.losses, one.losses, rtol=parity.RTOL)
+    assert one.losses[-1] < one.losses[0], one.losses  # the adapters learn
+
+
+def test_adapter_gradients_pipelined_with_a_ring_and_zero3_equal_one_device():
+    """pipe x fsdp x context = 2 x 2 x 2 at ZeRO-3 (no dropout: the pipeline draws none): the
+    pipeline's backward, the ring and the weights split over fsdp give one device's gradients."""
+    extra, mesh = [*LORA, "parallel.zero_stage=3"], {"pipe": 2, "fsdp": 2, "context": 2}
+    one_trainer = parity.parity_trainer(extra, {})
+    init = with_random_b(one_trainer.init())
+    one = parity.run_parity(one_trainer, one_trainer.step, parity.random_batches(one_trainer.cfg), init)
+    trainer = parity.parity_trainer(extra, mesh)
+    got = parity.run_parity(trainer, trainer.step, parity.random_batches(trainer.cfg), init)
+    parity.assert_nonzero(one.grads)
+    parity.assert_grads_match(got.grads, one.grads)
+    np.testing.assert_allclose(got.losses, one.losses, rtol=parity.RTOL)
+
+
+def test_frozen_weights_are_bit_identical_after_training(parity_runs):
+    trainer, _ = parity_runs["one"]
+    init = with_random_b(trainer.init())
+    state = jax.device_put(init, trainer.state_shardings)
+    for batch in parity.random_batches(trainer.cfg):
+        state = trainer.step(state, trainer.shard_batch(batch))[0]
+    train0, frozen0 = trainer.trainable.split(init["params"])
+    train1, frozen1 = trainer.trainable.split(jax.device_get(state["params"]))
+    before, after = _flat(frozen0), _flat(frozen1)
+    assert before.keys() == after.keys() and len(before) > 10
+    for name in before:
+        assert before[name].tobytes() == after[name].tobytes(), name
+    moved = [n for n, x in _flat(train1).items() if not np.array_equal(x, _flat(train0)[n])]
+    assert len(moved) == 14, moved  # every adapter trained
+
+
+def test_optimizer_state_is_two_adam_moments_of_the_adapters_only():
+    """What `python -m jaxpar.inspect` reports of a LoRA step (AdamW, ZeRO-0): optimizer bytes
+    per device = 2 x the adapters' (Adam's two moments, float32), gradients = the adapters'."""
+    from jaxpar.inspect import report
+    from jaxpar.trainer import compile_step
+
+    trainer = parity.trainer_on([*LORA, "parallel.zero_stage=0"], MESH)  # AdamW (tiny.yaml's)
+    memory = report(trainer, compile_step(trainer))["memory_per_device"]
+    assert 2 * memory["adapters"] <= memory["optimizer"] <= 2 * memory["adapters"] + 16  # + Adam's count
+    assert memory["gradients"] == memory["adapters"] and memory["params"] > 5 * memory["adapters"]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(trainer.state_shape["opt_state"])[0]:
+        assert leaf.ndim == 0 or "_lora" in jax.tree_util.keystr(path), (
+            f"optimizer state of a frozen weight: {path}"
+        )
+    # Adapters shard as their weights: A's rows as wq's embed dim (ZeRO-1: whole), B's columns over
+    # tensor as wq's heads.
+    shardings = trainer.state_shardings["params"]["blocks"]["attn"]
+    assert shardings["wq_lora"]["lora_b"].spec == jax.sharding.PartitionSpec(None, None, "tensor")
+    assert shardings["wo_lora"]["lora_a"].spec == jax.sharding.PartitionSpec(None, "tensor", None)
+
+
+def test_dropout_applies_in_training_and_never_in_evaluation():
+    batch = next(parity.random_batches(parity.tiny_config(), 1))
+    losses = {}
+    for rate in (0.0, 0.5):
+        trainer = parity.trainer_on([*LORA, f"finetune.lora.dropout={rate}", *parity.SGD], {})
+        state = jax.device_put(with_random_b(trainer.init()), trainer.state_shardings)
+        nll, count = trainer.evaluate(state["params"], trainer.shard_batch(batch))
+        _, metrics = trainer.step(state, trainer.shard_batch(batch))
+        losses[rate] = (float(nll / count), float(metrics["loss"]))
+    assert losses[0.5][0] == losses[0.0][0]  # evaluation: no dropout
+    assert losses[0.0][1] == pytest.approx(losses[0.0][0], rel=1e-6)
+    assert abs(losses[0.5][1] - losses[0.0][1]) > 1e-4, losses  # training: dropout
+
+
+def test_a_lora_run_resumes_bit_exact(tmp_path):
+    """Four steps with dropout, then the same run again from its step-2 checkpoint
+    (train.resume=2): steps 3 and 4 rerun with the same losses, bit for bit (the adapters, their
+    optimizer state and the dropout masks come back; the frozen weights are in the checkpoint)."""
+    from jaxpar.train import train
+
+    def run(*extra):
+        cfg = parity.tiny_config(
+            [
+                *LORA,
+                "finetune.lora.dropout=0.1",
+                "train.steps=4",
+                f"train.run_dir={tmp_path / 'run'}",
+                "checkpoint.every=2",
+                "checkpoint.keep=0",
+                *[f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES],
+                *extra,
+            ]
+        )
+        train(cfg, config_lib.validate(cfg, 8))
+        with open(tmp_path / "run" / "metrics.jsonl") as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+    straight = run()
+    rerun = run("train.resume=2")
+    assert sorted(rerun) == [1, 2, 3, 4]
+    assert rerun == straight  # steps 3 and 4 bit-identical
+
+
+def test_the_merged_weights_compute_the_adapted_model():
+    """`lora.merged` (what to-hf writes): W + alpha/rank A B gives the adapted model's logits."""
+    from flax import nnx
+
+    from jaxpar.models import Transformer
+    from jaxpar.trainer import new_model
+
+    cfg = parity.tiny_config(LORA)
+    params = with_random_b(nnx.to_pure_dict(nnx.state(new_model(cfg))))
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 16)).astype(np.int32)
+    positions, segments = np.broadcast_to(np.arange(16), tokens.shape), np.ones_like(tokens)
+    adapted = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: new_model(cfg))), params)
+    base_graph = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    merged = nnx.merge(base_graph, lora_lib.merged(params, cfg.finetune.lora))
+    unadapted = nnx.merge(base_graph, lora_lib.Trainable.of(adapted).split(params)[1])
+    want = np.asarray(adapted(tokens, positions, segments)[0])
+    got = np.asarray(merged(tokens, positions, segments)[0])
+    base = np.asarray(unadapted(tokens, positions, segments)[0])
+    scale = np.max(np.abs(want))
+    assert np.max(np.abs(got - want)) <= 1e-5 * scale
+    assert np.max(np.abs(base - want)) > 100 * 1e-5 * scale  # the adapters change the logits
