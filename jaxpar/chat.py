@@ -45,6 +45,9 @@ import numpy as np
 
 from jaxpar.config import CHAT_TEMPLATES, ConfigError
 
+# transformers 5's file for a tokenizer's chat template, beside its tokenizer.json; a run keeps the
+# template it trained with in its run directory under the same name, and exports it so.
+TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")  # CHAT_TEMPLATES, as <name>.jinja
 # The named special tokens transformers passes to a template as variables (its special_tokens_map).
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -154,7 +157,7 @@ def _tokenizer_files(tokenizer: str) -> tuple[dict, str | None]:
             config = json.load(f)
     except (OSError, ValueError):
         pass
-    jinja = os.path.join(directory, "chat_template.jinja")
+    jinja = os.path.join(directory, TEMPLATE_FILE)
     text = None
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as f:

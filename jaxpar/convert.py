@@ -52,7 +52,7 @@ import tempfile
 
 import numpy as np
 
-from jaxpar import cli, hub
+from jaxpar import chat, cli, hub
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.models import families
@@ -428,8 +428,8 @@ def _tokenizer_files(hf_dir: str) -> list[str]:
             f"{hf_dir} has no tokenizer.json (jaxpar reads Hugging Face's fast-"
             "tokenizer file; tokenizer.model alone is not enough)"
         )
-    extra = os.path.join(hf_dir, "tokenizer_config.json")
-    return [path] + ([extra] if os.path.isfile(extra) else [])
+    extra = [os.path.join(hf_dir, name) for name in ("tokenizer_config.json", chat.TEMPLATE_FILE)]
+    return [path] + [p for p in extra if os.path.isfile(p)]
 
 
 def from_hf(hf_dir: str, out: str, overrides: list[str] = (), revision: str | None = None) -> dict:

@@ -138,7 +138,7 @@ def packed_source(cfg: DataConfig, tokenizer, seq_len: int):
     return pack(read_documents(cfg), tokenizer, seq_len, functools.cache(template), cfg.train_on)
 
 
-RUN_TEMPLATE = "chat_template.jinja"  # the chat template a run trained with, in its run directory
+RUN_TEMPLATE = chat.TEMPLATE_FILE  # the chat template a run trained with, in its run directory
 
 
 def training_template(cfg: DataConfig):

@@ -151,8 +151,30 @@ def byte_tokenizer():
 
 
 def write_tokenizer(cfg, out: str) -> int | None:
-    """Writes the run's tokenizer into `out` (tokenizer.json, tokenizer_config.json); returns its
-    end-of-document id, or None when data.tokenizer names no file here (nothing written)."""
+    """Writes the run's tokenizer into `out` (tokenizer.json, tokenizer_config.json, and
+    `write_chat_template`'s file); returns its end-of-document id, or None when data.tokenizer
+    names no file here (nothing written)."""
+    eod = _write_tokenizer_files(cfg, out)
+    if eod is not None:
+        write_chat_template(cfg, out)
+    return eod
+
+
+def write_chat_template(cfg, out: str) -> None:
+    """chat_template.jinja in `out`, where transformers 5 reads a tokenizer's chat template from:
+    the one the run trained with (RUN_DIR/chat_template.jinja), else the one beside its
+    tokenizer; nothing when neither exists."""
+    import shutil
+
+    from jaxpar.chat import TEMPLATE_FILE
+
+    for directory in (cfg.train.run_dir, os.path.dirname(cfg.data.tokenizer)):
+        if directory and os.path.isfile(path := os.path.join(directory, TEMPLATE_FILE)):
+            shutil.copyfile(path, os.path.join(out, TEMPLATE_FILE))
+            return
+
+
+def _write_tokenizer_files(cfg, out: str) -> int | None:
     import shutil
 
     from jaxpar.documents import EOD_TOKEN, ByteTokenizer, make_tokenizer

@@ -29,6 +29,7 @@ FILES = [
     "model.safetensors.index.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # a chat template saved on its own (transformers 5)
 ]
 
 

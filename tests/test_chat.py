@@ -368,6 +368,12 @@ def test_sample_chat_reply_stops_at_the_end_of_turn(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert proc.stdout.decode() == "ok\n"
+    # The export carries the template, where transformers 5 reads a tokenizer's chat template.
+    from jaxpar.export import write_tokenizer
+    from jaxpar.sample import run_config
+
+    write_tokenizer(run_config(str(run_dir)), str(tmp_path))
+    assert (tmp_path / "chat_template.jinja").read_text() == template("simple").source
 
 
 def test_hf_tokenizer_pieces_keep_special_tokens_and_add_no_bos(tmp_path):
