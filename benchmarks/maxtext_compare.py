@@ -1,20 +1,24 @@
-"""`python -m benchmarks.maxtext_compare [--workload 1b-fsdp8|tp8] [--maxtext-python PATH] [--json OUT]`
+"""`python -m benchmarks.maxtext_compare [--workload NAME|all] [--maxtext-python PY] [--json OUT]`
 
 Compiles MaxText's train step and jaxpar's on the same work (model shape, tokens per step, layout)
 for 8 H100s on a machine without a GPU, counts both compiled programs with the same counter and
 prints one table: memory per device, collectives (calls and bytes by element type), collective
 bytes in all, ring wire bytes, and matmul TFLOP with the share whose operands are both float32.
-Nothing runs; no timings.
+Nothing runs; no timings. Workloads (WORKLOADS), each the Llama-3.2-1B shape at 32 x 2048 tokens
+per step on 8 H100s: `1b-fsdp8` (the default; FSDP, ZeRO-3), `tp8` (tensor parallelism), `zero1`
+(optimizer state sharded over 8 data-parallel devices); `all` runs them one after another and
+`--json` then holds {workload: result}.
 
 Two processes. MaxText's step is compiled by `benchmarks/maxtext_step.py` under MaxText's own
 Python (`--maxtext-python`), which writes the compiled HLO text and XLA's memory analysis to a
 temporary folder; jaxpar's step is compiled here, as `python -m jaxpar.inspect --target h100:8`
 does. Both use the CUDA plugin's H100 description (`jaxpar.targets`), the same XLA_FLAGS (yours,
-plus `--xla_gpu_autotune_level=0` unless you set a level: nothing can be timed without a GPU) and
-the same jax. Both programs are then counted here by `jaxpar.hlo` (`collectives`: calls and bytes
-per kind; `multiplicities`: while-loop trip counts) and by `program_summary` below, which splits
-those bytes by element type, adds ring wire bytes and counts matmul FLOPs, and checks that its
-per-kind totals are `jaxpar.hlo.collectives`'s.
+plus `--xla_gpu_autotune_level=0` unless you set a level: nothing can be timed without a GPU, and
+tests/conftest.py records that level 0 compiles the same program) and the same jax. Both programs
+are then counted here by `jaxpar.hlo` (`collectives`: calls and bytes per kind; `multiplicities`:
+while-loop trip counts) and by `program_summary` below, which splits those bytes by element type,
+adds ring wire bytes and counts matmul FLOPs, and checks that its per-kind totals are
+`jaxpar.hlo.collectives`'s.
 
 This script installs nothing. MaxText's environment, as built for the figures in
 benchmarks/RESULTS.md (Python 3.12; jax must be the version jaxpar's environment has; MaxText's
@@ -107,6 +111,11 @@ WORKLOADS = {
         "Llama-3.2-1B shape, tensor parallelism over 8 H100s, 32 x 2048 tokens per step",
         ("configs/llama-1b.yaml", *JAXPAR_MESH, "mesh.fsdp=1", "mesh.tensor=8", "parallel.zero_stage=0"),
         ("ici_fsdp_parallelism=1", "ici_tensor_parallelism=8"),
+    ),
+    "zero1": Workload(
+        "Llama-3.2-1B shape, ZeRO-1 (optimizer state sharded) over 8 H100s, 32 x 2048 tokens per step",
+        ("configs/llama-1b.yaml", *JAXPAR_MESH, "mesh.fsdp=8", "mesh.tensor=1", "parallel.zero_stage=1"),
+        ("ici_fsdp_parallelism=1", "ici_data_parallelism=8", "shard_optimizer_over_data=true"),
     ),
 }
 JAXPAR_WORK = ("train.batch_size=32", "train.seq_len=2048")
@@ -431,14 +440,16 @@ def compare(name: str, python: str) -> dict:
 
 def _run(args) -> int:
     python = find_maxtext_python(args.maxtext_python)
-    result = compare(args.workload, python)
-    print(
-        f"{result['description']}; {result['target']}; jaxpar {result['jaxpar_commit']}, jax {result['jax']}"
-    )
-    print("GB = 1e9 bytes; bytes as jaxpar/hlo.py counts them (all-gather: result; reduce-scatter: input)")
-    print(format_table(result["summary"]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    results = {}
+    for name in names:  # one compile at a time
+        result = results[name] = compare(name, python)
+        print(f"\n{result['description']}; {result['target']}")
+        print(f"jaxpar {result['jaxpar_commit']}, MaxText 0.2.5, jax {result['jax']}, {result['when']}")
+        print("GB = 1e9 bytes, counted by jaxpar/hlo.py (all-gather: result; reduce-scatter: input)")
+        print(format_table(result["summary"]))
+        if args.json:  # {workload: result}, rewritten after each
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
@@ -450,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="1b-fsdp8")
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="1b-fsdp8")
     parser.add_argument("--maxtext-python", help="a Python that imports maxtext (default: see below)")
     parser.add_argument("--json", help="also write the result as JSON here")
     args = parser.parse_args(argv)
