@@ -159,16 +159,25 @@ def ring_factor(kind: str, n: int) -> float:
     return 2 * share if kind == "all-reduce" else share
 
 
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[[\d,]*\]")
+
+
+def _arrays(shape: str) -> list[tuple[str, int]]:
+    """(element type, bytes) of each array in an HLO shape, nested tuples flattened, in the order
+    `hlo.shape_bytes` gives their bytes."""
+    return [(m.group(1), b) for m in _ARRAY.finditer(shape) for b in hlo.shape_bytes(m.group(0))]
+
+
 def _buffers(ins: hlo.Instr, shapes: dict[str, str]) -> list[tuple[str, int]]:
-    """(element type, bytes) of each buffer `hlo.moved_bytes` counts for `ins`."""
+    """(element type, bytes) of each buffer `hlo.moved_bytes` counts for `ins`: an all-gather's
+    results (an all-gather-start's shape is (operands, results)), else its operands, the first
+    ones where hlo counts only those (ragged-all-to-all)."""
+    counted = hlo.moved_bytes(ins, shapes)
     if ins.op.removesuffix("-start") == "all-gather":
-        source = [hlo.tuple_elements(ins.shape)[1] if ins.op.endswith("-start") else ins.shape]
+        out = _arrays(hlo.tuple_elements(ins.shape)[1] if ins.op.endswith("-start") else ins.shape)
     else:
-        count = len(hlo.moved_bytes(ins, shapes))
-        source = [shapes[name] for name in ins.operands]
-        source = [e for s in source for e in hlo.tuple_elements(s)][:count]
-    out = [(_dims(e)[0], b) for e in source for b in hlo.shape_bytes(e)]
-    if [b for _, b in out] != hlo.moved_bytes(ins, shapes):
+        out = [a for name in ins.operands for a in _arrays(shapes[name])][: len(counted)]
+    if [b for _, b in out] != counted:
         raise RuntimeError(f"{ins.op} %{ins.name}: buffers disagree with jaxpar.hlo.moved_bytes")
     return out
 
@@ -429,7 +438,7 @@ def compare(name: str, python: str) -> dict:
         "xla_flags": os.environ["XLA_FLAGS"],
         "settings": {
             "jaxpar": [*workload.jaxpar, *JAXPAR_WORK],
-            "maxtext": [*MAXTEXT_WORK, *workload.maxtext],
+            "maxtext": [*MAXTEXT_MODEL, *MAXTEXT_RECIPE, *MAXTEXT_WORK, *workload.maxtext],
         },
         "summary": {
             "jaxpar": program_summary(*jaxpar, target.count),

@@ -15,10 +15,10 @@ from benchmarks import maxtext_compare as mc
 from tests.test_train import ROOT
 
 # A while loop run 3 times around an all-gather of a bf16 [16, 8] shard to [64, 8] over groups
-# of 4 (iota form) and a float32 dot of the gathered [64, 8] with itself, contracting 64; after
-# it, a reduce-scatter of float32[16] over groups of 4 (explicit form), an all-reduce of
-# float32[10] over the 'data' axis of a 2 x 4 mesh (2 devices), and a cuBLAS GEMM of
-# bf16[4,16] x bf16[16,2].
+# of 4 (iota form) and a float32 dot of the gathered [64, 8] with itself, contracting 64; an async
+# combined all-gather of float32[4] and bf16[2, 8] to [16] and [8, 8] over 4; a reduce-scatter of
+# float32[16] over groups of 4 (explicit form); an all-reduce of float32[10] over the 'data' axis
+# of a 2 x 4 mesh (2 devices); and a cuBLAS GEMM of bf16[4,16] x bf16[16,2].
 FIXTURE = """HloModule fixture
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -46,12 +46,16 @@ FIXTURE = """HloModule fixture
   ROOT %t = (s32[], bf16[16,8]{1,0}) tuple(%next, %w)
 }
 
-ENTRY %main (w0: bf16[16,8], g: f32[16], h: f32[10], l: bf16[4,16], r: bf16[16,2]) -> f32[4] {
+ENTRY %main (w0: bf16[16,8], ...) -> f32[4] {
   %w0 = bf16[16,8]{1,0} parameter(0)
   %g = f32[16]{0} parameter(1)
   %h = f32[10]{0} parameter(2)
   %l = bf16[4,16]{1,0} parameter(3)
   %r = bf16[16,2]{1,0} parameter(4)
+  %a1 = f32[4]{0} parameter(5)
+  %b1 = bf16[2,8]{1,0} parameter(6)
+  %ags = ((f32[4]{0}, bf16[2,8]{1,0}), (f32[16]{0}, bf16[8,8]{1,0})) all-gather-start(%a1, %b1), GROUPS
+  %agd = (f32[16]{0}, bf16[8,8]{1,0}) all-gather-done(%ags)
   %zero = s32[] constant(0)
   %init = (s32[], bf16[16,8]{1,0}) tuple(%zero, %w0)
   %loop = (s32[], bf16[16,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config=TRIPS
@@ -64,6 +68,7 @@ ENTRY %main (w0: bf16[16,8], g: f32[16], h: f32[10], l: bf16[4,16], r: bf16[16,2
 """
 GEMM = '{"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
 GEMM += '"rhs_contracting_dimensions":["0"]}}}'
+FIXTURE = FIXTURE.replace("GROUPS", "replica_groups=[2,4]<=[8], dimensions={0}")
 FIXTURE = FIXTURE.replace("TRIPS", '{"known_trip_count":{"n":"3"}}').replace("=GEMM", "=" + GEMM)
 MEMORY = {"argument": 1000, "output": 600, "alias": 500, "temp": 2_000_000_000}
 
@@ -75,16 +80,17 @@ def summary():
 
 def test_collectives_by_kind_and_dtype(summary):
     c = summary["collectives"]
-    assert c["all-gather"] == {"calls": 3, "bytes": 3 * 64 * 8 * 2, "by_dtype": {"bf16": 3072}}
+    gathered = 3 * 64 * 8 * 2 + 16 * 4 + 8 * 8 * 2  # the loop's, then the combined one's
+    assert c["all-gather"] == {"calls": 4, "bytes": gathered, "by_dtype": {"bf16": 3072 + 128, "f32": 64}}
     assert c["reduce-scatter"] == {"calls": 1, "bytes": 16 * 4, "by_dtype": {"f32": 64}}
     assert c["all-reduce"] == {"calls": 1, "bytes": 10 * 4, "by_dtype": {"f32": 40}}
-    assert summary["collective_bytes"] == 3072 + 64 + 40
+    assert summary["collective_bytes"] == gathered + 64 + 40
 
 
 def test_wire_bytes_follow_each_group_size(summary):
-    # all-gather over 4: 3/4 of 3072; reduce-scatter over 4: 3/4 of 64; all-reduce over 2:
-    # 2 x 1/2 of 40.
-    assert summary["wire_bytes"] == 2304 + 48 + 40
+    # all-gathers over 4: 3/4 of 3072 + 192; reduce-scatter over 4: 3/4 of 64; all-reduce over
+    # 2: 2 x 1/2 of 40.
+    assert summary["wire_bytes"] == 2448 + 48 + 40
 
 
 @pytest.mark.parametrize(
@@ -128,7 +134,7 @@ def test_table(summary):
         "matmul TFLOP",
     ]
     assert "| 2.00 GB (2.00) |" in rows["total memory (temp)"]
-    assert "3 calls, 3.07 KB bf16" in rows["all-gather"]
+    assert "4 calls, 3.26 KB (bf16 3.20 KB, f32 64 B)" in rows["all-gather"]
     assert "(f32 x f32: 0.0, 99%)" in rows["matmul TFLOP"]
 
 
