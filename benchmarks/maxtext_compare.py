@@ -38,8 +38,9 @@ none: exit code 2 with these instructions.
 MaxText's settings follow its GPU recipe (configs/gpu/models/llama3_8b.yml): cuDNN flash
 attention through jax (`cudnn_flash_jax`: the same `__cudnn$fmhaSoftmax` call jaxpar makes; its
 `cudnn_flash_te` needs Transformer Engine), `remat_policy=minimal_with_context`,
-`use_iota_embed=true`, scanned layers; the model is set to the Llama-3.2-1B shape jaxpar's
-configs/llama-1b.yaml has (MaxText 0.2.5 names no llama3.2-1b).
+`use_iota_embed=true`, scanned layers; the model's dimensions are jaxpar's config's, set one by
+one (`maxtext_model`; MaxText 0.2.5 names no llama3.2-1b), and its batch is jaxpar's divided over
+the devices (`per_device_batch_size`).
 """
 
 from __future__ import annotations
@@ -64,23 +65,34 @@ STEP_SCRIPT = Path(__file__).resolve().parent / "maxtext_step.py"
 TARGET = "h100:8"
 GB = 1e9
 
-# The Llama-3.2-1B shape (configs/llama-1b.yaml) in MaxText's settings, and its GPU recipe.
-MAXTEXT_MODEL = (
-    "decoder_block=llama2",
-    "base_emb_dim=2048",
-    "base_num_query_heads=32",
-    "base_num_kv_heads=8",
-    "head_dim=64",
-    "base_mlp_dim=8192",
-    "base_num_decoder_layers=16",
-    "vocab_size=128256",
-    "mlp_activations=[silu,linear]",
-    "logits_via_embedding=true",
-    "normalization_layer_epsilon=1e-5",
-    "rope_max_timescale=500000",
-    "enable_dropout=false",
-    "max_target_length=2048",
-)
+
+def maxtext_model(cfg) -> list[str]:
+    """jaxpar's model and sequence length (a Config with a Llama-shaped model: SwiGLU, RMSNorm,
+    plain rotary) as MaxText settings: the same dimensions, tied or untied head, norm epsilon and
+    rotary base. Only what configs/llama-1b.yaml uses is carried over; anything else is refused."""
+    m = cfg.model
+    plain = m.rope_scaling.type == "none" and m.mlp_activation == "silu" and not (m.qkv_bias or m.qk_norm)
+    if not plain or m.embed_scale or m.post_norms or m.sliding_window:
+        raise ValueError("maxtext_model carries over a plain Llama shape only")
+    return [
+        "decoder_block=llama2",
+        f"base_emb_dim={m.d_model}",
+        f"base_num_query_heads={m.n_heads}",
+        f"base_num_kv_heads={m.n_kv_heads}",
+        f"head_dim={m.head_dim or m.d_model // m.n_heads}",
+        f"base_mlp_dim={m.d_ff}",
+        f"base_num_decoder_layers={m.n_layers}",
+        f"vocab_size={m.vocab_size}",
+        "mlp_activations=[silu,linear]",
+        f"logits_via_embedding={str(m.tie_embeddings).lower()}",
+        f"normalization_layer_epsilon={m.norm_eps}",
+        f"rope_max_timescale={int(m.rope_theta)}",
+        "enable_dropout=false",
+        f"max_target_length={cfg.train.seq_len}",
+    ]
+
+
+# MaxText's GPU recipe (see the module docstring).
 MAXTEXT_RECIPE = (
     "hardware=gpu",
     "attention=cudnn_flash_jax",
@@ -98,7 +110,7 @@ JAXPAR_MESH = ("mesh.pipe=1", "mesh.data=1", "mesh.expert=1", "mesh.context=1")
 class Workload:
     description: str
     jaxpar: tuple[str, ...]  # config file, then overrides
-    maxtext: tuple[str, ...]  # pyconfig settings beyond MAXTEXT_MODEL and MAXTEXT_RECIPE
+    maxtext: tuple[str, ...]  # pyconfig settings beyond maxtext_model's and MAXTEXT_RECIPE
 
 
 WORKLOADS = {
@@ -119,7 +131,6 @@ WORKLOADS = {
     ),
 }
 JAXPAR_WORK = ("train.batch_size=32", "train.seq_len=2048")
-MAXTEXT_WORK = ("per_device_batch_size=4",)  # x 8 devices = 32 sequences of 2048
 
 # --- Counting ---------------------------------------------------------------------------------
 
@@ -380,27 +391,25 @@ def _xla_flags() -> str:
     return flags
 
 
-def compile_maxtext(python: str, workload: Workload, spec: str, folder: Path) -> tuple[str, dict]:
-    """(HLO text, memory analysis) of MaxText's step, compiled by `python` (maxtext_step.py)."""
-    (folder / "h100.spec").write_text(spec)
-    settings = [*MAXTEXT_MODEL, *MAXTEXT_RECIPE, *MAXTEXT_WORK, *workload.maxtext]
-    settings.append(f"base_output_directory={folder / 'maxtext_output'}")
+def compile_maxtext(python: str, settings: list[str], target, folder: Path) -> tuple[str, dict]:
+    """(HLO text, memory analysis) of MaxText's step with these pyconfig `settings` for
+    `target`'s devices, compiled by `python` running maxtext_step.py."""
+    (folder / "target.spec").write_text(target.spec)
+    settings = [*settings, f"base_output_directory={folder / 'maxtext_output'}"]
     env = {**os.environ, "XLA_FLAGS": _xla_flags()}
-    command = [python, str(STEP_SCRIPT), str(folder / "h100.spec"), "8", str(folder / "maxtext"), *settings]
+    out = folder / "maxtext"
+    command = [python, str(STEP_SCRIPT), str(folder / "target.spec"), str(target.count), str(out), *settings]
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"MaxText's compile failed ({' '.join(command)}):\n{done.stderr[-4000:]}")
-    out = folder / "maxtext"
     return (out / "hlo.txt").read_text(), json.loads((out / "memory.json").read_text())
 
 
-def compile_jaxpar(workload: Workload, target) -> tuple[str, dict]:
+def compile_jaxpar(cfg, sizes: dict[str, int], target) -> tuple[str, dict]:
     """(HLO text, memory analysis) of jaxpar's step for `target`'s devices, as inspect compiles it."""
     from jaxpar import targets as targets_lib
-    from jaxpar.startup import load_and_validate
     from jaxpar.trainer import build_trainer, compile_step
 
-    cfg, sizes = load_and_validate([*workload.jaxpar, *JAXPAR_WORK], num_devices=target.count)
     compiled = compile_step(build_trainer(cfg, sizes, devices=targets_lib.devices(target)))
     mem = compiled.memory_analysis()
     memory = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
@@ -418,14 +427,24 @@ def _commit() -> str:
 def compare(name: str, python: str) -> dict:
     """Both programs of workload `name`, compiled (MaxText's first, then jaxpar's) and counted."""
     from jaxpar import targets as targets_lib
+    from jaxpar.startup import load_and_validate
 
     os.environ["XLA_FLAGS"] = _xla_flags()  # before this process's backend starts
     target = targets_lib.resolve(TARGET)
     targets_lib.use_cpu_backend()
     workload = WORKLOADS[name]
+    cfg, sizes = load_and_validate([*workload.jaxpar, *JAXPAR_WORK], num_devices=target.count)
+    per_device, left = divmod(cfg.train.batch_size, target.count)
+    assert per_device and not left, "the workloads' batches divide over the devices"
+    maxtext_settings = [
+        *maxtext_model(cfg),
+        *MAXTEXT_RECIPE,
+        f"per_device_batch_size={per_device}",
+        *workload.maxtext,
+    ]
     with tempfile.TemporaryDirectory(prefix="maxtext_compare-") as folder:
-        maxtext = compile_maxtext(python, workload, target.spec, Path(folder))
-    jaxpar = compile_jaxpar(workload, target)
+        maxtext = compile_maxtext(python, maxtext_settings, target, Path(folder))
+    jaxpar = compile_jaxpar(cfg, sizes, target)
     import jax
 
     return {
@@ -438,7 +457,7 @@ def compare(name: str, python: str) -> dict:
         "xla_flags": os.environ["XLA_FLAGS"],
         "settings": {
             "jaxpar": [*workload.jaxpar, *JAXPAR_WORK],
-            "maxtext": [*MAXTEXT_MODEL, *MAXTEXT_RECIPE, *MAXTEXT_WORK, *workload.maxtext],
+            "maxtext": maxtext_settings,
         },
         "summary": {
             "jaxpar": program_summary(*jaxpar, target.count),

@@ -153,3 +153,18 @@ def test_without_maxtext_it_exits_2_with_the_install_hint():
     assert "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "maxtext==0.2.5" in lines[0] and sys.executable in lines[0], done.stderr
+
+
+def test_maxtext_gets_jaxpars_model_dimensions():
+    from jaxpar.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, "configs", "llama-1b.yaml"), ["train.seq_len=1024"])
+    settings = dict(s.split("=", 1) for s in mc.maxtext_model(cfg))
+    assert settings["base_emb_dim"] == "2048" and settings["head_dim"] == "64"
+    assert (settings["base_num_query_heads"], settings["base_num_kv_heads"]) == ("32", "8")
+    assert (settings["base_mlp_dim"], settings["base_num_decoder_layers"]) == ("8192", "16")
+    assert (settings["vocab_size"], settings["logits_via_embedding"]) == ("128256", "true")
+    assert (settings["rope_max_timescale"], settings["max_target_length"]) == ("500000", "1024")
+    gemma_like = load_config(os.path.join(ROOT, "configs", "llama-1b.yaml"), ["model.embed_scale=true"])
+    with pytest.raises(ValueError, match="plain Llama"):
+        mc.maxtext_model(gemma_like)
