@@ -168,3 +168,17 @@ def test_maxtext_gets_jaxpars_model_dimensions():
     gemma_like = load_config(os.path.join(ROOT, "configs", "llama-1b.yaml"), ["model.embed_scale=true"])
     with pytest.raises(ValueError, match="plain Llama"):
         mc.maxtext_model(gemma_like)
+
+
+def test_the_maxtext_side_imports_nothing_until_asked():
+    """benchmarks/maxtext_step.py runs under MaxText's Python, where jaxpar is not installed: with
+    bad arguments it prints its usage and exits 2 before importing jax, maxtext or jaxpar."""
+    code = (
+        "import runpy, sys\nsys.argv = ['maxtext_step.py']\n"
+        "try:\n    runpy.run_path('benchmarks/maxtext_step.py', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print(e.code, sorted(m for m in ('jax', 'maxtext', 'jaxpar') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "[]"], done.stdout + done.stderr
+    assert "SPEC_FILE DEVICES OUT_DIR" in done.stderr
