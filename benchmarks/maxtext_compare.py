@@ -417,9 +417,12 @@ def compile_jaxpar(cfg, sizes: dict[str, int], target) -> tuple[str, dict]:
 
 
 def _commit() -> str:
+    """The checkout's commit, "+dirty" where a tracked file other than a result differs from it."""
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results"],
+        cwd=ROOT,
+        capture_output=True,
     )
     return done.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
