@@ -109,6 +109,7 @@ FILE_SECONDS = {
     "test_export_tokenizer.py": 20,
     "test_hub.py": 12,
     "test_hlo.py": 20,
+    "test_maxtext_compare.py": 5,
     "test_house.py": 1,
 }
 
