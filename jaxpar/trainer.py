@@ -85,7 +85,11 @@ class Trainer:
 
 def _new_model(cfg: Config, context_layout: str | None) -> Transformer:
     return Transformer(
-        cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat, context_layout=context_layout
+        cfg.model,
+        rngs=nnx.Rngs(cfg.train.seed),
+        remat=cfg.parallel.remat,
+        context_layout=context_layout,
+        grad_dtype=cfg.parallel.grad_reduce_dtype,
     )
 
 
@@ -223,7 +227,10 @@ class StepParts:
     cfg: Config
     layout: sharding_lib.Layout
     optimizer: optax.GradientTransformation
-    grad_shardings: Any
+    # Where the summed gradients are reduced to: the optimizer state's layout, so that ZeRO-1
+    # reduce-scatters them to each device's optimizer shard as ZeRO-2/3 do (an all-reduce of
+    # whole gradients, then slicing, moved twice the bytes), and ZeRO-0 all-reduces them.
+    reduce_shardings: Any
     summed_grads: Callable  # `summed_grads_fn`
     summed_nll: Callable  # `summed_nll_fn`
 
@@ -239,8 +246,8 @@ def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, 
         grads, aux = parts.summed_grads(state["params"], batch)
     count = jnp.maximum(aux["count"], 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
-    # ZeRO-2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
-    grads = jax.lax.with_sharding_constraint(grads, parts.grad_shardings)
+    # ZeRO-1/2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
+    grads = jax.lax.with_sharding_constraint(grads, parts.reduce_shardings)
     updates, opt_state = parts.optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {
@@ -327,7 +334,8 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
 
     summed_grads = summed_grads_fn(cfg, layout, abstract_model)
     summed_nll = summed_nll_fn(cfg, layout, abstract_model, summed_grads)
-    parts = StepParts(cfg, layout, optimizer, shardings["grads"], summed_grads, summed_nll)
+    reduce_shardings = layout.shardings(logical, "opt_state")
+    parts = StepParts(cfg, layout, optimizer, reduce_shardings, summed_grads, summed_nll)
 
     def step(state, batch):
         return train_step(parts, state, batch)[:2]
