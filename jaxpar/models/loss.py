@@ -13,10 +13,10 @@ vocab] instead of [batch, seq, vocab]. The price is one more head matmul per tok
 The output weight is the other large thing here. The loss casts it to the model dtype and
 gathers it whole (over the data-like axes, under ZeRO-3) once per step, before the chunk loop;
 its gradient is summed over the pieces in float32 on each device and reduced across devices
-once, after the loop, in parallel.grad_reduce_dtype. Left to autodiff through a checkpointed scan, every piece gathered the
-weight forward, again to recompute and again backward, and reduce-scattered a whole float32
-weight gradient (16 chunks of Llama-3.2-1B on 8 H100s: 48 gathers and 16 reduce-scatters of
-the 128256 x 2048 weight per step).
+once, after the loop, in parallel.grad_reduce_dtype. Left to autodiff through a checkpointed
+scan, every piece gathered the weight forward, again to recompute and again backward, and
+reduce-scattered a whole float32 weight gradient (16 chunks of Llama-3.2-1B on 8 H100s: 48
+gathers and 16 reduce-scatters of the 128256 x 2048 weight per step).
 """
 
 from __future__ import annotations
