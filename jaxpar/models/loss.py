@@ -219,11 +219,18 @@ def _summed_nll_bwd(dtype, chunks, parts, grad_dtype, residuals, g):
     d_h = _unstrided(d_h)
     if _typed_mesh(h) is not None:  # a type that carries a sharding must come back as it came
         d_h = jax.sharding.reshard(d_h, jax.typeof(h).sharding)
-    # lax.reduce, not jnp.sum: jnp.sum adds bfloat16 in float32 and rounds after, which would
-    # make the cross-device sum (this reduction, partitioned) a float32 one.
-    zero = jnp.zeros((), grad_dtype)
-    d_weight = jax.lax.reduce(grad_parts.astype(grad_dtype), zero, jax.lax.add, (0, 1))
-    d_weight = d_weight.astype(weight_zero.dtype)
+    # The sum over parts as a contraction with ones that writes `grad_dtype`, so that the
+    # cross-device sum it becomes moves that dtype. Not jnp.sum: it adds bfloat16 in float32
+    # and rounds after (a float32 reduce-scatter); nor a bfloat16 lax.reduce, which stopped
+    # XLA:CPU's compiler with a failed check in a pipelined layout (jax 0.12.0.1).
+    ones = jnp.ones(parts, grad_dtype)
+    d_weight = jnp.einsum(
+        "mnev,mn->ev",
+        grad_parts.astype(grad_dtype),
+        ones,
+        preferred_element_type=grad_dtype,
+        **_typed_out(h, P(*jax.typeof(grad_parts).sharding.spec[2:])),
+    ).astype(weight_zero.dtype)
     # The layers' backward (which takes d_h) waits for the weight gradient's reduction: left to
     # itself, XLA:GPU's scheduler reduced it after them, keeping the float32 partial sums alive
     # through the whole backward (1B, 8 H100s: temp 9.34 GB without the two barriers, 8.42 with).
