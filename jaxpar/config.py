@@ -56,6 +56,7 @@ Remat = Literal["none", "dots", "full"]
 ContextLayout = Literal["zigzag", "contiguous"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb"]
 ZeroStage = Literal[0, 1, 2, 3]
+GradReduceDtype = Literal["float32", "bfloat16"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 DataErrors = Literal["strict", "replace", "skip"]
 TrainOn = Literal["assistant", "all"]
@@ -172,6 +173,12 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard activations between blocks along seq over tensor
     remat: Remat = "none"  # none | dots | full: what each block keeps for the backward pass
     grad_accum: int = 1  # microsteps per optimizer step (the global batch is split into these)
+    # The dtype the weight gradients leave their GEMMs in, so the dtype of their reduce-scatter /
+    # all-reduce across devices (bfloat16: half the bytes, each device's partial sum rounded;
+    # float32: exact sums). Summed over microsteps and applied in float32 either way.
+    grad_reduce_dtype: GradReduceDtype = (
+        "bfloat16"  # bfloat16 | float32: the dtype of the gradient reductions (see above)
+    )
     context_layout: ContextLayout = "zigzag"  # ring attention's sequence cut; zigzag evens causal work
     pipeline_schedule: PipelineSchedule = "1f1b"  # gpipe | 1f1b | interleaved | zb (when mesh.pipe > 1)
     microbatches: int = 4  # pipeline microbatches per step (when mesh.pipe > 1)

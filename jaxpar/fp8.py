@@ -100,10 +100,11 @@ def _dot(spec, a, b, scale, out_dtype):
     return out * scale.astype(out_dtype)
 
 
-def fp8_einsum(spec: str, x, w, amax_axes: tuple[str, ...] = (), out_dtype=None):
+def fp8_einsum(spec: str, x, w, amax_axes: tuple[str, ...] = (), out_dtype=None, grad_dtype=None):
     """jnp.einsum(spec, x, w) in float8 (module docstring); the result in `out_dtype` (None:
-    x's dtype), the gradients in x's and w's dtypes. Two operands; every index in two or three
-    of x, w and the output (three: a batch index). `amax_axes`: see `scale_of`."""
+    x's dtype), the gradients in x's and w's dtypes, w's written by its GEMM in `grad_dtype`
+    (None: w's dtype; see `einsum`) and cast. Two operands; every index in two or three of x, w
+    and the output (three: a batch index). `amax_axes`: see `scale_of`."""
     # Inside a shard_map, an operand that is the same on every device of an axis the other
     # varies along (a weight, along the token axes) is marked varying there first, as jnp.einsum
     # does implicitly: JAX then transposes that mark into the psum of its gradient's pieces.
@@ -112,15 +113,16 @@ def fp8_einsum(spec: str, x, w, amax_axes: tuple[str, ...] = (), out_dtype=None)
         jax.lax.pcast(a, tuple(sorted(both - _varying(a))), to="varying") if both - _varying(a) else a
         for a in (x, w)
     )
-    return _fp8_einsum(spec, x, w, tuple(amax_axes), out_dtype)
+    grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
+    return _fp8_einsum(spec, x, w, tuple(amax_axes), out_dtype, grad_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def _fp8_einsum(spec, x, w, amax_axes, out_dtype):
-    return _fp8_forward(spec, x, w, amax_axes, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4, 5))
+def _fp8_einsum(spec, x, w, amax_axes, out_dtype, grad_dtype):
+    return _fp8_forward(spec, x, w, amax_axes, out_dtype, grad_dtype)[0]
 
 
-def _fp8_forward(spec, x, w, amax_axes, out_dtype):
+def _fp8_forward(spec, x, w, amax_axes, out_dtype, grad_dtype):
     _spec_parts(spec)
     sx, sw = scale_of(x, E4M3, amax_axes), scale_of(w, E4M3, amax_axes)
     qx, qw = quantize(x, E4M3, sx), quantize(w, E4M3, sw)
@@ -128,14 +130,14 @@ def _fp8_forward(spec, x, w, amax_axes, out_dtype):
     return out, (qx, qw, sx, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _fp8_backward(spec, amax_axes, out_dtype, residuals, g):
+def _fp8_backward(spec, amax_axes, out_dtype, grad_dtype, residuals, g):
     qx, qw, sx, sw, x_like, w_like = residuals
     x_spec, w_spec, out_spec = _spec_parts(spec)
     sg = scale_of(g, E5M2, amax_axes)
     qg = quantize(g, E5M2, sg)
     dx = _dot(f"{out_spec},{w_spec}->{x_spec}", qg, qw, sg * sw, x_like.dtype)
-    dw = _dot(f"{x_spec},{out_spec}->{w_spec}", qx, qg, sx * sg, w_like.dtype)
-    return dx, dw
+    dw = _dot(f"{x_spec},{out_spec}->{w_spec}", qx, qg, sx * sg, grad_dtype or w_like.dtype)
+    return dx, dw.astype(w_like.dtype)
 
 
 _fp8_einsum.defvjp(_fp8_forward, _fp8_backward)
@@ -170,9 +172,39 @@ def check_device(device) -> None:
     )
 
 
-def einsum(spec: str, x, w, *, fp8: bool, dtype, amax_axes: tuple[str, ...] = ()):
+def einsum(spec: str, x, w, *, fp8: bool, dtype, amax_axes: tuple[str, ...] = (), grad_dtype=None):
     """The block matmuls' einsum: w cast to `dtype` and `jnp.einsum`, or with `fp8` the float8
-    GEMM of x and w (w quantized straight from its float32 master copy)."""
+    GEMM of x and w (w quantized straight from its float32 master copy).
+
+    `grad_dtype` (parallel.grad_reduce_dtype; None: `dtype`, as autodiff gives it): the dtype the
+    weight-gradient GEMM writes, accumulating in float32 inside. Where the weight is split or
+    replicated over devices that split the tokens, each device's gradient is a partial sum and
+    XLA reduces it across them (a reduce-scatter or an all-reduce) in the dtype the GEMM wrote:
+    this picks the reduction's dtype. It is cast to w's dtype after."""
     if fp8:
-        return fp8_einsum(spec, x, w, tuple(amax_axes))
+        return fp8_einsum(spec, x, w, tuple(amax_axes), grad_dtype=grad_dtype)
+    if grad_dtype is None or jnp.dtype(grad_dtype) == jnp.dtype(dtype):
+        return jnp.einsum(spec, x, w.astype(dtype))
+    return _einsum_wgrad_in(spec, jnp.dtype(dtype), jnp.dtype(grad_dtype), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _einsum_wgrad_in(spec, dtype, grad_dtype, x, w):
     return jnp.einsum(spec, x, w.astype(dtype))
+
+
+def _wgrad_forward(spec, dtype, grad_dtype, x, w):
+    # The residuals autodiff of the cast and the einsum would keep: x and the cast weight.
+    w_cast = w.astype(dtype)
+    return jnp.einsum(spec, x, w_cast), (x, w_cast, jnp.zeros((0,), w.dtype))
+
+
+def _wgrad_backward(spec, dtype, grad_dtype, residuals, g):
+    x, w_cast, w_like = residuals
+    x_spec, w_spec, out_spec = _spec_parts(spec)
+    dx = jnp.einsum(f"{out_spec},{w_spec}->{x_spec}", g, w_cast, preferred_element_type=x.dtype)
+    dw = jnp.einsum(f"{x_spec},{out_spec}->{w_spec}", x, g, preferred_element_type=grad_dtype)
+    return dx, dw.astype(w_like.dtype)
+
+
+_einsum_wgrad_in.defvjp(_wgrad_forward, _wgrad_backward)

@@ -9,9 +9,14 @@ between two tables for the three kinds of training state:
 | stage | params      | grads       | optimizer state |
 | ----- | ----------- | ----------- | --------------- |
 | 0     | replicated  | all-reduced | replicated      |
-| 1     | replicated  | all-reduced | sharded (fsdp)  |
+| 1     | replicated  | replicated (reduce-scattered to the optimizer shards, see below) | sharded (fsdp) |
 | 2     | replicated  | reduce-scattered (sharded) | sharded |
 | 3     | sharded     | reduce-scattered (sharded) | sharded |
+
+The step reduces the gradients to the optimizer state's layout at every stage
+(`jaxpar.trainer.StepParts.reduce_shardings`), so ZeRO-1 reduce-scatters them as ZeRO-2 does and
+its compiled program is ZeRO-2's: nothing in it keeps a whole gradient. The `grads` rules still
+say where the gradients the step can return (`Trainer.step_with_grads`) live.
 
 "Replicated" means: not split over `data`/`fsdp`; tensor parallelism (`heads`, `mlp`, `vocab`
 over `tensor`) applies at every stage. On XLA:CPU a "reduce-scatter" is compiled as an

@@ -22,11 +22,12 @@ def swiglu(x, gate, up, down, *, project_in, project_out, activation: str = "sil
     return project_out(act(project_in(x, gate)) * project_in(x, up), down)
 
 
-def block_swiglu(x, gate, up, down, *, fp8: bool, dtype, activation: str = "silu"):
+def block_swiglu(x, gate, up, down, *, fp8: bool, dtype, activation: str = "silu", grad_dtype=None):
     """A block's dense SwiGLU (the MLP, the shared experts): x [batch, seq, embed], gate and up
     [embed, mlp], down [mlp, embed], with the block matmuls (`jaxpar.fp8.einsum`: model.dtype
-    or float8) and the hidden [batch, seq, mlp] pinned by its logical names."""
-    matmul = functools.partial(block_einsum, fp8=fp8, dtype=dtype)
+    or float8; the weight gradients written in `grad_dtype`) and the hidden [batch, seq, mlp]
+    pinned by its logical names."""
+    matmul = functools.partial(block_einsum, fp8=fp8, dtype=dtype, grad_dtype=grad_dtype)
 
     def project_out(hidden, w):
         return matmul("bsf,fe->bse", constrain(hidden, ("batch", "seq", "mlp")), w)

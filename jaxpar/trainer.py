@@ -90,7 +90,11 @@ class Trainer:
 
 def _new_model(cfg: Config, context_layout: str | None) -> Transformer:
     model = Transformer(
-        cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.parallel.remat, context_layout=context_layout
+        cfg.model,
+        rngs=nnx.Rngs(cfg.train.seed),
+        remat=cfg.parallel.remat,
+        context_layout=context_layout,
+        grad_dtype=cfg.parallel.grad_reduce_dtype,
     )
     if lora_lib.enabled(cfg.finetune.lora):
         lora_lib.add_lora(model, cfg.finetune.lora, cfg.train.seed)
@@ -254,7 +258,10 @@ class StepParts:
     cfg: Config
     layout: sharding_lib.Layout
     optimizer: optax.GradientTransformation
-    grad_shardings: Any
+    # Where the summed gradients are reduced to: the optimizer state's layout, so that ZeRO-1
+    # reduce-scatters them to each device's optimizer shard as ZeRO-2/3 do (an all-reduce of
+    # whole gradients, then slicing, moved twice the bytes), and ZeRO-0 all-reduces them.
+    reduce_shardings: Any
     summed_grads: Callable  # `summed_grads_fn`
     summed_nll: Callable  # `summed_nll_fn`
     trainable: lora_lib.Trainable | None = None  # finetune.lora: the adapters train, the rest is frozen
@@ -286,8 +293,8 @@ def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, 
         grads, aux = parts.summed_grads(state["params"], batch)
     count = jnp.maximum(aux["count"], 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)
-    # ZeRO-2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
-    grads = jax.lax.with_sharding_constraint(grads, parts.grad_shardings)
+    # ZeRO-1/2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
+    grads = jax.lax.with_sharding_constraint(grads, parts.reduce_shardings)
     train, frozen = parts.split(state["params"])  # LoRA: the adapters, and the frozen weights
     updates, opt_state = parts.optimizer.update(grads, state["opt_state"], train)
     params = parts.join(optax.apply_updates(train, updates), frozen)
@@ -341,6 +348,8 @@ def _state_layout(layout: sharding_lib.Layout, optimizer, param_shape, logical, 
     optimizer state exist for that part only."""
     shardings = {kind: layout.shardings(logical, kind) for kind in ("params", "grads")}
     shardings["grads"] = split(shardings["grads"])
+    # Where the summed gradients are reduced to (`StepParts.reduce_shardings`).
+    shardings["reduce"] = split(layout.shardings(logical, "opt_state"))
     opt_shape = jax.eval_shape(optimizer.init, split(param_shape))
     opt_shardings = sharding_lib.opt_state_shardings(
         opt_shape, logical, layout.mesh, layout.rules["opt_state"]
@@ -395,7 +404,7 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
 
     summed_grads = summed_grads_fn(cfg, layout, abstract_model, trainable)
     summed_nll = summed_nll_fn(cfg, layout, abstract_model, summed_grads)
-    parts = StepParts(cfg, layout, optimizer, shardings["grads"], summed_grads, summed_nll, trainable)
+    parts = StepParts(cfg, layout, optimizer, shardings["reduce"], summed_grads, summed_nll, trainable)
 
     def step(state, batch):
         return train_step(parts, state, batch)[:2]

@@ -370,6 +370,10 @@ def test_default_mesh_fits_any_device_count(devices, expected):
         ),
         (("parallel.remat=sometimes",), ("parallel.remat='sometimes'", "none, dots, full")),
         (("parallel.zero_stage=4",), ("parallel.zero_stage=4", "0, 1, 2, 3")),
+        (
+            ("parallel.grad_reduce_dtype=float16",),
+            ("parallel.grad_reduce_dtype='float16'", "float32, bfloat16"),
+        ),
         (("train.steps=0",), ("train.steps=0", "at least 1")),
         (
             ("model.sliding_window=8", "model.global_every=4", "mesh.pipe=2", "mesh.data=1"),
@@ -388,6 +392,7 @@ def test_default_mesh_fits_any_device_count(devices, expected):
         "odd-head-dim",
         "remat",
         "zero-stage",
+        "grad-reduce-dtype",
         "steps",
         "window-pipeline",
         "window-size",

@@ -198,9 +198,16 @@ class Attention(nnx.Module):
     """GQA attention with RoPE. `context_layout` (zigzag | contiguous) makes it ring attention
     over the mesh's `context` axis, on sequences already in that layout; None: ordinary."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rngs: nnx.Rngs,
+        context_layout: str | None = None,
+        grad_dtype: str | None = None,
+    ):
         self.cfg = cfg
         self.context_layout = context_layout
+        self.grad_dtype = grad_dtype  # the weight gradients' dtype (`jaxpar.fp8.einsum`)
         e, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_width
         self.wq = _param(rngs, (e, n, h), ("embed", "heads", "head_dim"), cfg)
         self.wk = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
@@ -223,7 +230,7 @@ class Attention(nnx.Module):
         `sliding` (a traced bool, with model.sliding_window): this layer attends to the window
         only, with the sliding layers' rotary base."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
-        matmul = functools.partial(block_einsum, fp8=cfg.fp8, dtype=dtype)
+        matmul = functools.partial(block_einsum, fp8=cfg.fp8, dtype=dtype, grad_dtype=self.grad_dtype)
         project = functools.partial(lora_lib.project, self, matmul=matmul)  # + LoRA adapters, if any
         q = project("wq", spec="bse,enh->bsnh", x=x)
         k = project("wk", spec="bse,ekh->bskh", x=x)
@@ -295,8 +302,11 @@ def rotate(cfg: ModelConfig, x, positions, sliding=None):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up)), or GeGLU with model.mlp_activation (`jaxpar.swiglu`)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None):
+    def __init__(
+        self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None, grad_dtype: str | None = None
+    ):
         self.cfg = cfg
+        self.grad_dtype = grad_dtype  # the weight gradients' dtype (`jaxpar.fp8.einsum`)
         e, f = cfg.d_model, d_ff or cfg.d_ff
         self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), cfg)
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg)
@@ -304,7 +314,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x):  # [batch, seq, embed]
         if lora_lib.has_adapters(self):
-            matmul = functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=jnp.dtype(self.cfg.dtype))
+            matmul = functools.partial(
+                block_einsum, fp8=self.cfg.fp8, dtype=jnp.dtype(self.cfg.dtype), grad_dtype=self.grad_dtype
+            )
             return lora_lib.adapted_swiglu(self, x, matmul)
         return block_swiglu(
             x,
@@ -314,6 +326,7 @@ class MLP(nnx.Module):
             fp8=self.cfg.fp8,
             dtype=jnp.dtype(self.cfg.dtype),
             activation=self.cfg.mlp_activation,
+            grad_dtype=self.grad_dtype,
         )
 
 
@@ -323,12 +336,17 @@ class Block(nnx.Module):
     they join the residual stream."""
 
     def __init__(
-        self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False, context_layout: str | None = None
+        self,
+        cfg: ModelConfig,
+        rngs: nnx.Rngs,
+        moe: bool = False,
+        context_layout: str | None = None,
+        grad_dtype: str | None = None,
     ):
         self.attn_norm = RMSNorm(cfg)
-        self.attn = Attention(cfg, rngs, context_layout)
+        self.attn = Attention(cfg, rngs, context_layout, grad_dtype)
         self.mlp_norm = RMSNorm(cfg)
-        self.mlp = MoEMLP(cfg, rngs) if moe else MLP(cfg, rngs)
+        self.mlp = MoEMLP(cfg, rngs, grad_dtype) if moe else MLP(cfg, rngs, grad_dtype=grad_dtype)
         if cfg.post_norms:
             self.post_attn_norm = RMSNorm(cfg)
             self.post_mlp_norm = RMSNorm(cfg)
@@ -353,10 +371,16 @@ class BlockGroup(nnx.Module):
     """`model.moe.every` blocks, the last with an MoE MLP: the unit the layer scan repeats when
     MoE layers are interleaved with dense ones."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rngs: nnx.Rngs,
+        context_layout: str | None = None,
+        grad_dtype: str | None = None,
+    ):
         every = cfg.moe.every
         self.blocks = nnx.List(
-            [Block(cfg, rngs, moe=i == every - 1, context_layout=context_layout) for i in range(every)]
+            [Block(cfg, rngs, i == every - 1, context_layout, grad_dtype) for i in range(every)]
         )
 
     def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
@@ -378,13 +402,13 @@ class BlockGroup(nnx.Module):
         return x, KVCache(jnp.stack(keys), jnp.stack(values), layer.length)
 
 
-def scan_unit(cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None) -> nnx.Module:
+def scan_unit(
+    cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None, grad_dtype: str | None = None
+) -> nnx.Module:
     """What one step of the layer scan applies: a block, or a group with one MoE block."""
-    if cfg.moe.num_experts == 0:
-        return Block(cfg, rngs, context_layout=context_layout)
-    if cfg.moe.every == 1:
-        return Block(cfg, rngs, moe=True, context_layout=context_layout)
-    return BlockGroup(cfg, rngs, context_layout)
+    if cfg.moe.num_experts == 0 or cfg.moe.every == 1:
+        return Block(cfg, rngs, cfg.moe.num_experts > 0, context_layout, grad_dtype)
+    return BlockGroup(cfg, rngs, context_layout, grad_dtype)
 
 
 def scan_length(cfg: ModelConfig) -> int:
@@ -441,6 +465,41 @@ def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache, sli
     return x, KVCache(k.reshape(cache.k.shape), v.reshape(cache.v.shape), cache.length + x.shape[1])
 
 
+def lookup(embedding, tokens, dtype, grad_dtype=None):
+    """The rows of `embedding` [V, E] (the float32 parameter) for int `tokens`, in `dtype`. The
+    table is cast and gathered whole over its embed dim first (a no-op below ZeRO-3).
+
+    The gradient, the rows' gradients added up per token id, is added up in `grad_dtype` (None:
+    `dtype`) and cast to the parameter's. Its layout is left to the partitioner: where the
+    gradient is split over its embed dim (ZeRO-1 to 3 over fsdp), GSPMD sends each device's
+    token rows to the devices owning their columns (one all-to-all of [tokens, E] per step:
+    34 MB on 8 H100s for Llama-3.2-1B at 32 x 2048) and each adds up its own columns, where
+    pinning it whole made every device build a whole [V, E] table and reduce-scatter it
+    (525 MB)."""
+    return _lookup(embedding, tokens, jnp.dtype(dtype), jnp.dtype(grad_dtype or dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _lookup(embedding, tokens, dtype, grad_dtype):
+    return constrain(embedding.astype(dtype), ("vocab", None))[tokens]
+
+
+def _lookup_fwd(embedding, tokens, dtype, grad_dtype):
+    # The table's shape and dtype ride along as an empty [V, 0] array.
+    like = jnp.zeros((embedding.shape[0], 0), embedding.dtype)
+    return _lookup(embedding, tokens, dtype, grad_dtype), (tokens, like)
+
+
+def _lookup_bwd(dtype, grad_dtype, residuals, g):
+    tokens, like = residuals
+    table = jnp.zeros((like.shape[0], g.shape[-1]), grad_dtype)
+    grad = table.at[tokens].add(g.astype(grad_dtype))
+    return grad.astype(like.dtype), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
 def logits_from(final_norm: RMSNorm, weight, x, dtype):
     """Final norm and output projection: [batch, seq, embed] -> float32 [batch, seq, vocab]."""
     logits = final_norm(x) @ weight.astype(dtype)
@@ -453,16 +512,25 @@ class Transformer(nnx.Module):
     `context` axis on inputs already in that layout (the trainer permutes the batch once)."""
 
     def __init__(
-        self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat: str = "none", context_layout: str | None = None
+        self,
+        cfg: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        remat: str = "none",
+        context_layout: str | None = None,
+        grad_dtype: str | None = None,
     ):
         self.cfg = cfg
         self.remat = remat
+        # parallel.grad_reduce_dtype: the dtype the weight gradients are written, and so reduced
+        # across devices, in (None: as autodiff gives them: model.dtype, the head's float32).
+        self.grad_dtype = grad_dtype
         self.embedding = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
 
         @nnx.split_rngs(splits=scan_length(cfg))
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs):
-            return scan_unit(cfg, rngs, context_layout)
+            return scan_unit(cfg, rngs, context_layout, grad_dtype)
 
         self.blocks = stacked_blocks(rngs)  # every parameter has a leading [layers] axis
         self.final_norm = RMSNorm(cfg)
@@ -471,8 +539,7 @@ class Transformer(nnx.Module):
 
     def embed(self, tokens):  # [batch, seq] -> [batch, seq, embed]
         # The lookup reads whole rows: gather the table's embed dim first (a no-op below ZeRO-3).
-        table = constrain(self.embedding[...].astype(jnp.dtype(self.cfg.dtype)), ("vocab", None))
-        x = table[tokens]
+        x = lookup(self.embedding[...], tokens, jnp.dtype(self.cfg.dtype), self.grad_dtype)
         if self.cfg.embed_scale:  # Gemma: x sqrt(d_model), rounded to the activations' dtype
             x = x * jnp.asarray(self.cfg.d_model**0.5, x.dtype)
         return constrain(x, ("batch", "act_seq", "embed"))
@@ -508,7 +575,13 @@ class Transformer(nnx.Module):
         norm = nnx.merge(nnx.graphdef(self.final_norm), head_params["final_norm"])
         weight = head_params["embedding"].T if self.cfg.tie_embeddings else head_params["lm_head"]
         return chunked_cross_entropy(
-            norm(h), weight, targets, loss_mask, dtype=jnp.dtype(self.cfg.dtype), chunks=chunks
+            norm(h),
+            weight,
+            targets,
+            loss_mask,
+            dtype=jnp.dtype(self.cfg.dtype),
+            chunks=chunks,
+            grad_dtype=self.grad_dtype,
         )
 
     def loss(self, batch: dict, *, chunks: int):

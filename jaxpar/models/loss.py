@@ -13,10 +13,10 @@ vocab] instead of [batch, seq, vocab]. The price is one more head matmul per tok
 The output weight is the other large thing here. The loss casts it to the model dtype and
 gathers it whole (over the data-like axes, under ZeRO-3) once per step, before the chunk loop;
 its gradient is summed over the pieces in float32 on each device and reduced across devices
-once, after the loop. Left to autodiff through a checkpointed scan, every piece gathered the
-weight forward, again to recompute and again backward, and reduce-scattered a whole float32
-weight gradient (16 chunks of Llama-3.2-1B on 8 H100s: 48 gathers and 16 reduce-scatters of
-the 128256 x 2048 weight per step).
+once, after the loop, in parallel.grad_reduce_dtype. Left to autodiff through a checkpointed
+scan, every piece gathered the weight forward, again to recompute and again backward, and
+reduce-scattered a whole float32 weight gradient (16 chunks of Llama-3.2-1B on 8 H100s: 48
+gathers and 16 reduce-scatters of the 128256 x 2048 weight per step).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _unstrided(x):
     return jnp.moveaxis(x, 0, 2).reshape(batch, rows * chunks, *x.shape[3:])
 
 
-def chunked_cross_entropy(h, weight, targets, mask, *, dtype, chunks: int):
+def chunked_cross_entropy(h, weight, targets, mask, *, dtype, chunks: int, grad_dtype=None):
     """Summed next-token negative log-likelihood over unmasked tokens, and their count.
 
     h: [batch, seq, embed] hidden states, already through the final norm.
@@ -75,6 +75,8 @@ def chunked_cross_entropy(h, weight, targets, mask, *, dtype, chunks: int):
     dtype: the matmul operand dtype (the model dtype, e.g. bfloat16).
     chunks: how many pieces the sequence is split into; must divide seq. 1 means one piece (the
         whole sequence at once, still through the same code path).
+    grad_dtype: the dtype the weight gradient is reduced across devices in
+        (parallel.grad_reduce_dtype; None: float32), then cast to the weight's.
 
     Returns (sum over tokens of mask * nll, float32 scalar; sum(mask)): the summed next-token
     negative log-likelihood of logits = h.astype(dtype) @ weight.astype(dtype), accumulated in
@@ -101,7 +103,8 @@ def chunked_cross_entropy(h, weight, targets, mask, *, dtype, chunks: int):
         n if size % n == 0 else 1
         for n, size in ((_axis_shards("batch"), batch), (_axis_shards("seq"), seq // chunks))
     )
-    total = _summed_nll(h, weight, targets, mask, jnp.dtype(dtype), chunks, parts)
+    grad_dtype = jnp.dtype(grad_dtype or jnp.float32)
+    total = _summed_nll(h, weight, targets, mask, jnp.dtype(dtype), chunks, parts, grad_dtype)
     return total, jnp.sum(mask)
 
 
@@ -153,12 +156,12 @@ def _split_rows(x, parts: tuple[int, int]):
     return x.reshape(nb, batch // nb, ns, s // ns, *x.shape[2:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _summed_nll(h, weight, targets, mask, dtype, chunks, parts):
-    return _summed_nll_fwd(h, weight, targets, mask, dtype, chunks, parts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _summed_nll(h, weight, targets, mask, dtype, chunks, parts, grad_dtype):
+    return _summed_nll_fwd(h, weight, targets, mask, dtype, chunks, parts, grad_dtype)[0]
 
 
-def _summed_nll_fwd(h, weight, targets, mask, dtype, chunks, parts):
+def _summed_nll_fwd(h, weight, targets, mask, dtype, chunks, parts, grad_dtype):
     # The output weight in `dtype`, whole over the data-like axes (vocab stays split over
     # `tensor`): under ZeRO-3 this is the step's one all-gather of it; the backward reuses it.
     w = constrain(jax.lax.optimization_barrier(weight.astype(dtype)), (None, "vocab"))
@@ -176,13 +179,13 @@ def _summed_nll_fwd(h, weight, targets, mask, dtype, chunks, parts):
     return total, (h, w, targets, mask, jnp.zeros((), weight.dtype))
 
 
-def _summed_nll_bwd(dtype, chunks, parts, residuals, g):
+def _summed_nll_bwd(dtype, chunks, parts, grad_dtype, residuals, g):
     """Per chunk: the logits again, d nll / d logits = softmax - onehot (times the mask and g),
     rounded to `dtype`; d/dh and the weight gradient from GEMMs on `dtype` operands accumulated
     in float32. The weight gradient is summed over chunks in float32 per part of the token rows
     (`parts`: the devices the batch and sequence are split over), so no device needs another's
     partial sums inside the loop; the one sum over parts after it is the weight gradient's one
-    reduce-scatter (or all-reduce, where the gradient is kept whole)."""
+    reduce-scatter (or all-reduce, where the gradient is kept whole), in `grad_dtype`."""
     h, w, targets, mask, weight_zero = residuals
 
     def step(grad_parts, piece):
@@ -216,7 +219,18 @@ def _summed_nll_bwd(dtype, chunks, parts, residuals, g):
     d_h = _unstrided(d_h)
     if _typed_mesh(h) is not None:  # a type that carries a sharding must come back as it came
         d_h = jax.sharding.reshard(d_h, jax.typeof(h).sharding)
-    d_weight = grad_parts.sum((0, 1)).astype(weight_zero.dtype)
+    # The sum over parts as a contraction with ones that writes `grad_dtype`, so that the
+    # cross-device sum it becomes moves that dtype. Not jnp.sum: it adds bfloat16 in float32
+    # and rounds after (a float32 reduce-scatter); nor a bfloat16 lax.reduce, which stopped
+    # XLA:CPU's compiler with a failed check in a pipelined layout (jax 0.12.0.1).
+    ones = jnp.ones(parts, grad_dtype)
+    d_weight = jnp.einsum(
+        "mnev,mn->ev",
+        grad_parts.astype(grad_dtype),
+        ones,
+        preferred_element_type=grad_dtype,
+        **_typed_out(h, P(*jax.typeof(grad_parts).sharding.spec[2:])),
+    ).astype(weight_zero.dtype)
     # The layers' backward (which takes d_h) waits for the weight gradient's reduction: left to
     # itself, XLA:GPU's scheduler reduced it after them, keeping the float32 partial sums alive
     # through the whole backward (1B, 8 H100s: temp 9.34 GB without the two barriers, 8.42 with).

@@ -36,8 +36,9 @@ class MoEMLP(nnx.Module):
     gate/up [experts, embed, mlp] and down [experts, mlp, embed], split over `expert` along the
     experts dim (and over `tensor` / `fsdp` like a dense MLP)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str | None = None):
         self.cfg = cfg
+        self.grad_dtype = grad_dtype  # the shared experts' weight gradients (`jaxpar.fp8.einsum`)
         e, f, n = cfg.d_model, expert_d_ff(cfg), cfg.moe.num_experts
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.router = param(rngs, (e, n), ("embed", None), cfg)
@@ -79,5 +80,6 @@ class MoEMLP(nnx.Module):
                 self.shared_down[...],
                 fp8=self.cfg.fp8,
                 dtype=dtype,
+                grad_dtype=self.grad_dtype,
             )
         return y, stats

@@ -192,8 +192,33 @@ def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
         up,
         down,
         project_in=functools.partial(jnp.einsum, "esd,edm->esm"),
-        project_out=functools.partial(jnp.einsum, "esm,emd->esd", preferred_element_type=jnp.float32),
+        project_out=lambda x, w: float32_out(functools.partial(jnp.einsum, "esm,emd->esd"), x, w),
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def float32_out(project, x, w, *args):
+    """project(x, w, *args, preferred_element_type=float32): a GEMM of x and w (same dtype)
+    written in float32 (the down projection, whose partial sums over `tensor` are added in
+    float32). Its backward rounds the incoming float32 gradient to x's dtype first, so both
+    gradient GEMMs take two x.dtype operands with float32 accumulation; autodiff would have
+    multiplied the float32 gradient by the upcast operands (float32 x float32 GEMMs, the
+    experts' down projection in the H100 program). `args`: non-differentiable extras (the
+    group sizes of a grouped GEMM)."""
+    return project(x, w, *args, preferred_element_type=jnp.float32)
+
+
+def _float32_out_fwd(project, x, w, *args):
+    return float32_out(project, x, w, *args), (x, w, args)
+
+
+def _float32_out_bwd(project, residuals, g):
+    x, w, args = residuals
+    _, vjp = jax.vjp(lambda a, b: project(a, b, *args), x, w)
+    return (*vjp(g.astype(x.dtype)), *(None for _ in args))
+
+
+float32_out.defvjp(_float32_out_fwd, _float32_out_bwd)
 
 
 def _mesh_axes(mesh, names):
@@ -524,7 +549,7 @@ def grouped_swiglu(rows, group_sizes, gate, up, down, compute_dtype):
         up,
         down,
         project_in=lambda x, w: jax.lax.ragged_dot(x, w, group_sizes),
-        project_out=lambda x, w: jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32),
+        project_out=lambda x, w: float32_out(jax.lax.ragged_dot, x, w, group_sizes),
     )
 
 
