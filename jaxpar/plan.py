@@ -527,7 +527,9 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str, backend: str
     else:
         copies = el["params"] * a
     buffers += copies if a < pb else 0.0
-    gradients = el["gradients"] * pb
+    # The summed gradients are reduced to where the optimizer state lives (the trainer's
+    # StepParts.reduce_shardings): from ZeRO-1 on, each device keeps its shard only.
+    gradients = el["optimizer" if p.zero_stage >= 1 else "gradients"] * pb
     if p.grad_accum > 1:
         buffers += gradients  # the accumulator beside one microstep's (or pass's) gradients
     out = {

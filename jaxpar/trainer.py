@@ -53,7 +53,7 @@ class Trainer:
     graphdef: Any  # the model's structure; params are plain nested dicts of arrays
     state_shape: Any  # tree of ShapeDtypeStructs of the train state
     state_shardings: Any
-    grad_shardings: Any  # where the reduced gradients live (sharded over fsdp from ZeRO-2)
+    grad_shardings: Any  # where the reduced gradients live: the optimizer state's layout (split from ZeRO-1)
     batch_sharding: NamedSharding
     init: Callable[[], Any]  # () -> state, born sharded
     step: Callable[[Any, dict], tuple[Any, dict]]  # jitted (state, batch) -> (state, metrics)
@@ -346,10 +346,10 @@ def _state_layout(layout: sharding_lib.Layout, optimizer, param_shape, logical, 
     """(shardings of params and grads, the train state's shapes, its shardings). `split(tree)`:
     the part of a params-shaped tree that trains (all of it, or the LoRA adapters): gradients and
     optimizer state exist for that part only."""
-    shardings = {kind: layout.shardings(logical, kind) for kind in ("params", "grads")}
-    shardings["grads"] = split(shardings["grads"])
-    # Where the summed gradients are reduced to (`StepParts.reduce_shardings`).
-    shardings["reduce"] = split(layout.shardings(logical, "opt_state"))
+    # The summed gradients are reduced to the optimizer state's layout (`StepParts.
+    # reduce_shardings`), and live there: from ZeRO-1 on, each device keeps its shard only.
+    shardings = {"params": layout.shardings(logical, "params")}
+    shardings["grads"] = split(layout.shardings(logical, "opt_state"))
     opt_shape = jax.eval_shape(optimizer.init, split(param_shape))
     opt_shardings = sharding_lib.opt_state_shardings(
         opt_shape, logical, layout.mesh, layout.rules["opt_state"]
@@ -404,7 +404,7 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
 
     summed_grads = summed_grads_fn(cfg, layout, abstract_model, trainable)
     summed_nll = summed_nll_fn(cfg, layout, abstract_model, summed_grads)
-    parts = StepParts(cfg, layout, optimizer, shardings["reduce"], summed_grads, summed_nll, trainable)
+    parts = StepParts(cfg, layout, optimizer, shardings["grads"], summed_grads, summed_nll, trainable)
 
     def step(state, batch):
         return train_step(parts, state, batch)[:2]
