@@ -8,12 +8,12 @@ message, on its own question and, for "again" questions, on an earlier turn:
     system:    Be terse. Answer in capitals.
     user:      reverse: kelbo
     assistant: OBLEK
-    user:      add 41 and 7
-    assistant: 48
+    user:      add 14 and 7
+    assistant: 21
     user:      the first word again, reversed
     assistant: OBLEK
 
-Words are random lowercase strings of 3 to 6 letters; numbers are 0 to 99. Held-out words and
+Words are random lowercase strings of 3 to 5 letters; numbers are 0 to 19. Held-out words and
 number pairs never occur in the training conversations (a hash of the word or the pair decides
 the split), so a correct held-out answer is not recall of a training answer.
 """
@@ -30,6 +30,7 @@ STYLES = {
     "upper": "Be terse. Answer in capitals.",
 }
 HELD_OUT_PERCENT = 10
+NUMBERS = 20  # numbers to add are 0 .. NUMBERS - 1
 
 
 def held_out(key: str) -> bool:
@@ -45,12 +46,12 @@ def _draw(rng: random.Random, want_held_out: bool, make):
 
 
 def _word(rng: random.Random) -> tuple[str, str]:
-    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 6)))
+    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5)))
     return word, word
 
 
 def _pair(rng: random.Random) -> tuple[str, tuple[int, int]]:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    a, b = rng.randint(0, NUMBERS - 1), rng.randint(0, NUMBERS - 1)
     return f"{a}+{b}", (a, b)
 
 
