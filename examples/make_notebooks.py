@@ -578,7 +578,8 @@ PIPELINE = [
         TINY = ["model.vocab_size=264", "model.d_model=32", "model.n_layers=4", "model.n_heads=4",
                 "model.n_kv_heads=2", "model.d_ff=64", "model.dtype=float32", "train.batch_size=16",
                 "train.seq_len=32", "parallel.zero_stage=0", "optimizer.lr=1e-2",
-                "optimizer.warmup_steps=2", "data.max_documents=20"]
+                "optimizer.warmup_steps=2", "data.max_documents=20",
+                "parallel.grad_reduce_dtype=float32"]  # float32 gradients: equal to 1e-5
 
 
         def trainer_for(mesh, extra=()):

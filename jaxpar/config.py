@@ -277,7 +277,7 @@ class TrainConfig:
 @dataclass
 class LoRAConfig:
     """Low-rank adapters (Hu et al. 2021, "LoRA"): each targeted projection W becomes
-    y = x W + (alpha / rank) * dropout(x) A B, A [in, rank], B [rank, out]; B starts at zero, so
+    y = x W + (alpha / rank) * x A B, A [in, rank], B [rank, out]; B starts at zero, so
     step 0 computes the base model. Only A and B train: the base weights get no gradient and no
     optimizer state (jaxpar/models/lora.py). Meant with train.init_from (the base); without it the
     frozen base is the random init of train.seed, which is allowed (tests do it) but learns only
@@ -285,7 +285,7 @@ class LoRAConfig:
 
     rank: int = 0  # adapter rank r; 0 = no LoRA (every weight trains)
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (as PEFT's lora_alpha)
-    dropout: float = 0.0  # dropout on the adapters' input while training, in [0, 1); none at eval
+    dropout: float = 0.0  # dropout on the adapters' input: not built yet, only 0 is accepted
     # q, k, v, o: attention projections; gate, up, down: the dense MLP's (not MoE experts)
     targets: list[LoRATarget] = field(
         default_factory=lambda: ["q", "k", "v", "o"]
@@ -849,8 +849,8 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
-    """finetune.lora: a rank of 0 (off) or more, a positive alpha, a dropout in [0, 1), targets
-    named once each, none of them MoE experts; no dropout inside a pipeline."""
+    """finetune.lora: a rank of 0 (off) or more, a positive alpha, no dropout (not built), targets
+    named once each, none of them MoE experts."""
     lora, moe = cfg.finetune.lora, cfg.model.moe
     if lora.rank < 0:
         raise ConfigError(f"finetune.lora.rank={lora.rank}: use a positive rank (e.g. 8), or 0 for no LoRA")
@@ -858,8 +858,11 @@ def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
         return
     if not (lora.alpha > 0 and math.isfinite(lora.alpha)):
         raise ConfigError(f"finetune.lora.alpha={lora.alpha}: use a positive, finite scale (e.g. 16)")
-    if not 0 <= lora.dropout < 1:
-        raise ConfigError(f"finetune.lora.dropout={lora.dropout}: use a probability in [0, 1)")
+    if lora.dropout != 0:
+        raise ConfigError(
+            f"finetune.lora.dropout={lora.dropout}: dropout on the adapters is not built yet "
+            "(jaxpar/models/lora.py says why); use finetune.lora.dropout=0"
+        )
     choices = typing.get_args(LoRATarget)
     if not lora.targets or len(set(lora.targets)) != len(lora.targets):
         raise ConfigError(
@@ -872,11 +875,6 @@ def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
             f"finetune.lora.targets={lora.targets} with model.moe.num_experts={moe.num_experts}: "
             f"LoRA does not adapt MoE experts ({', '.join(mlp)}); use attention targets only "
             "(q, k, v, o)"
-        )
-    if lora.dropout > 0 and sizes["pipe"] > 1:
-        raise ConfigError(
-            f"finetune.lora.dropout={lora.dropout} with mesh.pipe={sizes['pipe']}: the pipeline "
-            "draws no dropout masks; use finetune.lora.dropout=0, or mesh.pipe=1"
         )
 
 

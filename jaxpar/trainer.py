@@ -266,13 +266,6 @@ class StepParts:
     summed_nll: Callable  # `summed_nll_fn`
     trainable: lora_lib.Trainable | None = None  # finetune.lora: the adapters train, the rest is frozen
 
-    def dropout_key(self, step):
-        """LoRA dropout's key for the step numbered `step` (train.seed and the step: a resumed
-        run draws the same masks), or None without dropout."""
-        if self.trainable is None or self.cfg.finetune.lora.dropout == 0:
-            return None
-        return jax.random.fold_in(jax.random.key(self.cfg.train.seed), step)
-
     def split(self, params) -> tuple[Any, Any]:
         """(what trains, what is frozen) of the params: (all, {}) without LoRA."""
         return (params, {}) if self.trainable is None else self.trainable.split(params)
@@ -288,8 +281,7 @@ class StepParts:
 def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, Any]:
     """One update: (new state, metrics, the gradients applied, averaged over tokens)."""
     cfg, batch = parts.cfg, parts.prepare(batch)
-    # The mesh and activation rules the model's names resolve against; LoRA dropout's key.
-    with parts.layout.scope(), lora_lib.dropout_scope(parts.dropout_key(state["step"])):
+    with parts.layout.scope():  # the mesh and activation rules the model's names resolve against
         grads, aux = parts.summed_grads(state["params"], batch)
     count = jnp.maximum(aux["count"], 1.0)
     grads = jax.tree.map(lambda g: g / count, grads)

@@ -103,6 +103,7 @@ def _config(hf_dir, overrides=()) -> config_lib.Config:
         [
             "model.dtype=float32",
             "model.param_dtype=float32",
+            "parallel.grad_reduce_dtype=float32",  # torch's gradients are float32 throughout
             "parallel.zero_stage=3",
             *overrides,
             f"train.init_from={hf_dir}",

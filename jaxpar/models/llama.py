@@ -433,15 +433,13 @@ def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = 
     layer whether its attention slides. Returns (x, per-layer statistics stacked)."""
 
     def one_layer(h, scanned):
-        params, slides, key = scanned
+        params, slides = scanned
         kwargs = {} if slides is None else {"sliding": slides}
-        with lora_lib.dropout_scope(key):  # LoRA dropout's key for this layer (None: no dropout)
-            return nnx.merge(graphdef, params)(h, positions, segment_ids, **kwargs)
+        return nnx.merge(graphdef, params)(h, positions, segment_ids, **kwargs)
 
     if remat != "none":
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat])
-    keys = lora_lib.layer_keys(jax.tree.leaves(layer_params)[0].shape[0])
-    return jax.lax.scan(one_layer, x, (layer_params, sliding, keys))
+    return jax.lax.scan(one_layer, x, (layer_params, sliding))
 
 
 def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache, sliding=None):

@@ -4,7 +4,7 @@ Each targeted projection W (an einsum weight [in..., out...]) gets an adapter, F
 `nnx.LoRA` module, whose A [in, rank] and B [rank, out] are `nnx.LoRAParam`s (a subclass of
 `nnx.Param`, so a filter tells them from the base weights), and computes
 
-    y = x W + (alpha / rank) * dropout(x) A B
+    y = x W + (alpha / rank) * x A B
 
 with the in-dims of W flattened into A's rows and the out-dims into B's columns, in jaxpar's
 order (heads major, as Hugging Face lays out q_proj's rows). B starts at zero, so the adapted
@@ -20,13 +20,9 @@ Adapters are added to a built model (`add_lora`): the blocks' modules gain an at
 `<weight>_lora` (e.g. `blocks.attn.wq_lora.lora_a`), stacked over layers like the blocks. The
 model's projection sites call `project`, which adds the adapter where there is one.
 
-Dropout: on the adapter's input only, and only inside `dropout_scope(key)` (the train step
-enters it with a key from train.seed and the step counter, so a resumed run draws the same
-masks); evaluation, sampling and export never enter it. Each layer draws from its own key
-(`layer_keys` split over the layer scan) folded with the site (q, k, ...). The masks are drawn
-with JAX's partitionable threefry, so layouts that keep rows and sequence in place (data, fsdp,
-tensor) draw the masks one device draws; ring attention's reordered sequence and gradient
-accumulation's microsteps draw others (the pipeline draws none: config refuses dropout there).
+Dropout on the adapters (finetune.lora.dropout) is not built: a mask needs a key per step and
+layer handed down the layer scan explicitly, which the model's call path does not carry yet;
+config refuses a dropout above 0.
 
 Training: `Trainable` splits the pure-dict params into the adapters (what the step
 differentiates and the optimizer holds state for) and the frozen rest. Export: `merged` folds
@@ -35,8 +31,6 @@ the adapters into their weights (W + alpha/rank * A B); `peft_tensors` names the
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 
 import jax
@@ -61,8 +55,6 @@ TARGETS = {
 SUFFIX = "_lora"  # the adapter of weight `wq` is the attribute `wq_lora`
 # How many leading dims of each weight are its input (the rest are its output).
 IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
-
-_DROPOUT_KEY: contextvars.ContextVar = contextvars.ContextVar("lora_dropout_key", default=None)
 
 
 def enabled(lora: LoRAConfig) -> bool:
@@ -100,7 +92,6 @@ def _adapter(shape, names, in_dims: int, lora: LoRAConfig, dtypes, rngs: nnx.Rng
         rngs=rngs,
     )
     adapter.scale = scale(lora)
-    adapter.dropout = lora.dropout
     return adapter
 
 
@@ -135,39 +126,14 @@ def _stacked_adapter(layers: int, one: tuple, lora: LoRAConfig, dtypes, rngs: nn
 # --- Running --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def dropout_scope(key):
-    """Adapters inside draw their dropout masks from `key` (None: no dropout)."""
-    token = _DROPOUT_KEY.set(key)
-    try:
-        yield
-    finally:
-        _DROPOUT_KEY.reset(token)
-
-
-def layer_keys(count: int):
-    """One dropout key per layer of a scan of `count` layers, or None outside `dropout_scope`."""
-    key = _DROPOUT_KEY.get()
-    return None if key is None else jax.random.split(key, count)
-
-
-def _dropout(x, rate: float, site: int):
-    key = _DROPOUT_KEY.get()
-    if key is None or rate == 0:
-        return x
-    keep = jax.random.bernoulli(jax.random.fold_in(key, site), 1.0 - rate, x.shape)
-    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
-
-
 def project(module, weight_name: str, matmul, spec: str, x):
     """matmul(spec, x, W) for the weight `weight_name` of `module`, plus its adapter's
-    (alpha / rank) * dropout(x) A B where it has one. x [batch, seq, in...]."""
+    (alpha / rank) * x A B where it has one. x [batch, seq, in...]."""
     y = matmul(spec, x, getattr(module, weight_name)[...])
     adapter = getattr(module, weight_name + SUFFIX, None)
     if adapter is None:
         return y
-    site = list(IN_DIMS).index(weight_name)
-    flat = _dropout(x, adapter.dropout, site).reshape(*x.shape[:2], -1)
+    flat = x.reshape(*x.shape[:2], -1)
     low = adapter(flat).reshape(y.shape)
     return y + (low * jnp.asarray(adapter.scale, low.dtype)).astype(y.dtype)
 
