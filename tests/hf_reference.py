@@ -44,6 +44,24 @@ import sys
 
 import numpy as np
 
+# The sidecar's interpreter, as `make .venv-hf` builds it at the repository root.
+HF_PYTHON = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-hf", "bin", "python"
+)
+
+
+def require_sidecar(why: str) -> None:
+    """In a test: skip with `why` when there is no .venv-hf; fail instead under
+    JAXPAR_TESTS_REQUIRE_HF=1 (CI), which must run the transformers checks."""
+    import pytest
+
+    if os.path.exists(HF_PYTHON):
+        return
+    if os.environ.get("JAXPAR_TESTS_REQUIRE_HF") == "1":
+        pytest.fail(f"no .venv-hf (make .venv-hf builds it): {why}, and JAXPAR_TESTS_REQUIRE_HF=1")
+    pytest.skip(f"no .venv-hf (make .venv-hf builds it): {why}")
+
+
 VOCAB = 320  # the tokenizer's 256 bytes, merges and special tokens fit; even (mesh.tensor = 2)
 SEED = 0
 BATCH, SEQ = 2, 24

@@ -18,9 +18,9 @@ import pytest
 from jaxpar import chat, data, shards
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.documents import ByteTokenizer
+from tests.hf_reference import HF_PYTHON, require_sidecar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")
 REFERENCE = os.path.join(ROOT, "tests", "hf_reference.py")
 FIXTURES = os.path.join(ROOT, "tests", "data", "chat_templates")
 
@@ -76,8 +76,7 @@ CASES = [
 def transformers_rendered(tmp_path_factory):
     """What transformers' apply_chat_template renders for CASES with each template, and the
     tokenizer directories it saved them in (one sidecar call)."""
-    if not os.path.exists(HF_PYTHON):
-        pytest.skip("no .venv-hf (make hf-reference builds it): no transformers to render with")
+    require_sidecar("no transformers to render with")
     out = tmp_path_factory.mktemp("chat")
     cases = {
         "templates": {

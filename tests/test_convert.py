@@ -42,9 +42,9 @@ from jaxpar import export as export_lib
 from jaxpar import sharding as sharding_lib
 from jaxpar.models import Transformer, families
 from jaxpar.sample import generate
+from tests.hf_reference import HF_PYTHON, require_sidecar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")
 REFERENCE = os.path.join(ROOT, "tests", "hf_reference.py")
 VARIANTS = [
     "llama3-tied-scaled",
@@ -86,11 +86,7 @@ def _hf(*args: str) -> None:
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """(directory of the tiny transformers models, their reference.npz)."""
-    if not os.path.exists(HF_PYTHON):
-        why = "no .venv-hf (make .venv-hf builds it): no transformers reference to compare with"
-        if os.environ.get("JAXPAR_TESTS_REQUIRE_HF") == "1":
-            pytest.fail(why + ", and JAXPAR_TESTS_REQUIRE_HF=1")
-        pytest.skip(why)
+    require_sidecar("no transformers reference to compare with")
     out = tmp_path_factory.mktemp("hf")
     _hf("build", str(out))
     return out, dict(np.load(out / "reference.npz"))
