@@ -284,7 +284,9 @@ def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, 
     with parts.layout.scope():  # the mesh and activation rules the model's names resolve against
         grads, aux = parts.summed_grads(state["params"], batch)
     count = jnp.maximum(aux["count"], 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
+    # In the gradient's own dtype: a float32 count would promote bfloat16 gradients (model.
+    # param_dtype=bfloat16), and the Adam moments after them, to float32 after the first step.
+    grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
     # ZeRO-1/2/3: pinning the gradients to the sharded layout makes XLA reduce-scatter them.
     grads = jax.lax.with_sharding_constraint(grads, parts.reduce_shardings)
     train, frozen = parts.split(state["params"])  # LoRA: the adapters, and the frozen weights

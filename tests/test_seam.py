@@ -123,6 +123,21 @@ def test_the_first_update_moves_and_the_schedule_ends_where_it_says():
     assert float(lr_schedule(no_warmup)(0)) == pytest.approx(0.1, rel=1e-4)
 
 
+def test_the_train_state_keeps_its_dtypes_across_steps_with_bfloat16_parameters():
+    """The step the benchmarks compile ahead of time takes the state it returns: with bfloat16
+    parameters, a float32 token count once promoted the gradients, and Adam's moments after
+    them, to float32, so the second call of the compiled step refused its own output."""
+    trainer = trainer_on(["model.param_dtype=bfloat16"], {"data": 1})
+    dtypes = jax.tree.map(lambda s: s.dtype, trainer.state_shape)
+    compiled = trainer.step.lower(trainer.state_shape, trainer.batch_shape()).compile()
+    state = trainer.init()
+    batch = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), trainer.batch_shape())
+    for _ in range(2):
+        state, _ = compiled(state, batch)
+    assert jax.tree.map(lambda a: a.dtype, state) == dtypes
+    assert jax.tree.leaves(dtypes["opt_state"]).count(jnp.dtype(jnp.bfloat16)) > 10
+
+
 def test_the_models_choices_are_the_configs():
     """The model's remat policies and ring attention's layouts are the config's Literals."""
     import typing
