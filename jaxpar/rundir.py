@@ -61,6 +61,7 @@ DATA_KEYS = (
     "data.text_field",
     "data.chat_template",
     "data.train_on",
+    "data.packing",
     "train.seed",
 )
 
