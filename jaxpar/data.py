@@ -61,7 +61,7 @@ import numpy as np
 
 from jaxpar import chat, cli, shards
 from jaxpar.config import ConfigError, DataConfig, source_names
-from jaxpar.documents import EOD_TOKEN, packed_rows, pad_rows, read_documents, split_rows, whole_rows
+from jaxpar.documents import EOD_TOKEN, packed_rows, pad_rows, read_documents, row_index, split_rows
 
 # Tokenizers and documents live in jaxpar.documents; the two that users of this module have always
 # imported from here stay importable from here (the example notebooks do).
@@ -84,10 +84,10 @@ class PackedSequences:
 
     def __post_init__(self):
         # whole: each row's stream offset and token count (`documents.whole_rows`); wrap: None.
-        self.rows = None
-        if self.packing == "whole":
-            ends = np.append(np.flatnonzero(self.doc_ids[1:] != self.doc_ids[:-1]) + 1, len(self.doc_ids))
-            self.rows = whole_rows([ends], self.seq_len + 1)
+        def ends():  # the documents' ends, as the one part of the stream (read only under whole)
+            yield np.append(np.flatnonzero(self.doc_ids[1:] != self.doc_ids[:-1]) + 1, len(self.doc_ids))
+
+        self.rows = row_index(self.packing, ends(), self.seq_len + 1)
 
     def __len__(self) -> int:
         if self.rows is not None:

@@ -3,7 +3,8 @@ Hugging Face `tokenizer.json`), reading a source's documents (the running interp
 library, text files, JSONL, Parquet; .gz and .zst decompressed; data.errors for what is not text;
 a JSONL line or Parquet row without the text field may be a conversation or a prompt/completion
 record, kept as a dict for jaxpar.chat to render),
-and the packed rows a window of the token stream becomes (`packed_rows`). Both consumers of
+and the packed rows a window of the token stream becomes (`packed_rows`; under data.packing=whole,
+rows of whole documents, padded: `whole_rows`, `pad_rows`). Both consumers of
 documents build on this module: packing in memory and the grain pipeline (jaxpar.data) and the
 prepared token shards (jaxpar.shards)."""
 
@@ -17,12 +18,13 @@ import json
 import os
 import sys
 import sysconfig
+import typing
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config import ConfigError, DataConfig, data_files
+from jaxpar.config import ConfigError, DataConfig, Packing, data_files
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -539,6 +541,14 @@ def split_rows(batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
 
 
 # --- Rows of whole documents (data.packing=whole) ----------------------------------------------
+
+
+def row_index(packing: str, parts, width: int) -> np.ndarray | None:
+    """The rows data.packing asks for: None under wrap (row r begins at stream offset
+    r * (width - 1) and holds `width` tokens), `whole_rows(parts, width)` under whole."""
+    if packing not in typing.get_args(Packing):
+        raise ValueError(f"packing={packing!r}: choose one of {', '.join(typing.get_args(Packing))}")
+    return whole_rows(parts, width) if packing == "whole" else None
 
 
 def whole_rows(parts, width: int) -> np.ndarray:

@@ -74,10 +74,10 @@ from jaxpar.documents import (
     packed_rows,
     pad_rows,
     parquet_file,
+    row_index,
     source_entries,
     split_rows,
     stdlib_files,
-    whole_rows,
 )
 
 FORMAT = "jaxpar-token-shards"
@@ -976,10 +976,8 @@ class PreparedSequences:
         # data.packing=whole: each row's stream offset and token count, from the document index
         # (`documents.whole_rows`: one binary search per row); its padding is the end-of-document
         # token. wrap: None, row r begins at r * seq_len.
-        self.rows, self.pad_id = None, identity["eod_id"]
-        if packing == "whole":
-            parts = (base + ends[:n] for base, ends, n in zip(self.starts, self.ends, docs))
-            self.rows = whole_rows(parts, seq_len + 1)
+        parts = (base + ends[:n] for base, ends, n in zip(self.starts, self.ends, docs))
+        self.rows, self.pad_id = row_index(packing, parts, seq_len + 1), identity["eod_id"]
         if len(self) == 0:
             raise ConfigError(
                 f"data: the {'corpus' if split == 'train' else split + ' split'} in {directory} has "
