@@ -60,6 +60,7 @@ GradReduceDtype = Literal["float32", "bfloat16"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 DataErrors = Literal["strict", "replace", "skip"]
 TrainOn = Literal["assistant", "all"]
+Packing = Literal["wrap", "whole"]
 CHAT_TEMPLATES = ("simple",)  # jaxpar's own chat templates: jaxpar/templates/<name>.jinja
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
@@ -220,6 +221,12 @@ class DataConfig:
     # jaxpar/templates/simple.jinja, e.g. for the byte tokenizer, which has none). Never chosen
     # silently: a conversation source without a template is an error.
     chat_template: str | None = None  # null | FILE.jinja | simple (see above)
+    # How documents become rows of train.seq_len + 1 tokens. wrap: one stream cut every seq_len
+    # tokens, documents split wherever a row ends (pre-training). whole: each row takes whole
+    # documents in order while the next one fits, then is padded (padding is no target and no
+    # real token attends to it), so a document that fits in a row is never split (fine-tuning
+    # on conversations); a longer one starts a row and is split as wrap splits (jaxpar.data).
+    packing: Packing = "wrap"  # wrap | whole (see above)
     max_documents: int | None = None  # read at most this many documents (None = all)
     shuffle: bool = True  # shuffle the packed sequences with train.seed (a new order every epoch)
     # A document that is not text (invalid UTF-8, NUL bytes, a JSONL text that is null or not a

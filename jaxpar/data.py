@@ -12,6 +12,18 @@ by one). Every token carries the id of its document, which gives, per sequence:
   predicting the next document's first token), or, under data.train_on=assistant, is no target
   token of a conversation or prompt/completion record (jaxpar.chat: its prompt); 1 elsewhere.
 
+Whole documents (data.packing=whole; the default, wrap, is the above). The same stream is laid
+into rows of seq_len + 1 tokens differently (`documents.whole_rows`): a row takes whole documents,
+in order, while the next one fits in the room left (a document of exactly that many tokens fits),
+and is then padded; the next document begins the next row. Padding is the end-of-document token,
+a segment of its own (no real token attends to it, nor it to them) and no target. A document
+longer than a row starts a row and is split as wrap splits the stream, consecutive rows sharing
+one token, its last piece sharing a row with the documents after it. Next fit in order rather
+than best fit: a row is one range of the stream (one read from prepared shards, an index of 16
+bytes a row computed in one pass over the document ends, no sort) and documents keep their
+order; the cost is more padding than best-fit-decreasing would leave (the README gives both,
+measured on conversations).
+
 Order and shares. Sequences are shuffled with `train.seed` (a fresh order every epoch) and the
 global batch of step s is the global samples [s*B, (s+1)*B). Process p of P reads only rows
 [p*B/P, (p+1)*B/P) of each global batch -- its share -- so the stream is the same whatever the
@@ -49,7 +61,7 @@ import numpy as np
 
 from jaxpar import chat, cli, shards
 from jaxpar.config import ConfigError, DataConfig, source_names
-from jaxpar.documents import EOD_TOKEN, packed_rows, read_documents, split_rows
+from jaxpar.documents import EOD_TOKEN, packed_rows, pad_rows, read_documents, row_index, split_rows
 
 # Tokenizers and documents live in jaxpar.documents; the two that users of this module have always
 # imported from here stay importable from here (the example notebooks do).
@@ -67,8 +79,19 @@ class PackedSequences:
     doc_ids: np.ndarray  # [stream] int32, the document of each token
     seq_len: int
     targets: np.ndarray | None = None  # [stream] uint8: 1 where a token is a target (None: all)
+    packing: str = "wrap"  # data.packing: wrap | whole
+    pad_id: int = 0  # the token of a row's padding (whole)
+
+    def __post_init__(self):
+        # whole: each row's stream offset and token count (`documents.whole_rows`); wrap: None.
+        def ends():  # the documents' ends, as the one part of the stream (read only under whole)
+            yield np.append(np.flatnonzero(self.doc_ids[1:] != self.doc_ids[:-1]) + 1, len(self.doc_ids))
+
+        self.rows = row_index(self.packing, ends(), self.seq_len + 1)
 
     def __len__(self) -> int:
+        if self.rows is not None:
+            return len(self.rows)
         return (len(self.tokens) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
@@ -76,12 +99,22 @@ class PackedSequences:
 
     def _getitems(self, indices) -> list[dict[str, np.ndarray]]:
         """Several sequences at once (grain's batched read; see `batch_dataset`)."""
-        window = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        indices = np.asarray(indices, dtype=np.int64)
+        if self.rows is None:
+            window = indices[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        else:
+            begins, lengths = self.rows[indices].T
+            at = np.arange(self.seq_len + 1)
+            # Padding positions read the row's first token: `pad_rows` replaces them.
+            window = begins[:, None] + np.where(at < lengths[:, None], at, 0)
         docs = self.doc_ids[window]
         starts = np.zeros(docs.shape, dtype=bool)
         starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
         targets = None if self.targets is None else self.targets[window]
-        return split_rows(packed_rows(self.tokens[window], starts, targets))
+        tokens = self.tokens[window]
+        if self.rows is not None:
+            tokens, starts, targets = pad_rows(tokens, starts, targets, lengths, self.pad_id)
+        return split_rows(packed_rows(tokens, starts, targets))
 
 
 def packed_sample(
@@ -94,12 +127,18 @@ def packed_sample(
 
 
 def pack(
-    documents: list, tokenizer, seq_len: int, template=None, train_on: str = "assistant"
+    documents: list,
+    tokenizer,
+    seq_len: int,
+    template=None,
+    train_on: str = "assistant",
+    packing: str = "wrap",
 ) -> PackedSequences:
     """The documents (texts, and conversation or prompt/completion records: jaxpar.chat) as one
-    packed stream, each followed by the end-of-document token. `template`: the ChatTemplate for
-    conversations, or a function returning it (called at the first). With train_on=assistant the
-    records' prompt tokens are no targets; texts are all targets."""
+    packed stream, each followed by the end-of-document token, cut into rows as `packing`
+    (data.packing) says; padding (whole) is the end-of-document token. `template`: the
+    ChatTemplate for conversations, or a function returning it (called at the first). With
+    train_on=assistant the records' prompt tokens are no targets; texts are all targets."""
     if not documents:
         raise ConfigError("data: the source has no documents")
     pieces, ids, masks = [], [], []
@@ -115,7 +154,14 @@ def pack(
         ids.append(np.full(len(toks), n, dtype=np.int32))
     tokens = np.concatenate(pieces).astype(np.int32)
     records = train_on == "assistant" and any(not isinstance(doc, str) for doc in documents)
-    packed = PackedSequences(tokens, np.concatenate(ids), seq_len, np.concatenate(masks) if records else None)
+    packed = PackedSequences(
+        tokens,
+        np.concatenate(ids),
+        seq_len,
+        np.concatenate(masks) if records else None,
+        packing=packing,
+        pad_id=int(tokenizer.eod_id),
+    )
     if len(packed) == 0:
         raise ConfigError(
             f"data: the corpus has {len(tokens)} tokens, fewer than one sequence of train.seq_len={seq_len}"
@@ -129,13 +175,13 @@ def packed_source(cfg: DataConfig, tokenizer, seq_len: int):
     source = os.path.expanduser(cfg.source)
     if cfg.source != "stdlib" and os.path.isdir(source):
         return shards.PreparedSequences(
-            source, cfg.tokenizer, seq_len, cfg.max_documents, train_on=cfg.train_on
+            source, cfg.tokenizer, seq_len, cfg.max_documents, train_on=cfg.train_on, packing=cfg.packing
         )
     if cfg.source == "stdlib" and cfg.max_documents is None:
         if (directory := shards.stdlib_prepared(cfg.tokenizer)) is not None:
-            return shards.PreparedSequences(directory, cfg.tokenizer, seq_len)
+            return shards.PreparedSequences(directory, cfg.tokenizer, seq_len, packing=cfg.packing)
     template = functools.partial(chat.load_template, cfg.chat_template, cfg.tokenizer)
-    return pack(read_documents(cfg), tokenizer, seq_len, functools.cache(template), cfg.train_on)
+    return pack(read_documents(cfg), tokenizer, seq_len, functools.cache(template), cfg.train_on, cfg.packing)
 
 
 RUN_TEMPLATE = chat.TEMPLATE_FILE  # the chat template a run trained with, in its run directory
@@ -267,7 +313,12 @@ def training_source(cfg: DataConfig, tokenizer, seq_len: int):
         return packed_source(cfg, tokenizer, seq_len)
     sources = [
         shards.PreparedSequences(
-            os.path.expanduser(s.path), cfg.tokenizer, seq_len, cfg.max_documents, train_on=cfg.train_on
+            os.path.expanduser(s.path),
+            cfg.tokenizer,
+            seq_len,
+            cfg.max_documents,
+            train_on=cfg.train_on,
+            packing=cfg.packing,
         )
         for s in cfg.sources
     ]
@@ -305,7 +356,9 @@ def eval_dataset(
                 "or set train.eval_every=0"
             )
         vals.append(
-            shards.PreparedSequences(directory, cfg.tokenizer, seq_len, split="val", train_on=cfg.train_on)
+            shards.PreparedSequences(
+                directory, cfg.tokenizer, seq_len, split="val", train_on=cfg.train_on, packing=cfg.packing
+            )
         )
     proportions = mixture_proportions([s.weight for s in cfg.sources] if cfg.sources else [1.0])
 

@@ -3,24 +3,28 @@ Hugging Face `tokenizer.json`), reading a source's documents (the running interp
 library, text files, JSONL, Parquet; .gz and .zst decompressed; data.errors for what is not text;
 a JSONL line or Parquet row without the text field may be a conversation or a prompt/completion
 record, kept as a dict for jaxpar.chat to render),
-and the packed rows a window of the token stream becomes (`packed_rows`). Both consumers of
+and the packed rows a window of the token stream becomes (`packed_rows`; under data.packing=whole,
+rows of whole documents, padded: `whole_rows`, `pad_rows`). Both consumers of
 documents build on this module: packing in memory and the grain pipeline (jaxpar.data) and the
 prepared token shards (jaxpar.shards)."""
 
 from __future__ import annotations
 
+import array
+import bisect
 import gzip
 import io
 import json
 import os
 import sys
 import sysconfig
+import typing
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config import ConfigError, DataConfig, data_files
+from jaxpar.config import ConfigError, DataConfig, Packing, data_files
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -534,3 +538,61 @@ def packed_rows(
 
 def split_rows(batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     return [{key: value[r] for key, value in batch.items()} for r in range(len(batch["inputs"]))]
+
+
+# --- Rows of whole documents (data.packing=whole) ----------------------------------------------
+
+
+def row_index(packing: str, parts, width: int) -> np.ndarray | None:
+    """The rows data.packing asks for: None under wrap (row r begins at stream offset
+    r * (width - 1) and holds `width` tokens), `whole_rows(parts, width)` under whole."""
+    if packing not in typing.get_args(Packing):
+        raise ValueError(f"packing={packing!r}: choose one of {', '.join(typing.get_args(Packing))}")
+    return whole_rows(parts, width) if packing == "whole" else None
+
+
+def whole_rows(parts, width: int) -> np.ndarray:
+    """The rows of data.packing=whole over a token stream, from its document ends alone: [rows, 2]
+    int64, each row's first stream offset and the number of stream tokens it holds (at most
+    `width` = seq_len + 1; the rest of the row is padding, `pad_rows`).
+
+    `parts`: arrays of document ends (exclusive stream offsets, increasing; the first document
+    begins at 0), consecutive pieces of one stream (a prepared split's shards, each its own array:
+    nothing is concatenated). Next fit, in order: a row takes the documents that end within it
+    (`width` tokens from its start; a document of exactly the room left fits) and is closed,
+    padded, at the first that does not; that document begins the next row. A document longer than
+    a row fills rows of `width` tokens, each beginning one token before the last one ended (wrap's
+    overlap: every token but its first is a target once), and its last piece shares its row with
+    the documents after it. One loop step per row, each a binary search: no work per token."""
+    rows = array.array("q")  # begin, length, begin, length, ...: 16 bytes a row while it grows
+    begin = filled = 0  # the open row's first stream offset; the end of its last whole document
+    for part in parts:
+        ends = part.tolist()  # bisect on a list: a tenth of numpy's per-call cost
+        i = 0
+        while i < len(ends):
+            j = bisect.bisect_right(ends, begin + width, i)
+            if j > i:  # documents i..j-1 end within the open row (which stays open past the part)
+                filled, i = ends[j - 1], j
+            elif filled > begin:  # document i does not fit: the row ends, padded, before it
+                rows.extend((begin, filled - begin))
+                begin = filled
+            else:  # document i is longer than a row from `begin`: a full row of it
+                rows.extend((begin, width))
+                begin = filled = begin + width - 1
+    if filled > begin:
+        rows.extend((begin, filled - begin))
+    return np.frombuffer(rows, dtype=np.int64).reshape(-1, 2)
+
+
+def pad_rows(
+    tokens: np.ndarray, starts: np.ndarray, targets: np.ndarray | None, lengths: np.ndarray, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of whole documents made whole rows for `packed_rows`: in row r the positions from
+    lengths[r] on are padding: token `pad_id`, no target, and a segment of their own (a document
+    start at lengths[r]), so no real token attends to them nor they to it."""
+    width = tokens.shape[1]
+    real = np.arange(width) < lengths[:, None]
+    tokens = np.where(real, tokens, np.asarray(pad_id, tokens.dtype))
+    starts = starts | (np.arange(width) == lengths[:, None])
+    targets = real.astype(np.uint8) if targets is None else targets * real
+    return tokens, starts, targets

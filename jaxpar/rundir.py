@@ -61,8 +61,12 @@ DATA_KEYS = (
     "data.text_field",
     "data.chat_template",
     "data.train_on",
+    "data.packing",
     "train.seed",
 )
+# What a record that lacks a data key (written before the setting existed) trained with: the
+# only behaviour there was then. Other missing keys are no change.
+RECORD_BEFORE = {"data.packing": "wrap"}
 
 
 # --- The lock -------------------------------------------------------------------------------
@@ -380,8 +384,8 @@ _ABSENT = object()
 def data_changes(run_dir: str, settings: dict) -> list[tuple[str, object, object]]:
     """(key, recorded value, value in `settings`) for each of DATA_KEYS that `settings` (a
     config as `jaxpar.config.to_dict` gives it) sets otherwise than the run's record
-    (`<run_dir>/config.yaml`). Keys the record lacks (an older jaxpar's), or no readable record,
-    are no change."""
+    (`<run_dir>/config.yaml`). Keys the record lacks (an older jaxpar's) are no change, except
+    those RECORD_BEFORE gives the value of; no readable record is none."""
     try:
         with open(os.path.join(run_dir, RECORD)) as f:
             recorded = yaml.safe_load(f)
@@ -390,6 +394,8 @@ def data_changes(run_dir: str, settings: dict) -> list[tuple[str, object, object
     changes = []
     for key in DATA_KEYS:
         was, now = _setting(recorded, key), _setting(settings, key)
+        if was is _ABSENT:
+            was = RECORD_BEFORE.get(key, _ABSENT)
         if was is not _ABSENT and was != now:
             changes.append((key, was, now))
     return changes

@@ -72,7 +72,9 @@ from jaxpar.documents import (
     iter_documents,
     make_tokenizer,
     packed_rows,
+    pad_rows,
     parquet_file,
+    row_index,
     source_entries,
     split_rows,
     stdlib_files,
@@ -910,7 +912,9 @@ def _read_into(fd: int, path: str, out: np.ndarray, lo: int) -> None:
 
 class PreparedSequences:
     """Packed sequences over prepared shards (a grain data source): the same samples as
-    `data.pack` over the same documents, with only the windows read in memory.
+    `data.pack` over the same documents, with only the windows read in memory. Under
+    data.packing=whole the rows are computed on load from the document index
+    (`documents.whole_rows`, 16 bytes a row) and each row reads its range of the stream.
 
     A window's tokens come with one positioned read (preadv, straight into the batch's array)
     and its documents by binary search in the memory-mapped document index; grain asks for a
@@ -929,8 +933,9 @@ class PreparedSequences:
         max_documents: int | None = None,
         split: str = "train",
         train_on: str = "assistant",
+        packing: str = "wrap",
     ):
-        self._args = (directory, tokenizer, seq_len, max_documents, split, train_on)
+        self._args = (directory, tokenizer, seq_len, max_documents, split, train_on, packing)
         self.directory, self.seq_len = directory, seq_len
         manifest = read_manifest(directory)
         path = os.path.join(directory, MANIFEST)
@@ -968,6 +973,11 @@ class PreparedSequences:
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._shard_starts = self.starts.tolist()  # for bisect: faster than numpy on a few items
         self.doc_base = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)])
+        # data.packing=whole: each row's stream offset and token count, from the document index
+        # (`documents.whole_rows`: one binary search per row); its padding is the end-of-document
+        # token. wrap: None, row r begins at r * seq_len.
+        parts = (base + ends[:n] for base, ends, n in zip(self.starts, self.ends, docs))
+        self.rows, self.pad_id = row_index(packing, parts, seq_len + 1), identity["eod_id"]
         if len(self) == 0:
             raise ConfigError(
                 f"data: the {'corpus' if split == 'train' else split + ' split'} in {directory} has "
@@ -983,6 +993,8 @@ class PreparedSequences:
         return int(self.doc_base[-1])
 
     def __len__(self) -> int:
+        if self.rows is not None:
+            return len(self.rows)
         return max(self.num_tokens - 1, 0) // self.seq_len
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
@@ -997,16 +1009,19 @@ class PreparedSequences:
         tokens = np.empty((len(indices), width), dtype=self.dtype)
         starts = np.zeros((len(indices), width), dtype=bool)
         targets = np.ones((len(indices), width), np.uint8) if any(self.masks) else None
+        if self.rows is None:
+            begins, lengths = np.asarray(indices, np.int64) * self.seq_len, np.full(len(indices), width)
+        else:
+            begins, lengths = self.rows[np.asarray(indices, np.int64)].T
         fds: dict[str, int] = {}
         try:
-            for row, index in enumerate(indices):
-                begin = int(index) * self.seq_len
+            for row, (begin, length) in enumerate(zip(begins.tolist(), lengths.tolist())):
                 shard = bisect.bisect_right(self._shard_starts, begin) - 1
                 at = 0
-                while at < width:
+                while at < length:
                     base = self._shard_starts[shard]
                     lo = begin + at - base
-                    hi = min(begin + width, self._shard_starts[shard + 1]) - base
+                    hi = min(begin + length, self._shard_starts[shard + 1]) - base
                     if hi > lo:
                         self._read(fds, self.paths[shard], tokens[row, at : at + hi - lo], lo)
                         if targets is not None and self.masks[shard] is not None:
@@ -1023,6 +1038,8 @@ class PreparedSequences:
         finally:
             for fd in fds.values():
                 os.close(fd)
+        if self.rows is not None:
+            tokens, starts, targets = pad_rows(tokens, starts, targets, lengths, self.pad_id)
         return split_rows(packed_rows(tokens, starts, targets))
 
     @staticmethod

@@ -365,7 +365,8 @@ def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> 
         raise ConfigError(
             f"the batch of step {step} has a row of {most} documents, more than "
             f"model.max_documents_per_row={limit} (cuDNN attention takes each row's documents as "
-            f"offsets); set model.max_documents_per_row={most} or more, or model.attention=xla"
+            f"offsets; under data.packing=whole a row's padding counts as one); set "
+            f"model.max_documents_per_row={most} or more, or model.attention=xla"
         )
 
 

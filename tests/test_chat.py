@@ -246,10 +246,13 @@ def write_jsonl(path, records):
     return path
 
 
-@pytest.mark.parametrize("train_on", ["assistant", "all"])
-def test_prepared_shards_give_the_in_memory_samples_mask_included(tmp_path, train_on, monkeypatch):
+@pytest.mark.parametrize(
+    "train_on, packing", [("assistant", "wrap"), ("all", "wrap"), ("assistant", "whole")]
+)
+def test_prepared_shards_give_the_in_memory_samples_mask_included(tmp_path, train_on, packing, monkeypatch):
     """Also where a shard's first records are plain text written out before its first
-    conversation (the .msk then starts with their 1s): writes every 8 tokens."""
+    conversation (the .msk then starts with their 1s): writes every 8 tokens. data.packing=whole
+    too: the same rows, their padding no target."""
     monkeypatch.setattr(shards, "_FLUSH_TOKENS", 8)
     source = write_jsonl(tmp_path / "chats.jsonl", RECORDS[1:2] * 2 + RECORDS * 3)
     out = tmp_path / "shards"
@@ -260,9 +263,9 @@ def test_prepared_shards_give_the_in_memory_samples_mask_included(tmp_path, trai
     assert manifest["version"] == shards.MASKED_VERSION
     assert all("msk" in r["sha256"] for r in manifest["splits"]["train"]["shards"])
     assert manifest["chat_template"]["origin"] == "simple"
-    cfg = DataConfig(source=str(source), chat_template="simple", train_on=train_on)
+    cfg = DataConfig(source=str(source), chat_template="simple", train_on=train_on, packing=packing)
     in_memory = data.packed_source(cfg, ByteTokenizer(), 24)
-    prepared = shards.PreparedSequences(str(out), "byte", 24, train_on=train_on)
+    prepared = shards.PreparedSequences(str(out), "byte", 24, train_on=train_on, packing=packing)
     assert len(prepared) == len(in_memory)
     rows = list(range(len(prepared)))
     for a, b in zip(prepared._getitems(rows), in_memory._getitems(rows)):  # noqa: SLF001
@@ -270,6 +273,61 @@ def test_prepared_shards_give_the_in_memory_samples_mask_included(tmp_path, trai
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     masked = sum(float(r["loss_mask"].sum()) for r in prepared._getitems(rows))  # noqa: SLF001
     assert (masked < len(rows) * 24 - 20) == (train_on == "assistant")
+
+
+def test_padding_of_whole_rows_changes_neither_the_loss_nor_any_gradient():
+    """data.packing=whole on the tiny model (float32, one device): two conversations padded in
+    their row give the loss and every gradient leaf of the same two filling a row exactly (to
+    float32 rounding: other shapes sum in another order), and replacing every padding token, as
+    input and as target, by other tokens leaves the loss and every leaf bit-identical. Padding
+    counted as a target fails both."""
+    import jax
+    from flax import nnx
+
+    from jaxpar import config as config_lib
+    from jaxpar.models.llama import Transformer
+    from jaxpar.models.objective import objective
+
+    model_cfg = config_lib.load_config(os.path.join(ROOT, "configs", "tiny.yaml"), []).model
+    model = Transformer(model_cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
+
+    @jax.jit
+    def loss_and_grads(batch):
+        def mean(p):
+            nll, aux = objective(graphdef, p, batch, chunks=1)
+            return nll / aux["count"]
+
+        return jax.value_and_grad(mean)(params)
+
+    docs = [{"messages": CONVERSATION}, {"prompt": "2+2=", "completion": "4"}]
+    exact = data.pack(docs, ByteTokenizer(), 1000, template("simple"), packing="whole")
+    (length,) = exact.rows[:, 1]  # both in one row: exactly their tokens
+    rows = {}
+    for seq_len in (length - 1, length + 8):
+        packed = data.pack(docs, ByteTokenizer(), seq_len, template("simple"), packing="whole")
+        assert packed.rows.tolist() == [[0, length]]
+        rows[seq_len] = {k: v[None] for k, v in packed[0].items()}
+    padded = rows[length + 8]
+    assert padded["loss_mask"][0, length - 1 :].sum() == 0 and padded["loss_mask"].sum() > 20
+    want_loss, want = loss_and_grads(rows[length - 1])
+    got_loss, got = loss_and_grads(padded)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(got):
+        other = want
+        for key in path:
+            other = other[key.key]
+        error = np.linalg.norm(np.asarray(leaf) - np.asarray(other)) / np.linalg.norm(np.asarray(other))
+        assert error <= 1e-5, (jax.tree_util.keystr(path), error)
+    noise = np.random.default_rng(0).integers(0, 256, padded["inputs"].shape, dtype=np.int32)
+    changed = dict(padded)
+    changed["inputs"] = np.where(np.arange(length + 8) < length, padded["inputs"], noise)
+    changed["targets"] = np.where(np.arange(length + 8) < length - 1, padded["targets"], noise[:, ::-1])
+    assert (changed["inputs"] != padded["inputs"]).sum() > 4
+    changed_loss, changed_grads = loss_and_grads(changed)
+    assert changed_loss == got_loss
+    for a, b in zip(jax.tree_util.tree_leaves(changed_grads), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_parquet_messages_column(tmp_path):

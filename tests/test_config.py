@@ -200,6 +200,7 @@ def test_the_fixed_choice_settings_are_literals():
         "parallel.pipeline_schedule",
         "parallel.zero_stage",
         "data.format",
+        "data.packing",
         "optimizer.name",
         "train.on_nan",
     }
@@ -491,6 +492,14 @@ def test_cli_config_error_exits_2_with_one_line_and_no_traceback():
     assert len(lines) == 1, result.stderr
     assert "mesh" in lines[0] and "tensor=3" in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_cli_unknown_packing_exits_2_naming_the_key_and_the_choices():
+    result = run_train_cli("configs/sft.yaml", "data.packing=bfd")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "config error: data.packing='bfd': choose one of wrap, whole"
+    ]
 
 
 def test_cli_missing_config_file_exits_2_with_no_traceback(tmp_path):

@@ -167,6 +167,115 @@ def test_corpus_shorter_than_one_sequence_is_a_config_error():
     assert len(pack(["ab"], ByteTokenizer(), seq_len=2)) == 1
 
 
+# --- data.packing=whole ---------------------------------------------------------------------
+
+
+def reference_whole_rows(documents: list[str], seq_len: int) -> list[list[tuple[int, int]]]:
+    """data.packing=whole written out a document at a time: each row's (token, document) pairs,
+    padding left out. A document that fits in the rest of the row joins it; one that fits in a
+    row starts the next; a longer one starts a row and fills rows of seq_len + 1 tokens, each
+    beginning with the last token of the one before, its rest opening the next row."""
+    width = seq_len + 1
+    rows, row = [], []
+    for n, doc in enumerate(documents):
+        tokens = [(t, n) for t in list(doc.encode("utf-8")) + [EOD]]
+        if len(tokens) <= width - len(row):
+            row += tokens
+            continue
+        if row:
+            rows.append(row)
+        at = 0
+        while len(tokens) - at > width:
+            rows.append(tokens[at : at + width])
+            at += seq_len
+        row = tokens[at:]
+    return rows + [row] if row else rows
+
+
+WHOLE_DOCUMENTS = DOCUMENTS + random_documents(30, seed=4)
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 5, 16, 40])
+def test_whole_packing_is_the_reference_row_by_row_padding_apart(seq_len):
+    """Tokens, positions, segment ids and loss mask of every row against the reference; the
+    padding (end-of-document tokens) is no target and a segment of its own."""
+    expected = reference_whole_rows(WHOLE_DOCUMENTS, seq_len)
+    packed = pack(WHOLE_DOCUMENTS, ByteTokenizer(), seq_len, packing="whole")
+    assert len(packed) == len(expected)
+    padded = 0
+    for i, want in enumerate(expected):
+        got, n = packed[i], len(want)
+        tokens = np.append(got["inputs"], got["targets"][-1])
+        docs = np.array([d for _, d in want])
+        np.testing.assert_array_equal(tokens[:n], [t for t, _ in want], err_msg=f"row {i}")
+        assert np.all(tokens[n:] == EOD), i
+        starts = np.concatenate([[True], docs[1:] != docs[:-1]])
+        np.testing.assert_array_equal(got["segment_ids"][: min(n, seq_len)], np.cumsum(starts)[:seq_len])
+        positions = [j - max(k for k in range(j + 1) if starts[k]) for j in range(min(n, seq_len))]
+        np.testing.assert_array_equal(got["positions"][: min(n, seq_len)], positions)
+        mask = np.zeros(seq_len, np.float32)
+        mask[: n - 1] = ~starts[1:]
+        np.testing.assert_array_equal(got["loss_mask"], mask, err_msg=f"row {i}")
+        if n < seq_len:  # padding among the inputs: one segment, none of the documents'
+            pad = got["segment_ids"][n:]
+            assert np.all(pad == pad[0]) and pad[0] not in got["segment_ids"][:n], i
+        padded += n <= seq_len
+    assert padded > 0 or seq_len == 1  # (rows of two tokens: never padded here)
+
+
+@pytest.mark.parametrize("seq_len", [3, 5, 16, 40])
+def test_whole_packing_keeps_every_document_that_fits_in_one_row_in_order(seq_len):
+    """Counted on the stream: each document of at most seq_len + 1 tokens lies inside exactly
+    one row and meets no other; rows follow the stream; every token but a document's first is
+    a target exactly once (a long document's rows overlap by one token), padding never."""
+    stream, owners = reference_stream(WHOLE_DOCUMENTS)
+    packed = pack(WHOLE_DOCUMENTS, ByteTokenizer(), seq_len, packing="whole")
+    begins, lengths = packed.rows.T
+    assert begins[0] == 0 and np.all(np.diff(begins) > 0) and np.all(lengths <= seq_len + 1)
+    ends = begins + lengths
+    for n in range(len(WHOLE_DOCUMENTS)):
+        first, last = np.flatnonzero(owners == n)[[0, -1]]
+        meets = np.flatnonzero((begins <= last) & (ends > first))
+        if last - first + 1 <= seq_len + 1:
+            assert len(meets) == 1 and begins[meets[0]] <= first and last < ends[meets[0]], n
+    counted = np.concatenate([packed[i]["targets"][packed[i]["loss_mask"] == 1] for i in range(len(packed))])
+    not_first = np.concatenate([[False], owners[1:] == owners[:-1]])
+    np.testing.assert_array_equal(counted, stream[not_first])
+
+
+def test_whole_packing_fit_boundary():
+    """A row holds seq_len + 1 tokens: a document of exactly the room left joins the row, one
+    token more starts the next; a document of seq_len + 1 tokens fills a row alone, one of
+    seq_len + 2 takes two rows that share a token."""
+    tok = ByteTokenizer()
+
+    def rows(documents):
+        return pack(documents, tok, seq_len=7, packing="whole").rows.tolist()
+
+    assert rows(["ab", "abcd"]) == [[0, 8]]  # 3 + 5 = 8 tokens: exactly the room left
+    assert rows(["ab", "abcde"]) == [[0, 3], [3, 6]]  # 3 + 6: one token too many
+    assert rows(["abcdefg", "x"]) == [[0, 8], [8, 2]]
+    assert rows(["abcdefgh", "x"]) == [[0, 8], [7, 4]]  # 9 tokens: the last two with "x"
+    full = pack(["abcdefg"], tok, seq_len=7, packing="whole")[0]
+    assert full["loss_mask"].tolist() == [1] * 7 and full["targets"][-1] == EOD
+    one_more = pack(["ab", "abcde"], tok, seq_len=7, packing="whole")[0]
+    assert one_more["inputs"].tolist() == [ord("a"), ord("b"), EOD] + [EOD] * 4
+    assert one_more["loss_mask"].tolist() == [1, 1, 0, 0, 0, 0, 0]
+    assert one_more["segment_ids"].tolist() == [1, 1, 1, 2, 2, 2, 2]
+
+
+def test_whole_packing_iterator_restores_and_wrap_stays_the_default():
+    packed = pack(random_documents(40), ByteTokenizer(), seq_len=8, packing="whole")
+    iterator = make_iterator(batch_dataset(packed, global_batch=4, seed=3))
+    for _ in range(3):
+        next(iterator)
+    state = json.loads(json.dumps(iterator.get_state()))
+    expected = [next(iterator) for _ in range(4)]
+    assert_same_batches(take(batch_dataset(packed, global_batch=4, seed=3), 4, state=state), expected)
+    wrap = pack(random_documents(40), ByteTokenizer(), seq_len=8, packing="wrap")
+    assert wrap.rows is None and len(wrap) == len(pack(random_documents(40), ByteTokenizer(), seq_len=8))
+
+
 # --- Batches: order, determinism, restore, process shares -------------------------------------
 
 

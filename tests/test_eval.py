@@ -19,6 +19,7 @@ from jaxpar import config as config_lib
 from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig, SourceConfig
 from jaxpar.data import make_iterator
+from jaxpar.documents import ByteTokenizer
 from jaxpar.train import build_trainer, train
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
@@ -131,6 +132,26 @@ def test_eval_batches_are_the_val_splits_the_same_every_time(prepared):
             r"and data.source=.* has none: prepare it with one",
         ):
             config_lib.validate(cfg, 8)
+
+
+def test_whole_packing_reaches_a_mixtures_sources_and_the_val_splits(prepared):
+    """data.packing=whole: every source of data.sources, and every val split evaluation reads,
+    is packed whole: the batches hold exactly their whole rows."""
+    sources = [SourceConfig(str(prepared["a"]), 0.75), SourceConfig(str(prepared["b"]), 0.25)]
+    cfg = DataConfig(sources=sources, packing="whole")
+
+    def whole(name, split):
+        rows = shards.PreparedSequences(str(prepared[name]), "byte", SEQ, split=split, packing="whole")
+        assert rows.rows is not None
+        return {tuple(rows[i]["inputs"]) for i in range(len(rows))}
+
+    mixed = data.batch_dataset(data.training_source(cfg, ByteTokenizer(), SEQ), global_batch=BATCH, seed=0)
+    evaluated = data.eval_dataset(cfg, SEQ, global_batch=BATCH, batches=2)
+    for dataset, split in ((mixed, "train"), (evaluated, "val")):
+        batches = list(make_iterator(dataset[:2]))
+        rows = {tuple(row) for batch in batches for row in batch["inputs"]}
+        assert rows <= whole("a", split) | whole("b", split)
+        assert any(batch["loss_mask"][:, -1].min() == 0 for batch in batches)
 
 
 def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:

@@ -610,3 +610,22 @@ def test_plan_answers_a_huge_count_within_seconds(gpus, capsys):
     assert code in (0, 3) and seconds < 20, (code, seconds)
     result = json.loads(capsys.readouterr().out)
     assert result["plans"] or "no layout of" in result["error"]
+
+
+def test_data_packing_is_data_and_an_older_record_trained_with_wrap(tmp_path):
+    """data.packing decides which rows global batch k holds: a resume onto the other value is a
+    change of data, also from a record written before the setting (which trained with wrap, then
+    the only packing)."""
+    import yaml
+
+    from jaxpar import config as config_lib
+    from jaxpar import rundir
+
+    record = config_lib.to_dict(config_lib.load_config(None, []))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(record))
+    whole = config_lib.to_dict(config_lib.load_config(None, ["data.packing=whole"]))
+    assert rundir.data_changes(str(tmp_path), whole) == [("data.packing", "wrap", "whole")]
+    del record["data"]["packing"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(record))
+    assert rundir.data_changes(str(tmp_path), whole) == [("data.packing", "wrap", "whole")]
+    assert rundir.data_changes(str(tmp_path), config_lib.to_dict(config_lib.load_config(None, []))) == []

@@ -109,25 +109,35 @@ def files_of(directory) -> dict[str, bytes]:
 # --- The same stream as the raw source ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("packing", ["wrap", "whole"])
 @pytest.mark.parametrize("seq_len", [2, 7, 64])
-def test_prepared_shards_give_exactly_the_raw_sources_samples(corpus, prepared, seq_len):
+def test_prepared_shards_give_exactly_the_raw_sources_samples(corpus, prepared, seq_len, packing):
+    """data.packing=whole too: the rows computed from the shards' document index on load are
+    the in-memory ones, rows that carry on across shard ends included."""
     manifest = json.loads((prepared / "manifest.json").read_text())
     assert len(manifest["splits"]["train"]["shards"]) > 20  # windows cross shard ends
-    expected = pack(raw_documents(corpus), ByteTokenizer(), seq_len)
-    assert_same_samples(shards.PreparedSequences(str(prepared), "byte", seq_len), expected)
+    expected = pack(raw_documents(corpus), ByteTokenizer(), seq_len, packing=packing)
+    got = shards.PreparedSequences(str(prepared), "byte", seq_len, packing=packing)
+    assert_same_samples(got, expected)
+    if packing == "whole":
+        np.testing.assert_array_equal(got.rows, expected.rows)
+        assert (expected.rows[:, 1] < seq_len + 1).any()  # padded rows
 
 
-def test_max_documents_takes_the_first_documents_of_prepared_shards(corpus, prepared):
+@pytest.mark.parametrize("packing", ["wrap", "whole"])
+def test_max_documents_takes_the_first_documents_of_prepared_shards(corpus, prepared, packing):
     for n in (1, 37, 152):
-        expected = pack(raw_documents(corpus)[:n], ByteTokenizer(), 5)
-        assert_same_samples(shards.PreparedSequences(str(prepared), "byte", 5, max_documents=n), expected)
+        expected = pack(raw_documents(corpus)[:n], ByteTokenizer(), 5, packing=packing)
+        got = shards.PreparedSequences(str(prepared), "byte", 5, max_documents=n, packing=packing)
+        assert_same_samples(got, expected)
 
 
-def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prepared):
+@pytest.mark.parametrize("packing", ["wrap", "whole"])
+def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prepared, packing):
     """Same seed, same batches as the raw source; process shares disjoint and tiling the global
-    batch; a restored iterator continues identically."""
-    raw = pack(raw_documents(corpus), ByteTokenizer(), 16)
-    source = shards.PreparedSequences(str(prepared), "byte", 16)
+    batch; a restored iterator continues identically (the row index is rebuilt on load)."""
+    raw = pack(raw_documents(corpus), ByteTokenizer(), 16, packing=packing)
+    source = shards.PreparedSequences(str(prepared), "byte", 16, packing=packing)
     steps = len(raw) // 8 + 3  # into the second epoch
     single = take(batch_dataset(source, global_batch=8, seed=5), steps)
     assert_same_batches(single, take(batch_dataset(raw, global_batch=8, seed=5), steps))
@@ -149,7 +159,7 @@ def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prep
         next(iterator)
     state = json.loads(json.dumps(iterator.get_state()))  # as a checkpoint stores it
     expected = [next(iterator) for _ in range(4)]
-    fresh = shards.PreparedSequences(str(prepared), "byte", 16)  # as after a restart
+    fresh = shards.PreparedSequences(str(prepared), "byte", 16, packing=packing)  # as after a restart
     assert_same_batches(take(batch_dataset(fresh, global_batch=8, seed=5), 4, state=state), expected)
     # As grain's worker processes receive it: its arguments, opened again (no copy of the index).
     pickled = pickle.dumps(source)
