@@ -27,11 +27,18 @@ from dataclasses import dataclass, field
 from jaxpar.metrics import flops_per_token
 
 JAXPAR_H100 = "measured on one H100 SXM by this project, 2026-11-22 (jax 0.11.2, 20 timed steps)"
+JAXPAR_OWN = (
+    "jaxpar's own train step on one H100 80GB HBM3, benchmarks/bench.py, 2026-11-27 (jax 0.11.2, "
+    "median of 20 timed steps; benchmarks/results/*-h100.json)"
+)
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (docs/performance.md)"
 MEGATRON = "Megatron-LM README, 'Performance Benchmarking' model table (H100, bf16, seq 4096)"
 
 # Shapes. B13 and GPT2 are the single-H100 runs' own; LLAMA31_* the releases'; MEGATRON_* sized
 # here to the README's parameter counts (vocabulary 131,072).
+LLAMA_1B = dict(  # configs/llama-1b.yaml
+    vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192, tie_embeddings=True
+)
 B13 = dict(
     vocab_size=50304, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=16, d_ff=5464, tie_embeddings=True
 )
@@ -160,6 +167,17 @@ RESULTS = [
         note="FSDP2 + torch.compile, local batch 2, selective AC",
     ),
     # --- checked (never fitted) ---------------------------------------------------------------
+    # jaxpar itself, the presets as committed (cuDNN packed attention with 32 document slots,
+    # the chunked loss), measured after the model's constants were fitted.
+    _single(
+        "jaxpar 124M b12", GPT2, 1024, 12, "none", 0.05309, "check", JAXPAR_OWN, "configs/gpt2-124m.yaml"
+    ),
+    _single(
+        "jaxpar 124M b32", GPT2, 1024, 32, "none", 0.12164, "check", JAXPAR_OWN, "configs/gpt2-124m.yaml"
+    ),
+    _single(
+        "jaxpar 1B b8 dots", LLAMA_1B, 2048, 8, "dots", 0.34766, "check", JAXPAR_OWN, "configs/llama-1b.yaml"
+    ),
     _single("jax 1.3B b4 dots", B13, 2048, 4, "dots", 0.164, "check", note=PLAIN_JAX),
     _single("nanoGPT 1.3B b4", B13, 2048, 4, "none", 0.146, "check", note=NANOGPT),
     Result(
