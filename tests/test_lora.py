@@ -1,7 +1,8 @@
 """LoRA (finetune.lora, jaxpar/models/lora.py): settings refused by name, the adapters' gradients
 on a data x fsdp x tensor mesh equal one device's leaf by leaf, the frozen weights stay
-bit-identical and hold no optimizer state, a run resumes bit-exact (dropout is refused: not
-built). The Hugging Face side (merged export, PEFT adapter) is in tests/test_convert.py.
+bit-identical and hold no optimizer state, a run resumes bit-exact; dropout on the adapters'
+inputs is drawn per token from (train.seed, step), the same on any layout, and only in training.
+The Hugging Face side (merged export, PEFT adapter) is in tests/test_convert.py.
 
 The base is configs/tiny.yaml's random init (no train.init_from: allowed, the base is then the
 seed's init). B starts at zero, which makes A's gradient zero at step 0; the parity runs start
@@ -52,7 +53,11 @@ def _flat(tree) -> dict:
         ),
         (["finetune.lora.rank=4", "finetune.lora.targets=[q,q]"], ["finetune.lora.targets", "once"]),
         (["finetune.lora.rank=4", "finetune.lora.alpha=0"], ["finetune.lora.alpha=0"]),
-        (["finetune.lora.rank=4", "finetune.lora.dropout=0.1"], ["finetune.lora.dropout=0.1", "not built"]),
+        (["finetune.lora.rank=4", "finetune.lora.dropout=1.0"], ["finetune.lora.dropout=1.0", "[0, 1)"]),
+        (
+            ["finetune.lora.rank=4", "finetune.lora.dropout=0.1", "mesh.pipe=2", "mesh.data=2"],
+            ["finetune.lora.dropout=0.1", "mesh.pipe=2", "finetune.lora.dropout=0"],
+        ),
         (
             ["finetune.lora.rank=4", "finetune.lora.targets=[q,up]", "model.moe.num_experts=4"],
             ["MoE experts", "up", "q, k, v, o"],
@@ -193,3 +198,94 @@ def test_the_merged_weights_compute_the_adapted_model():
     scale = np.max(np.abs(want))
     assert np.max(np.abs(got - want)) <= 1e-5 * scale
     assert np.max(np.abs(base - want)) > 100 * 1e-5 * scale  # the adapters change the logits
+
+
+# --- Dropout (finetune.lora.dropout) ---------------------------------------------------------
+
+DROPOUT = [*LORA, "finetune.lora.dropout=0.25", "parallel.grad_reduce_dtype=float32"]
+
+
+def test_noise_drops_at_its_rate_per_token_seed_and_path():
+    """`lora.Noise.drop`: about `rate` of the elements zeroed, the rest scaled by 1 / (1 - rate);
+    a token's mask depends on its seed and the path alone (equal seeds, equal rows, wherever
+    they sit), and another path draws another mask."""
+    rate, width = 0.25, 512
+    seeds = jax.numpy.asarray(np.arange(8, dtype=np.uint32).reshape(2, 4))
+    x = jax.numpy.ones((2, 4, width), jax.numpy.float32)
+    noise = lora_lib.Noise(seeds).at(3).at(1)
+    dropped = np.asarray(noise.drop(x, rate))
+    assert set(np.unique(dropped)) == {0.0, np.float32(1 / (1 - rate))}
+    assert abs(np.mean(dropped == 0) - rate) < 0.03
+    moved = np.asarray(lora_lib.Noise(seeds[::-1, ::-1]).at(3).at(1).drop(x, rate))
+    np.testing.assert_array_equal(moved[::-1, ::-1], dropped)  # the seed decides, not the place
+    other = np.asarray(lora_lib.Noise(seeds).at(3).at(2).drop(x, rate))
+    assert np.mean(other != dropped) > 0.2
+    assert len({dropped[0, i].tobytes() for i in range(4)}) == 4  # the tokens' masks differ
+
+
+def _grads_at(trainer, init, batch, step: int):
+    """The gradients of one step from the host state `init` with its step counter at `step`."""
+    state = jax.device_put({**init, "step": np.int32(step)}, trainer.state_shardings)
+    return _flat(jax.device_get(trainer.step(state, trainer.shard_batch(batch))[2]))
+
+
+@pytest.fixture(scope="module")
+def dropout_runs():
+    """One device's LoRA step (random B) at finetune.lora.dropout = 0.25 and at 0, and the
+    dropout step on data x fsdp x tensor = 2 x 2 x 2, all from the same state and batch."""
+    one = parity.parity_trainer(DROPOUT, {})
+    init = with_random_b(one.init())
+    batch = next(parity.random_batches(one.cfg))
+    plain = parity.parity_trainer([*LORA, "parallel.grad_reduce_dtype=float32"], {})
+    mesh = parity.parity_trainer(DROPOUT, MESH)
+    return {"one": one, "plain": plain, "mesh": mesh, "init": init, "batch": batch}
+
+
+def test_dropout_is_drawn_per_step_and_repeats_within_a_step(dropout_runs):
+    r = dropout_runs
+    step3 = _grads_at(r["one"], r["init"], r["batch"], 3)
+    again = _grads_at(r["one"], r["init"], r["batch"], 3)
+    step4 = _grads_at(r["one"], r["init"], r["batch"], 4)
+    undropped = _grads_at(r["plain"], r["init"], r["batch"], 3)
+    assert len(step3) == 14
+    for name in step3:
+        assert step3[name].tobytes() == again[name].tobytes(), name  # deterministic given the step
+        for other in (step4, undropped):  # another step draws another mask; dropout changes them
+            change = np.linalg.norm(step3[name] - other[name]) / np.linalg.norm(other[name])
+            assert change > 1e-2, (name, change)
+
+
+def test_dropout_gradients_on_a_mesh_equal_one_device_leaf_by_leaf(dropout_runs):
+    """The masks come from the tokens' seeds, not from where a device holds them: a data x fsdp
+    x tensor step gives one device's adapter gradients under dropout."""
+    r = dropout_runs
+    want = _grads_at(r["one"], r["init"], r["batch"], 5)
+    got = _grads_at(r["mesh"], r["init"], r["batch"], 5)
+    parity.assert_nonzero(want)
+    parity.assert_grads_match(got, want)
+
+
+def test_evaluation_does_not_drop(dropout_runs):
+    """The eval loss of a dropout run equals the same params' without dropout, bit for bit, and
+    differs from the dropout step's training loss."""
+    r = dropout_runs
+    params = r["init"]["params"]
+    got = [np.asarray(v) for v in r["one"].evaluate(params, r["one"].shard_batch(r["batch"]))]
+    want = [np.asarray(v) for v in r["plain"].evaluate(params, r["plain"].shard_batch(r["batch"]))]
+    assert got[0].tobytes() == want[0].tobytes() and got[1] == want[1]
+    state = jax.device_put(r["init"], r["one"].state_shardings)
+    trained = float(r["one"].step(state, r["one"].shard_batch(r["batch"]))[1]["loss"])
+    assert trained != float(got[0] / got[1])
+
+
+def test_no_dropout_compiles_no_random_numbers():
+    """finetune.lora.dropout=0 leaves the step as it was: its program draws no random bits
+    (the dropout step's does)."""
+    from jaxpar import targets as targets_lib
+
+    texts = {}
+    for rate in ("0", "0.25"):
+        trainer = parity.trainer_on([*LORA, f"finetune.lora.dropout={rate}"], {})
+        with targets_lib.lowering_context(trainer.mesh):
+            texts[rate] = trainer.step.lower(trainer.state_shape, trainer.batch_shape()).as_text()
+    assert "threefry" not in texts["0"] and "threefry" in texts["0.25"]
