@@ -71,6 +71,14 @@ class Trainer:
     def mesh(self) -> Mesh:
         return self.layout.mesh
 
+    def stored(self, tree: dict) -> dict:
+        """The part of a train-state-shaped tree (a state, its shapes or its shardings) that a
+        checkpoint holds: all of it, or with finetune.lora all but the frozen weights, which
+        the checkpoint names instead (`jaxpar.base`)."""
+        if self.trainable is None:
+            return tree
+        return {**tree, "params": self.trainable.split(tree["params"])[0]}
+
     def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays split over (data, fsdp, expert)."""
         return {

@@ -12,6 +12,7 @@ from random B (`with_random_b`) so that every adapter leaf has a gradient to com
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -149,32 +150,108 @@ def test_optimizer_state_is_two_adam_moments_of_the_adapters_only():
     assert shardings["wo_lora"]["lora_a"].spec == jax.sharding.PartitionSpec(None, "tensor", None)
 
 
-def test_a_lora_run_resumes_bit_exact(tmp_path):
-    """Four steps, then the same run again from its step-2 checkpoint (train.resume=2): steps 3
-    and 4 rerun with the same losses, bit for bit (the adapters and their optimizer state come
-    back; the frozen weights are in the checkpoint)."""
+WIDER = ["model.d_model=128", "model.d_ff=512"]  # the weights outweigh a checkpoint's small files
+
+
+def _lora_train(run_dir, *extra) -> dict:
+    """A LoRA run (with dropout, `WIDER`) of four steps on data x fsdp x tensor, checkpoints at
+    2 and 4; returns {step: loss} from its metrics.jsonl."""
     from jaxpar.train import train
 
-    def run(*extra):
-        cfg = parity.tiny_config(
-            [
-                *LORA,
-                "train.steps=4",
-                f"train.run_dir={tmp_path / 'run'}",
-                "checkpoint.every=2",
-                "checkpoint.keep=0",
-                *[f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES],
-                *extra,
-            ]
-        )
-        train(cfg, config_lib.validate(cfg, 8))
-        with open(tmp_path / "run" / "metrics.jsonl") as f:
-            return {r["step"]: r["loss"] for r in map(json.loads, f)}
+    cfg = parity.tiny_config(
+        [
+            *LORA,
+            *WIDER,
+            "finetune.lora.dropout=0.1",
+            "train.steps=4",
+            f"train.run_dir={run_dir}",
+            "checkpoint.every=2",
+            "checkpoint.keep=0",
+            *[f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES],
+            *extra,
+        ]
+    )
+    train(cfg, config_lib.validate(cfg, 8))
+    with open(run_dir / "metrics.jsonl") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
-    straight = run()
-    rerun = run("train.resume=2")
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA run over configs/tiny.yaml's random init: its directory and its losses."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    return run_dir, _lora_train(run_dir)
+
+
+def test_a_lora_run_resumes_bit_exact(lora_run):
+    """The same run again from its step-2 checkpoint (train.resume=2): steps 3 and 4 rerun with
+    the same losses, bit for bit -- the adapters, their optimizer state and the step come back
+    from the checkpoint, the frozen weights from the base it names, and dropout draws the same
+    masks."""
+    run_dir, straight = lora_run
+    rerun = _lora_train(run_dir, "train.resume=2")
     assert sorted(rerun) == [1, 2, 3, 4]
     assert rerun == straight  # steps 3 and 4 bit-identical
+
+
+def _bytes_under(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(lora_run):
+    """On disk a LoRA checkpoint is its adapters, their Adam moments and a few small files, far
+    less than the model: the frozen weights are not in it; its data item names the base."""
+    from jaxpar import base as base_lib
+    from jaxpar.checkpoint import PARAMS_ITEM, Checkpointer, checkpoint_dir
+
+    run_dir, _ = lora_run
+    step_dir = os.path.join(checkpoint_dir(str(run_dir)), "4")
+    trainer = parity.trainer_on([*LORA, *WIDER], {})
+    adapters = trainer.trainable.split(trainer.state_shape["params"])[0]
+    adapter_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(adapters))
+    model_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.state_shape["params"]))
+    on_disk = _bytes_under(step_dir)
+    assert model_bytes > 10 * adapter_bytes
+    assert on_disk < 2 * 3 * adapter_bytes + 256 * 1024, (on_disk, adapter_bytes)  # A, B + 2 moments
+    assert on_disk < model_bytes / 2, (on_disk, model_bytes)
+    saved = Checkpointer(checkpoint_dir(str(run_dir)), read_only=True)
+    try:
+        metadata = saved._manager.item_metadata(4)[PARAMS_ITEM]
+        names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dict(metadata))[0]}
+        assert names and all("_lora" in n for n in names), names
+        assert saved.data_state(4)[base_lib.BASE_KEY] is None  # the random init of train.seed
+    finally:
+        saved.close()
+
+
+def test_a_lora_checkpoint_refuses_another_base(lora_run, tmp_path):
+    """Resuming the adapters over another train.init_from than the one they were trained over
+    is refused, naming both."""
+    run_dir, _ = lora_run
+    with pytest.raises(ConfigError) as err:
+        _lora_train(run_dir, "train.resume=4", "train.steps=6", f"train.init_from={tmp_path}")
+    assert "train.init_from" in str(err.value) and "random init" in str(err.value), str(err.value)
+
+
+def test_sample_and_export_read_a_lora_checkpoint(lora_run, tmp_path):
+    """`load_params` (what sample and to-hf read) rebuilds the model from the adapters over the
+    base: the merged weights equal the base's with A B folded in, and the adapters those saved."""
+    from jaxpar.export import load_params
+
+    run_dir, _ = lora_run
+    cfg, merged, step = load_params(str(run_dir))
+    _, params, _ = load_params(str(run_dir), merge_lora=False)
+    assert step == 4
+    trainer = parity.trainer_on([*LORA, *WIDER], {})
+    base = _flat(trainer.trainable.split(jax.device_get(trainer.init()["params"]))[1])
+    frozen = _flat(trainer.trainable.split(params)[1])
+    assert frozen.keys() == base.keys()
+    for name in base:
+        assert frozen[name].tobytes() == base[name].tobytes(), name
+    want = _flat(lora_lib.merged(params, cfg.finetune.lora))
+    got = _flat(merged)
+    assert got.keys() == want.keys() and "['blocks']['attn']['wq']" in got
+    assert not np.array_equal(got["['blocks']['attn']['wq']"], base["['blocks']['attn']['wq']"])
 
 
 def test_the_merged_weights_compute_the_adapted_model():
@@ -289,3 +366,16 @@ def test_no_dropout_compiles_no_random_numbers():
         with targets_lib.lowering_context(trainer.mesh):
             texts[rate] = trainer.step.lower(trainer.state_shape, trainer.batch_shape()).as_text()
     assert "threefry" not in texts["0"] and "threefry" in texts["0.25"]
+
+
+def test_the_peft_adapter_names_a_base_peft_can_load(tmp_path):
+    """adapter_config.json's base: a Hub snapshot in huggingface_hub's cache by its model id and
+    commit, a Hugging Face directory by its path (a jaxpar run by its path too, with a note from
+    the export), null without train.init_from."""
+    from jaxpar.export import peft_base
+
+    snapshot = tmp_path / "hub" / "models--org--tiny-llama" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    assert peft_base(str(snapshot)) == {"base_model_name_or_path": "org/tiny-llama", "revision": "0123abcd"}
+    assert peft_base(str(tmp_path)) == {"base_model_name_or_path": str(tmp_path)}
+    assert peft_base(None) == {"base_model_name_or_path": None}
