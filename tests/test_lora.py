@@ -355,6 +355,23 @@ def test_evaluation_does_not_drop(dropout_runs):
     assert trained != float(got[0] / got[1])
 
 
+def test_dropout_reaches_the_blocks_of_a_moe_group():
+    """model.moe.every=2 (the scan's unit a group of two blocks, the second's MLP an MoE one
+    without adapters): dropout on q and o changes every adapter's gradient, step by step."""
+    moe = ["model.moe.num_experts=4", "model.moe.every=2", "model.n_layers=4", "finetune.lora.targets=[q,o]"]
+    rank = [*LORA[:2], "parallel.grad_reduce_dtype=float32", *moe]
+    one = parity.parity_trainer([*rank, "finetune.lora.dropout=0.25"], {})
+    init = with_random_b(one.init())
+    batch = next(parity.random_batches(one.cfg))
+    dropped = _grads_at(one, init, batch, 1)
+    plain = _grads_at(parity.parity_trainer(rank, {}), init, batch, 1)
+    assert len(dropped) == 2 * 2 * 2  # q and o of each block of the group, A and B
+    for name in dropped:
+        assert np.all(np.isfinite(dropped[name])), name
+        change = np.linalg.norm(dropped[name] - plain[name]) / np.linalg.norm(plain[name])
+        assert change > 1e-2, (name, change)
+
+
 def test_no_dropout_compiles_no_random_numbers():
     """finetune.lora.dropout=0 leaves the step as it was: its program draws no random bits
     (the dropout step's does)."""

@@ -363,8 +363,8 @@ class Block(nnx.Module):
         else:
             attn, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache, sliding=sliding)
         x = constrain(x + (self.post_attn_norm(attn) if post else attn), ("batch", "act_seq", "embed"))
-        # an MoE MLP has no adapters (config refuses them there)
-        out = self.mlp(self.mlp_norm(x), noise) if noise is not None else self.mlp(self.mlp_norm(x))
+        h = self.mlp_norm(x)  # an MoE MLP has no adapters (config refuses them there)
+        out = self.mlp(h, noise) if noise is not None and lora_lib.has_adapters(self.mlp) else self.mlp(h)
         out, stats = out if isinstance(out, tuple) else (out, {})
         x = constrain(x + (self.post_mlp_norm(out) if post else out), ("batch", "act_seq", "embed"))
         return x, (stats if cache is None else cache)
