@@ -279,9 +279,10 @@ class LoRAConfig:
     """Low-rank adapters (Hu et al. 2021, "LoRA"): each targeted projection W becomes
     y = x W + (alpha / rank) * x A B, A [in, rank], B [rank, out]; B starts at zero, so
     step 0 computes the base model. Only A and B train: the base weights get no gradient and no
-    optimizer state (jaxpar/models/lora.py). Meant with train.init_from (the base); without it the
-    frozen base is the random init of train.seed, which is allowed (tests do it) but learns only
-    through the adapters."""
+    optimizer state (jaxpar/models/lora.py), and checkpoints hold the adapters alone, naming the
+    base (jaxpar/base.py). Meant with train.init_from (the base); without it the frozen base is
+    the random init of train.seed, which is allowed (tests do it) but learns only through the
+    adapters."""
 
     rank: int = 0  # adapter rank r; 0 = no LoRA (every weight trains)
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (as PEFT's lora_alpha)

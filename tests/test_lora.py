@@ -1,8 +1,9 @@
 """LoRA (finetune.lora, jaxpar/models/lora.py): settings refused by name, the adapters' gradients
 on a data x fsdp x tensor mesh equal one device's leaf by leaf, the frozen weights stay
-bit-identical and hold no optimizer state, a run resumes bit-exact; dropout on the adapters'
-inputs is drawn per token from (train.seed, step), the same on any layout, and only in training.
-The Hugging Face side (merged export, PEFT adapter) is in tests/test_convert.py.
+bit-identical and hold no optimizer state; dropout on the adapters' inputs is drawn per token
+from (train.seed, step), the same on any layout, and only in training; a checkpoint holds the
+adapters and names its base, and a run resumes from it bit-exact. The Hugging Face side
+(merged export, PEFT adapter) is in tests/test_convert.py.
 
 The base is configs/tiny.yaml's random init (no train.init_from: allowed, the base is then the
 seed's init). B starts at zero, which makes A's gradient zero at step 0; the parity runs start

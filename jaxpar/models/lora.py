@@ -33,7 +33,8 @@ sampling, export) drops nothing. The pipelined step does not carry them yet (con
 dropout with mesh.pipe > 1).
 
 Training: `Trainable` splits the pure-dict params into the adapters (what the step
-differentiates and the optimizer holds state for) and the frozen rest. Export: `merged` folds
+differentiates and the optimizer holds state for) and the frozen rest; a checkpoint holds the
+adapters alone over the base it names (`jaxpar.base`). Export: `merged` folds
 the adapters into their weights (W + alpha/rank * A B); `peft_tensors` names them as PEFT does.
 """
 
