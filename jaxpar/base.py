@@ -7,9 +7,10 @@ run's shardings with a fresh optimizer state at step 0.
 A LoRA run (finetune.lora) trains adapters over a frozen base, so its checkpoints hold only what
 changes (`Trainer.stored`): the adapters, their optimizer state, the step counters and the data
 position, and name their base beside the data position (`BASE_KEY`: the train.init_from directory,
-or null for the random init of train.seed). Restoring one (`restore`, `params_of`) loads the base
-the way init_from does and lays the adapters over it. The base must still be there, unchanged: a
-checkpoint holds no copy of it.
+or null for the random init of train.seed, and where that is a jaxpar run the checkpoint step of it
+that serves as the base: its newest when the checkpoint is saved). Restoring one (`restore`,
+`params_of`) loads that base the way init_from does and lays the adapters over it. The base must
+still be there, unchanged: a checkpoint holds no copy of it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import config as config_lib
-from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+from jaxpar.checkpoint import Checkpointer, checkpoint_dir, list_steps
 from jaxpar.config import ConfigError
 from jaxpar.hf_load import is_hf_dir, load_hf_params
 from jaxpar.optim import make_optimizer
@@ -39,27 +40,29 @@ def _check_run_base(path: str) -> None:
         )
 
 
-def load_weights(trainer, path: str, shapes: dict, shardings: dict) -> dict:
+def load_weights(trainer, path: str, shapes: dict, shardings: dict, step: int | None = None) -> dict:
     """The params of `shapes` (a part of the model's) from train.init_from=`path`, on `shardings`
-    and cast to their dtypes: a Hugging Face directory's tensors, or a run's newest checkpoint."""
+    and cast to their dtypes: a Hugging Face directory's tensors, or a run's checkpoint `step`
+    (default: its newest intact one)."""
     if is_hf_dir(path):
         return load_hf_params(path, trainer.cfg.model, shapes, shardings)
     _check_run_base(path)
     ckpt = Checkpointer(checkpoint_dir(path), read_only=True)
     try:
-        return ckpt.restore({"params": shapes}, {"params": shardings})[0]["params"]
+        return ckpt.restore({"params": shapes}, {"params": shardings}, step)[0]["params"]
     finally:
         ckpt.close()
 
 
-def frozen_params(trainer, init_from: str | None) -> dict:
-    """A LoRA trainer's frozen weights on its shardings: those of `init_from`, or without one the
-    random init of train.seed (the same every time)."""
+def frozen_params(trainer, init_from: str | None, step: int | None = None) -> dict:
+    """A LoRA trainer's frozen weights on its shardings: those of `init_from` (a run's checkpoint
+    `step`, default its newest), or without one the random init of train.seed (the same every
+    time)."""
     lora = trainer.trainable
     if init_from is None:
         return lora.split(trainer.init()["params"])[1]
     shapes = lora.split(trainer.state_shape["params"])[1]
-    return load_weights(trainer, init_from, shapes, lora.split(trainer.state_shardings["params"])[1])
+    return load_weights(trainer, init_from, shapes, lora.split(trainer.state_shardings["params"])[1], step)
 
 
 def init_state(trainer, path: str):
@@ -87,22 +90,29 @@ def init_state(trainer, path: str):
 
 
 def record(cfg) -> dict:
-    """What a checkpoint of this run notes beside its data position: the base, for a LoRA run."""
-    return {BASE_KEY: cfg.train.init_from} if cfg.finetune.lora.rank > 0 else {}
+    """What a checkpoint of this run notes beside its data position: for a LoRA run its base,
+    {"init_from": train.init_from, "step": the newest committed checkpoint of that run, or null
+    for a Hugging Face directory or no init_from}."""
+    if cfg.finetune.lora.rank == 0:
+        return {}
+    path = cfg.train.init_from
+    committed = [] if path is None or is_hf_dir(path) else list_steps(checkpoint_dir(path))[0]
+    return {BASE_KEY: {"init_from": path, "step": committed[-1] if committed else None}}
 
 
-def recorded_base(data_state: dict | None, cfg, where: str) -> str | None:
-    """The base a LoRA checkpoint names (`record`), checked against the run's train.init_from:
-    overlaying adapters on another base would be a different model."""
+def recorded_base(data_state: dict | None, cfg, where: str) -> tuple[str | None, int | None]:
+    """(init_from, step) of the base a LoRA checkpoint names (`record`), checked against the
+    run's train.init_from: overlaying adapters on another base would be a different model."""
     if data_state is None or BASE_KEY not in data_state:
         raise ConfigError(f"{where} names no LoRA base; it was not written by a LoRA run")
     base = data_state[BASE_KEY]
-    if base != cfg.train.init_from:
+    if base["init_from"] != cfg.train.init_from:
         raise ConfigError(
             f"train.init_from={cfg.train.init_from}, but {where} holds adapters trained over "
-            f"{base or 'the random init of train.seed'}; resume with train.init_from={base}"
+            f"{base['init_from'] or 'the random init of train.seed'}; resume with "
+            f"train.init_from={base['init_from']}"
         )
-    return base
+    return base["init_from"], base["step"]
 
 
 def restore(trainer, ckpt: Checkpointer, step: int) -> tuple[dict, dict | None, int]:
@@ -113,7 +123,7 @@ def restore(trainer, ckpt: Checkpointer, step: int) -> tuple[dict, dict | None, 
     )
     if trainer.trainable is not None:
         base = recorded_base(data_state, trainer.cfg, f"checkpoint step {step} in {ckpt.directory}")
-        state["params"] = trainer.trainable.join(state["params"], frozen_params(trainer, base))
+        state["params"] = trainer.trainable.join(state["params"], frozen_params(trainer, *base))
     return state, data_state, step
 
 
@@ -131,5 +141,5 @@ def params_of(trainer, run_dir: str, step: int | None) -> tuple[dict, int]:
     params = state["params"]
     if trainer.trainable is not None:
         base = recorded_base(data_state, trainer.cfg, f"checkpoint step {step} of {run_dir}")
-        params = trainer.trainable.join(params, frozen_params(trainer, base))
+        params = trainer.trainable.join(params, frozen_params(trainer, *base))
     return params, step

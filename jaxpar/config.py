@@ -286,9 +286,7 @@ class LoRAConfig:
 
     rank: int = 0  # adapter rank r; 0 = no LoRA (every weight trains)
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (as PEFT's lora_alpha)
-    # dropout on the adapters' input, training steps only (PEFT's lora_dropout); in [0, 1), not
-    # with mesh.pipe > 1
-    dropout: float = 0.0
+    dropout: float = 0.0  # on the adapters' input, training only (PEFT's); [0, 1), 0 with mesh.pipe > 1
     # q, k, v, o: attention projections; gate, up, down: the dense MLP's (not MoE experts)
     targets: list[LoRATarget] = field(
         default_factory=lambda: ["q", "k", "v", "o"]

@@ -12,6 +12,7 @@ from random B (`with_random_b`) so that every adapter leaf has a gradient to com
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -220,7 +221,8 @@ def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(lora_run):
         metadata = saved._manager.item_metadata(4)[PARAMS_ITEM]
         names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dict(metadata))[0]}
         assert names and all("_lora" in n for n in names), names
-        assert saved.data_state(4)[base_lib.BASE_KEY] is None  # the random init of train.seed
+        # the random init of train.seed
+        assert saved.data_state(4)[base_lib.BASE_KEY] == {"init_from": None, "step": None}
     finally:
         saved.close()
 
@@ -397,3 +399,48 @@ def test_the_peft_adapter_names_a_base_peft_can_load(tmp_path):
     assert peft_base(str(snapshot)) == {"base_model_name_or_path": "org/tiny-llama", "revision": "0123abcd"}
     assert peft_base(str(tmp_path)) == {"base_model_name_or_path": str(tmp_path)}
     assert peft_base(None) == {"base_model_name_or_path": None}
+
+
+def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_path):
+    """Base: a run directory whose checkpoint 0 holds whole weights (as from-hf writes one).
+    The LoRA checkpoint names that run and its step 0; a later checkpoint of the base run (the
+    base trained on) does not change what `load_params` rebuilds, and a LoRA run cannot itself
+    be a base."""
+    from jaxpar import base as base_lib
+    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+    from jaxpar.export import load_params
+    from jaxpar.train import train
+
+    plain = parity.trainer_on([], {})
+    weights = jax.device_get(plain.init()["params"])
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    config_lib.dump_yaml(plain.cfg, str(base_dir / "config.yaml"))
+    ckpt = Checkpointer(checkpoint_dir(str(base_dir)), keep=0)
+    try:
+        ckpt.save(0, {"params": weights}, None, force=True)
+    finally:
+        ckpt.close()
+    one = [f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES]
+    overrides = [*LORA, *one, "train.steps=2", "checkpoint.every=2", f"train.init_from={base_dir}"]
+    cfg = parity.tiny_config([*overrides, f"train.run_dir={tmp_path / 'run'}"])
+    train(cfg, config_lib.validate(cfg, 8))
+    ckpt = Checkpointer(checkpoint_dir(str(base_dir)), keep=0)
+    try:  # the base run goes on: its newest checkpoint is now other weights
+        ckpt.save(5, {"params": jax.tree.map(lambda x: x + 1, weights)}, None, force=True)
+        recorded = Checkpointer(checkpoint_dir(str(tmp_path / "run")), read_only=True)
+        assert recorded.data_state(2)[base_lib.BASE_KEY] == {"init_from": str(base_dir), "step": 0}
+        recorded.close()
+    finally:
+        ckpt.close()
+    _, params, _ = load_params(str(tmp_path / "run"), merge_lora=False)
+    trainer = parity.trainer_on(LORA, {})
+    frozen = _flat(trainer.trainable.split(params)[1])
+    for name, want in _flat(weights).items():
+        assert frozen[name].tobytes() == want.tobytes(), name
+    again = parity.tiny_config([*overrides, f"train.run_dir={tmp_path / 'again'}"])
+    again = dataclasses.replace(
+        again, train=dataclasses.replace(again.train, init_from=str(tmp_path / "run"))
+    )
+    with pytest.raises(ConfigError, match="is a LoRA run"):
+        train(again, config_lib.validate(again, 8))
