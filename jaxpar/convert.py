@@ -24,7 +24,7 @@ is checked before anything is written: every tensor the config implies present w
 nothing unknown, every byte inside its file; and as it is read, every value finite (a NaN or
 infinity names the tensor, and the output is removed).
 
-Loading is sharded, one tensor at a time. `load_hf_params` places each parameter with
+Loading is sharded, one tensor at a time. `hf_load.load_hf_params` places each parameter with
 `jax.make_array_from_callback` onto its sharding on the target mesh; for each device's shard the
 callback reads (`os.pread`) only the rows of the Hugging Face tensor(s) that shard covers, one
 layer at a time, and converts them (reshape, transpose, cast), reading READ_BYTES at a time.
