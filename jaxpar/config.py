@@ -286,13 +286,14 @@ class LoRAConfig:
     """Low-rank adapters (Hu et al. 2021, "LoRA"): each targeted projection W becomes
     y = x W + (alpha / rank) * x A B, A [in, rank], B [rank, out]; B starts at zero, so
     step 0 computes the base model. Only A and B train: the base weights get no gradient and no
-    optimizer state (jaxpar/models/lora.py). Meant with train.init_from (the base); without it the
-    frozen base is the random init of train.seed, which is allowed (tests do it) but learns only
-    through the adapters."""
+    optimizer state (jaxpar/models/lora.py), and checkpoints hold the adapters alone, naming the
+    base (jaxpar/base.py). Meant with train.init_from (the base); without it the frozen base is
+    the random init of train.seed, which is allowed (tests do it) but learns only through the
+    adapters."""
 
     rank: int = 0  # adapter rank r; 0 = no LoRA (every weight trains)
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (as PEFT's lora_alpha)
-    dropout: float = 0.0  # dropout on the adapters' input: not built yet, only 0 is accepted
+    dropout: float = 0.0  # on the adapters' input, training only (PEFT's); [0, 1), 0 with mesh.pipe > 1
     # q, k, v, o: attention projections; gate, up, down: the dense MLP's (not MoE experts)
     targets: list[LoRATarget] = field(
         default_factory=lambda: ["q", "k", "v", "o"]
@@ -856,8 +857,8 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
-    """finetune.lora: a rank of 0 (off) or more, a positive alpha, no dropout (not built), targets
-    named once each, none of them MoE experts."""
+    """finetune.lora: a rank of 0 (off) or more, a positive alpha, a dropout in [0, 1) (none with
+    a pipeline), targets named once each, none of them MoE experts."""
     lora, moe = cfg.finetune.lora, cfg.model.moe
     if lora.rank < 0:
         raise ConfigError(f"finetune.lora.rank={lora.rank}: use a positive rank (e.g. 8), or 0 for no LoRA")
@@ -865,10 +866,14 @@ def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
         return
     if not (lora.alpha > 0 and math.isfinite(lora.alpha)):
         raise ConfigError(f"finetune.lora.alpha={lora.alpha}: use a positive, finite scale (e.g. 16)")
-    if lora.dropout != 0:
+    if not 0 <= lora.dropout < 1:
         raise ConfigError(
-            f"finetune.lora.dropout={lora.dropout}: dropout on the adapters is not built yet "
-            "(jaxpar/models/lora.py says why); use finetune.lora.dropout=0"
+            f"finetune.lora.dropout={lora.dropout}: use a rate in [0, 1) (e.g. 0.05), or 0 for none"
+        )
+    if lora.dropout > 0 and sizes["pipe"] > 1:
+        raise ConfigError(
+            f"finetune.lora.dropout={lora.dropout} with mesh.pipe={sizes['pipe']}: the pipelined step "
+            "does not carry the dropout seeds to its stages; use finetune.lora.dropout=0 or mesh.pipe=1"
         )
     choices = typing.get_args(LoRATarget)
     if not lora.targets or len(set(lora.targets)) != len(lora.targets):

@@ -209,31 +209,40 @@ def load_params(run_dir: str, step: int | None = None, merge_lora: bool = True):
     `sample` and the merged export read) unless `merge_lora` is false."""
     import jax
 
+    from jaxpar import base as base_lib
     from jaxpar import config as config_lib
-    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
     from jaxpar.models import lora as lora_lib
     from jaxpar.trainer import build_trainer
 
     cfg = config_lib.load_config(os.path.join(run_dir, "config.yaml"))
     sizes = {axis: 1 for axis in config_lib.MESH_AXES}
     trainer = build_trainer(cfg, sizes, devices=jax.devices("cpu")[:1])
-    checkpointer = Checkpointer(checkpoint_dir(run_dir), read_only=True)
-    try:
-        state, _, step = checkpointer.restore(
-            {"params": trainer.state_shape["params"]}, {"params": trainer.state_shardings["params"]}, step
-        )
-    finally:
-        checkpointer.close()
-    params = jax.tree.map(np.asarray, state["params"])
+    params, step = base_lib.params_of(trainer, run_dir, step)
+    params = jax.tree.map(np.asarray, params)
     if merge_lora and lora_lib.enabled(cfg.finetune.lora):
         params = lora_lib.merged(params, cfg.finetune.lora)
     return cfg, params, step
 
 
+def peft_base(init_from: str | None) -> dict:
+    """adapter_config.json's entries naming the base model, from a LoRA run's train.init_from
+    (already a local directory): a Hub model's id and commit where it is a snapshot in
+    huggingface_hub's cache (what PEFT loads by name), a Hugging Face directory's path, and a
+    jaxpar run directory's path -- which PEFT cannot load: write that base with `to-hf` and
+    load the adapter over the result. No init_from (the random init of train.seed): null."""
+    from jaxpar import hub
+
+    if init_from is None:
+        return {"base_model_name_or_path": None}
+    if (snapshot := hub.snapshot_of(init_from)) is not None:
+        return {"base_model_name_or_path": snapshot[0], "revision": snapshot[1]}
+    return {"base_model_name_or_path": init_from}
+
+
 def write_adapter(cfg, params: dict, out: str) -> dict[str, np.ndarray]:
     """A LoRA run's adapters as a PEFT adapter directory: adapter_model.safetensors (PEFT's
     names, `jaxpar.models.lora.peft_tensors`) and adapter_config.json (r, lora_alpha,
-    lora_dropout, target_modules, base_model_name_or_path: train.init_from). Returns the tensors."""
+    lora_dropout, target_modules, the base: `peft_base`). Returns the tensors."""
     from safetensors.numpy import save_file
 
     from jaxpar.models import lora as lora_lib
@@ -251,7 +260,7 @@ def write_adapter(cfg, params: dict, out: str) -> dict[str, np.ndarray]:
     settings = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": cfg.train.init_from,
+        **peft_base(cfg.train.init_from),
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
@@ -279,7 +288,20 @@ def export(
     if adapter_only:
         tensors = write_adapter(cfg, params, out)
         files = ["adapter_model.safetensors"]
-        return {"step": step, "out": out, "files": files, "tensors": len(tensors), "bytes": _nbytes(tensors)}
+        summary = {
+            "step": step,
+            "out": out,
+            "files": files,
+            "tensors": len(tensors),
+            "bytes": _nbytes(tensors),
+        }
+        base = cfg.train.init_from
+        if base is not None and os.path.isfile(os.path.join(base, "config.yaml")):
+            summary["note"] = (
+                f"the adapters' base is the jaxpar run {base}, which PEFT cannot load: write it "
+                f"with `python -m jaxpar.convert to-hf {base} --out DIR` and load the adapter over DIR"
+            )
+        return summary
     tensors = hf_state_dict(params, cfg.model)
     files = write_safetensors(tensors, out, max_shard_bytes)
     eod_id = write_tokenizer(cfg, out)
@@ -336,6 +358,8 @@ def _export_command(args) -> int:
         f"exported step {summary['step']}: {summary['tensors']} tensors, "
         f"{summary['bytes'] / 1e6:.1f} MB in {len(summary['files'])} file(s) -> {summary['out']}"
     )
+    if "note" in summary:
+        print(summary["note"])
     return 0
 
 

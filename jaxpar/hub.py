@@ -47,6 +47,19 @@ def is_repo_id(name: str) -> bool:
     return True
 
 
+def snapshot_of(path: str) -> tuple[str, str] | None:
+    """(model id ORG/NAME, commit) of a snapshot directory in huggingface_hub's cache
+    (`.../models--ORG--NAME/snapshots/COMMIT`, what `model_dir` gives for an id), else None."""
+    path = os.path.abspath(path)
+    snapshots, commit = os.path.split(path)
+    repo, kind = os.path.split(snapshots)
+    name = os.path.basename(repo)
+    if kind != "snapshots" or not name.startswith("models--"):
+        return None
+    repo_id = name.removeprefix("models--").replace("--", "/")
+    return (repo_id, commit) if is_repo_id(repo_id) else None
+
+
 def model_dir(name: str, revision: str | None = None, where: str = "") -> str:
     """The absolute local directory of `name`: an existing path itself, else the Hub model id's
     snapshot at `revision` (a branch, tag or commit hash; None: the default branch) in

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar import base as base_lib
 from jaxpar import checkpoint as checkpoint_lib
 from jaxpar import cli
 from jaxpar import config as config_lib
@@ -447,7 +448,7 @@ def _disk_full(ckpt, trainer, run_dir: str, at: int | None = None) -> DiskFull:
         return DiskFull(
             f"no space left on the device of {run_dir}; free some space and run the same command again"
         )
-    needed = _checkpoint_bytes(ckpt, trainer.state_shape)
+    needed = _checkpoint_bytes(ckpt, trainer.stored(trainer.state_shape))
     free = shutil.disk_usage(ckpt.directory).free
     intact = ckpt.latest_intact_step()
     kept = (
@@ -562,7 +563,7 @@ def _initial_state(
             f"train.init_from={t.run_dir}"
         )
     if resume is not None:
-        state, data_state, start = ckpt.restore(trainer.state_shape, trainer.state_shardings, step=resume)
+        state, data_state, start = base_lib.restore(trainer, ckpt, resume)
         if is_main:
             _keep_metrics_until(t.run_dir, start)
             print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
@@ -570,7 +571,7 @@ def _initial_state(
                 print(note, file=sys.stderr)
         return state, data_state, start
     if t.init_from is not None:
-        state = convert_lib.init_state(trainer, t.init_from)
+        state = base_lib.init_state(trainer, t.init_from)
         if is_main:
             print(f"initialised from {t.init_from}", file=sys.stderr)
         return state, None, 0
@@ -715,7 +716,9 @@ def _saver(cfg: Config, trainer: Trainer, ckpt, iterator):
             return False
         # Checked before the save starts: orbax's own failure would come later, from a
         # background thread (the previous checkpoint intact, but pages of tracebacks).
-        if shutil.disk_usage(ckpt.directory).free < _checkpoint_bytes(ckpt, trainer.state_shape):
+        if shutil.disk_usage(ckpt.directory).free < _checkpoint_bytes(
+            ckpt, trainer.stored(trainer.state_shape)
+        ):
             raise _disk_full(ckpt, trainer, t.run_dir, at)
         data = {
             "grain": iterator.get_state(),
@@ -723,8 +726,9 @@ def _saver(cfg: Config, trainer: Trainer, ckpt, iterator):
             "seed": t.seed,  # training draws no random numbers: the seed fixes init and data
             "batch_size": t.batch_size,
             "seq_len": t.seq_len,
+            **base_lib.record(cfg),  # a LoRA run: the base under its adapters
         }  # what the data position means
-        ckpt.save(at, state, data, force=force)
+        ckpt.save(at, trainer.stored(state), data, force=force)
         return True
 
     return save

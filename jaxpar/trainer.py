@@ -71,6 +71,14 @@ class Trainer:
     def mesh(self) -> Mesh:
         return self.layout.mesh
 
+    def stored(self, tree: dict) -> dict:
+        """The part of a train-state-shaped tree (a state, its shapes or its shardings) that a
+        checkpoint holds: all of it, or with finetune.lora all but the frozen weights, which
+        the checkpoint names instead (`jaxpar.base`)."""
+        if self.trainable is None:
+            return tree
+        return {**tree, "params": self.trainable.split(tree["params"])[0]}
+
     def shard_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows -> global arrays split over (data, fsdp, expert)."""
         return {
@@ -278,9 +286,23 @@ class StepParts:
         return to_ring_layout(batch, self.layout, self.cfg.parallel.context_layout)
 
 
+def with_dropout_seeds(parts: StepParts, step, batch: dict) -> dict:
+    """The batch with finetune.lora.dropout's per-token seeds of train step `step` added
+    (`lora.token_seeds`, laid out as the tokens), or as it is without LoRA dropout."""
+    cfg = parts.cfg
+    if not lora_lib.dropping(cfg.finetune.lora):
+        return batch
+    seeds = lora_lib.token_seeds(cfg.train.seed, step, batch["inputs"].shape)
+    seeds = jax.lax.with_sharding_constraint(seeds, parts.layout.batch_sharding())
+    return {**batch, lora_lib.SEEDS: seeds}
+
+
 def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, Any]:
-    """One update: (new state, metrics, the gradients applied, averaged over tokens)."""
-    cfg, batch = parts.cfg, parts.prepare(batch)
+    """One update: (new state, metrics, the gradients applied, averaged over tokens). With LoRA
+    dropout the batch gains its per-token seeds here, before ring attention's permutation and
+    the microsteps split it, so that they travel with their tokens."""
+    cfg = parts.cfg
+    batch = parts.prepare(with_dropout_seeds(parts, state["step"], batch))
     with parts.layout.scope():  # the mesh and activation rules the model's names resolve against
         grads, aux = parts.summed_grads(state["params"], batch)
     count = jnp.maximum(aux["count"], 1.0)

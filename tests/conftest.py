@@ -79,7 +79,7 @@ FILE_SECONDS = {
     "test_pipeline_grid.py": 85,
     "test_pipeline.py": 75,
     "test_layouts.py": 60,
-    "test_lora.py": 60,
+    "test_lora.py": 110,
     "test_ring_attention.py": 60,
     "test_ragged_moe.py": 60,
     "test_moe_training.py": 58,

@@ -36,8 +36,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpar import base, convert, hf_load
 from jaxpar import config as config_lib
-from jaxpar import convert
 from jaxpar import export as export_lib
 from jaxpar import sharding as sharding_lib
 from jaxpar.models import Transformer, families
@@ -141,7 +141,7 @@ def test_logits_match_transformers_on_an_fsdp_x_tensor_mesh(hf, variant):
     cfg = _config(root / variant)
     moe = variant in MOE_VARIANTS
     layout, shapes, shardings = _on_mesh(cfg, MOE_MESH if moe else MESH)
-    params = convert.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
+    params = hf_load.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
     m = cfg.model
     blocks = params["blocks"]
     attn = blocks["attn"] if "attn" in blocks else next(iter(blocks["blocks"].values()))["attn"]
@@ -152,7 +152,7 @@ def test_logits_match_transformers_on_an_fsdp_x_tensor_mesh(hf, variant):
     tokens = jnp.asarray(ref["tokens"], jnp.int32)
     want = ref[f"{variant}/logits"]
     one_layout, one_shapes, one_shardings = _on_mesh(cfg, {})  # and on one device
-    one = convert.load_hf_params(str(root / variant), cfg.model, one_shapes, one_shardings)
+    one = hf_load.load_hf_params(str(root / variant), cfg.model, one_shapes, one_shardings)
     assert _max_diff(_forward(cfg, one_layout)(one, tokens)[0], want) <= ATOL
     if moe:  # four rows for the four token devices: the reference's two, twice
         got, stats = forward(params, jnp.concatenate([tokens, tokens]))
@@ -203,7 +203,7 @@ def test_greedy_generation_gives_transformers_tokens(hf, variant):
     assert ref[f"{variant}/margin"] > 1e-3  # no near-ties: the choices are well defined
     cfg = _config(root / variant)
     _, shapes, shardings = _on_mesh(cfg, {})
-    params = convert.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
+    params = hf_load.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
     graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]
     got = generate(nnx.merge(graphdef, params), ref["prompt"].tolist(), 20)
     assert got == ref[f"{variant}/greedy"].tolist()
@@ -254,7 +254,7 @@ def _adamw_steps(hf_dir, ref: dict, moe: bool) -> tuple[np.ndarray, np.ndarray]:
     )
     devices = int(np.prod(list(mesh.values())))
     trainer = build_trainer(cfg, config_lib.validate(cfg, devices), jax.devices()[:devices])
-    state = convert.init_state(trainer, str(hf_dir))
+    state = base.init_state(trainer, str(hf_dir))
     ones = np.ones((rows, length - 1), np.int32)
     losses, norms = [], []
     for ids in batches.astype(np.int32):
@@ -290,10 +290,10 @@ def test_adamw_steps_from_imported_weights_follow_torch(hf, torch_training, vari
 
 def _tensor_bytes(hf_dir) -> dict[str, tuple[str, bytes]]:
     out = {}
-    for name, info in convert.checkpoint_tensors(str(hf_dir)).items():
+    for name, info in hf_load.checkpoint_tensors(str(hf_dir)).items():
         with open(info.file, "rb") as f:
             f.seek(info.offset)
-            n = int(np.prod(info.shape, dtype=np.int64)) * convert._np_dtype(info.dtype).itemsize
+            n = int(np.prod(info.shape, dtype=np.int64)) * hf_load._np_dtype(info.dtype).itemsize
             out[name] = (info.dtype, tuple(info.shape), f.read(n))
     return out
 
@@ -396,7 +396,7 @@ def test_init_from_starts_a_new_run_on_a_mesh_from_the_imported_weights(imported
             ckpt.close()
 
     before, after = params_of(source, cfg), params_of(tmp_path / "run", cfg)
-    for path, (a, b) in convert._flat(
+    for path, (a, b) in hf_load._flat(
         jax.tree.map(lambda *x: x, before, after, is_leaf=lambda x: hasattr(x, "shape"))
     ).items():
         # Two AdamW steps at lr 1e-6 move each weight by about 2e-6; a fresh init would differ by O(0.3).
@@ -424,8 +424,8 @@ def _truncate(path, by: int = 100):
 
 def _put_nan(directory, name: str = "model.layers.1.mlp.down_proj.weight", at: int = 77):
     """Writes a NaN over element `at` of tensor `name` of the checkpoint in `directory`."""
-    info = convert.checkpoint_tensors(str(directory))[name]
-    dtype = convert._np_dtype(info.dtype)
+    info = hf_load.checkpoint_tensors(str(directory))[name]
+    dtype = hf_load._np_dtype(info.dtype)
     with open(info.file, "r+b") as f:
         f.seek(info.offset + at * dtype.itemsize)
         f.write(np.array([np.nan], dtype=dtype).tobytes())
@@ -597,10 +597,10 @@ def test_the_family_reads_back_what_it_writes(case):
     shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))))
     rng = np.random.default_rng(0)
     params = {
-        path: rng.standard_normal(s.shape).astype(np.float32) for path, s in convert._flat(shapes).items()
+        path: rng.standard_normal(s.shape).astype(np.float32) for path, s in hf_load._flat(shapes).items()
     }
     tensors = families.hf_tensors(params, m)
-    assert {name: t.shape for name, t in tensors.items()} == convert.expected_tensors(m)
+    assert {name: t.shape for name, t in tensors.items()} == hf_load.expected_tensors(m)
     for path, t in families.tensor_table(m).items():
         for index, _, name in t.instances(m.n_layers):
             hf = tensors[name]
@@ -619,8 +619,9 @@ LORA_VARIANTS = ["llama2-gqa-sharded", "qwen3-wide-heads"]  # Llama's projection
 
 def _lora_run(hf_dir, run_dir) -> tuple:
     """A LoRA run directory over the Hugging Face model `hf_dir` (train.init_from), its
-    checkpoint 0 the base's weights (`convert.init_state`) with adapters of random A and B on
-    every projection; returns (config, those params on one device)."""
+    checkpoint 0 the adapters (random A and B on every projection) over the base's weights
+    (`base.init_state`), stored as a LoRA run stores them: the adapters alone, naming the base;
+    returns (config, the adapted params on one device)."""
     from jaxpar.checkpoint import Checkpointer, checkpoint_dir
     from jaxpar.trainer import build_trainer
 
@@ -631,7 +632,7 @@ def _lora_run(hf_dir, run_dir) -> tuple:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(hf_dir)))
     sizes = {a: 1 for a in config_lib.MESH_AXES}
     trainer = build_trainer(cfg, sizes, devices=jax.devices()[:1])
-    state = jax.device_get(convert.init_state(trainer, str(hf_dir)))
+    state = jax.device_get(base.init_state(trainer, str(hf_dir)))
     rng = np.random.default_rng(3)
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: (
@@ -643,7 +644,7 @@ def _lora_run(hf_dir, run_dir) -> tuple:
     config_lib.dump_yaml(cfg, str(run_dir / "config.yaml"))
     ckpt = Checkpointer(checkpoint_dir(str(run_dir)), keep=1)
     try:
-        ckpt.save(0, {"params": params}, None, force=True)
+        ckpt.save(0, trainer.stored({"params": params}), base.record(cfg), force=True)
     finally:
         ckpt.close()
     return cfg, params
@@ -668,7 +669,7 @@ def test_lora_exports_a_merged_model_and_a_peft_adapter_transformers_runs(hf, tm
         export_lib.export(str(run), str(merged_dir))
         export_lib.export(str(run), str(adapter_dir), adapter_only=True)
         layout, shapes, shardings = _on_mesh(cfg, {})
-        merged = convert.load_hf_params(str(merged_dir), cfg.model, shapes, shardings)
+        merged = hf_load.load_hf_params(str(merged_dir), cfg.model, shapes, shardings)
         got = _forward(cfg, layout)(merged, tokens)[0]
         # float32 sums in another order (W + s A B formed first): 1e-5 of the largest logit
         assert _max_diff(got, adapted[variant]) <= 1e-5 * np.max(np.abs(adapted[variant])), variant

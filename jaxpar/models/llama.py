@@ -224,14 +224,16 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(cfg, "head_dim")
             self.k_norm = RMSNorm(cfg, "head_dim")
 
-    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None, sliding=None):
+    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None, sliding=None, noise=None):
         """x [batch, seq, embed] -> [batch, seq, embed]. With `cache` (this layer's KVCache; a
         single document, segment_ids unused): (out, the cache with these keys/values added).
         `sliding` (a traced bool, with model.sliding_window): this layer attends to the window
-        only, with the sliding layers' rotary base."""
+        only, with the sliding layers' rotary base. `noise`: the LoRA adapters' dropout
+        (`lora.Noise`, training only)."""
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
         matmul = functools.partial(block_einsum, fp8=cfg.fp8, dtype=dtype, grad_dtype=self.grad_dtype)
-        project = functools.partial(lora_lib.project, self, matmul=matmul)  # + LoRA adapters, if any
+        # + LoRA adapters, if any
+        project = functools.partial(lora_lib.project, self, matmul=matmul, noise=noise)
         q = project("wq", spec="bse,enh->bsnh", x=x)
         k = project("wk", spec="bse,ekh->bskh", x=x)
         v = project("wv", spec="bse,ekh->bskh", x=x)
@@ -312,12 +314,12 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg)
         self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
-    def __call__(self, x):  # [batch, seq, embed]
+    def __call__(self, x, noise=None):  # [batch, seq, embed]; noise: LoRA dropout (`lora.Noise`)
         if lora_lib.has_adapters(self):
             matmul = functools.partial(
                 block_einsum, fp8=self.cfg.fp8, dtype=jnp.dtype(self.cfg.dtype), grad_dtype=self.grad_dtype
             )
-            return lora_lib.adapted_swiglu(self, x, matmul)
+            return lora_lib.adapted_swiglu(self, x, matmul, noise)
         return block_swiglu(
             x,
             self.w_gate[...],
@@ -351,17 +353,18 @@ class Block(nnx.Module):
             self.post_attn_norm = RMSNorm(cfg)
             self.post_mlp_norm = RMSNorm(cfg)
 
-    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None, sliding=None):
+    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None, sliding=None, noise=None):
         """x [batch, seq, embed] -> (x, stats); stats holds the router statistics of an MoE MLP.
         With `cache` (this layer's KVCache): (x, the updated cache) instead. `sliding`: whether
-        this layer's attention slides (`Attention`)."""
+        this layer's attention slides (`Attention`). `noise`: LoRA dropout (`lora.Noise`)."""
         post = hasattr(self, "post_attn_norm")
         if cache is None:
-            attn = self.attn(self.attn_norm(x), positions, segment_ids, sliding=sliding)
+            attn = self.attn(self.attn_norm(x), positions, segment_ids, sliding=sliding, noise=noise)
         else:
             attn, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache, sliding=sliding)
         x = constrain(x + (self.post_attn_norm(attn) if post else attn), ("batch", "act_seq", "embed"))
-        out = self.mlp(self.mlp_norm(x))
+        h = self.mlp_norm(x)  # an MoE MLP has no adapters (config refuses them there)
+        out = self.mlp(h, noise) if noise is not None and lora_lib.has_adapters(self.mlp) else self.mlp(h)
         out, stats = out if isinstance(out, tuple) else (out, {})
         x = constrain(x + (self.post_mlp_norm(out) if post else out), ("batch", "act_seq", "embed"))
         return x, (stats if cache is None else cache)
@@ -383,13 +386,14 @@ class BlockGroup(nnx.Module):
             [Block(cfg, rngs, i == every - 1, context_layout, grad_dtype) for i in range(every)]
         )
 
-    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None):
+    def __call__(self, x, positions, segment_ids, cache: KVCache | None = None, noise=None):
         """Like `Block`; a cache holds the group's layers: k, v [every, batch, max_len, ...]."""
         if cache is not None:
             return self._decode(x, positions, cache)
         stats = {}
-        for block in self.blocks:
-            x, block_stats = block(x, positions, segment_ids)
+        for i, block in enumerate(self.blocks):
+            kwargs = {} if noise is None else {"noise": noise.at(i)}
+            x, block_stats = block(x, positions, segment_ids, **kwargs)
             stats = block_stats or stats
         return x, stats
 
@@ -427,19 +431,25 @@ def sliding_layers(cfg: ModelConfig, count: int | None = None):
     return jnp.asarray([cfg.slides(i) for i in range(count)])
 
 
-def scan_layers(graphdef, layer_params, x, positions, segment_ids, remat: str = "none", sliding=None):
+def scan_layers(
+    graphdef, layer_params, x, positions, segment_ids, remat: str = "none", sliding=None, noise=None
+):
     """Applies stacked layers (leaves [layers, ...], merged into `graphdef` one at a time) with a
     lax.scan, rematerialised per `remat`; `sliding` (bool [layers], `sliding_layers`) tells each
-    layer whether its attention slides. Returns (x, per-layer statistics stacked)."""
+    layer whether its attention slides; `noise` (`lora.Noise`, LoRA dropout) reaches each scan
+    step with its index folded in. Returns (x, per-layer statistics stacked)."""
 
     def one_layer(h, scanned):
-        params, slides = scanned
+        params, slides, index = scanned
         kwargs = {} if slides is None else {"sliding": slides}
+        if noise is not None:
+            kwargs["noise"] = noise.at(index)
         return nnx.merge(graphdef, params)(h, positions, segment_ids, **kwargs)
 
     if remat != "none":
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat])
-    return jax.lax.scan(one_layer, x, (layer_params, sliding))
+    index = None if noise is None else jnp.arange(jax.tree.leaves(layer_params)[0].shape[0])
+    return jax.lax.scan(one_layer, x, (layer_params, sliding, index))
 
 
 def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache, sliding=None):
@@ -542,17 +552,19 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.d_model**0.5, x.dtype)
         return constrain(x, ("batch", "act_seq", "embed"))
 
-    def run_blocks(self, layer_params, x, positions, segment_ids):
+    def run_blocks(self, layer_params, x, positions, segment_ids, noise=None):
         """Runs a stack of layers with this model's block structure: `layer_params` is the
         blocks' state as a pure dict, leaves [layers, ...] (all layers, or a pipeline stage's
-        run of them). Returns (x, MoE statistics stacked over those layers, or {})."""
+        run of them). `noise`: LoRA dropout (`lora.Noise`; the whole stack only: the layers are
+        numbered from 0). Returns (x, MoE statistics stacked over those layers, or {})."""
         sliding = sliding_layers(self.cfg, jax.tree.leaves(layer_params)[0].shape[0])
         graphdef = nnx.graphdef(self.blocks)
-        return scan_layers(graphdef, layer_params, x, positions, segment_ids, self.remat, sliding)
+        return scan_layers(graphdef, layer_params, x, positions, segment_ids, self.remat, sliding, noise)
 
-    def apply_blocks(self, x, positions, segment_ids):
+    def apply_blocks(self, x, positions, segment_ids, noise=None):
         """Runs the stacked blocks; returns (x, MoE statistics stacked over layers, or {})."""
-        return self.run_blocks(nnx.to_pure_dict(nnx.state(self.blocks)), x, positions, segment_ids)
+        params = nnx.to_pure_dict(nnx.state(self.blocks))
+        return self.run_blocks(params, x, positions, segment_ids, noise)
 
     def output_weight(self):
         return self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
@@ -585,8 +597,11 @@ class Transformer(nnx.Module):
     def loss(self, batch: dict, *, chunks: int):
         """The whole model on a batch (inputs, targets, positions, segment_ids, loss_mask):
         (summed NLL, token count, MoE statistics stacked over layers or {}). The logits exist
-        for seq / chunks positions at a time (all of them when chunks = 1)."""
-        x, stats = self.apply_blocks(self.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
+        for seq / chunks positions at a time (all of them when chunks = 1). A batch that carries
+        LoRA dropout seeds (`lora.SEEDS`, a train step's) drops the adapters' inputs."""
+        x, stats = self.apply_blocks(
+            self.embed(batch["inputs"]), batch["positions"], batch["segment_ids"], lora_lib.noise_of(batch)
+        )
         own = self.head_params(nnx.to_pure_dict(nnx.state(self)))
         nll, count = self.head_loss(own, x, batch["targets"], batch["loss_mask"], chunks=chunks)
         return nll, count, stats

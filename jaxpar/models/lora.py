@@ -20,18 +20,28 @@ Adapters are added to a built model (`add_lora`): the blocks' modules gain an at
 `<weight>_lora` (e.g. `blocks.attn.wq_lora.lora_a`), stacked over layers like the blocks. The
 model's projection sites call `project`, which adds the adapter where there is one.
 
-Dropout on the adapters (finetune.lora.dropout) is not built: a mask needs a key per step and
-layer handed down the layer scan explicitly, which the model's call path does not carry yet;
-config refuses a dropout above 0.
+Dropout (finetune.lora.dropout = p, training only) is on the adapter's input, as PEFT's: y = x W
++ scale * (drop(x) A B), drop(x) = x * keep / (1 - p), keep ~ Bernoulli(1 - p) per element. The
+randomness is passed explicitly, never held in a global: the train step draws one 32-bit seed per
+token of the global batch, `token_seeds(train.seed, step, shape)`, from (train.seed, step) with
+partitionable threefry (the same numbers whatever the sharding), and the batch carries them as
+`SEEDS`; they travel with their tokens through gradient accumulation and ring attention's
+permutation. The model hands them down (`Noise`) with the scan step's layer, the block within a
+group and the target folded in, and each token's mask row comes from its own seed
+(`Noise.drop`): no mask depends on how the batch is split. A batch without seeds (evaluation,
+sampling, export) drops nothing. The pipelined step does not carry them yet (config refuses
+dropout with mesh.pipe > 1).
 
 Training: `Trainable` splits the pure-dict params into the adapters (what the step
-differentiates and the optimizer holds state for) and the frozen rest. Export: `merged` folds
+differentiates and the optimizer holds state for) and the frozen rest; a checkpoint holds the
+adapters alone over the base it names (`jaxpar.base`). Export: `merged` folds
 the adapters into their weights (W + alpha/rank * A B); `peft_tensors` names them as PEFT does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +62,9 @@ TARGETS = {
     "up": ("mlp", "w_up"),
     "down": ("mlp", "w_down"),
 }
+# Each weight's number, folded into its adapter's dropout key (`Noise.at`).
+WEIGHT_NUMBER = {weight: i for i, (_, weight) in enumerate(TARGETS.values())}
+SEEDS = "lora_seeds"  # the batch key of the per-token dropout seeds (uint32 [batch, seq])
 SUFFIX = "_lora"  # the adapter of weight `wq` is the attribute `wq_lora`
 # How many leading dims of each weight are its input (the rest are its output).
 IN_DIMS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
@@ -92,6 +105,7 @@ def _adapter(shape, names, in_dims: int, lora: LoRAConfig, dtypes, rngs: nnx.Rng
         rngs=rngs,
     )
     adapter.scale = scale(lora)
+    adapter.dropout = lora.dropout
     return adapter
 
 
@@ -123,17 +137,64 @@ def _stacked_adapter(layers: int, one: tuple, lora: LoRAConfig, dtypes, rngs: nn
     return make(rngs)
 
 
+# --- Dropout ------------------------------------------------------------------------------
+
+
+def dropping(lora: LoRAConfig) -> bool:
+    return enabled(lora) and lora.dropout > 0
+
+
+def token_seeds(train_seed: int, step, shape: tuple):
+    """uint32 `shape` [batch, seq]: one dropout seed per token of the global batch at train
+    step `step` (a traced int), from (train.seed, step). Partitionable threefry gives every
+    element the same value whatever the sharding of the result."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(train_seed), 0xD20), step)
+    return jax.random.bits(key, shape, jnp.uint32)
+
+
+class Noise(NamedTuple):
+    """What an adapter's dropout reads: the batch's per-token seeds and the numbers folded into
+    them on the way down (the scan step's layer, the block within a group, the weight)."""
+
+    seeds: jax.Array  # uint32 [batch, seq]
+    path: tuple = ()
+
+    def at(self, number) -> Noise:
+        return Noise(self.seeds, (*self.path, number))
+
+    def drop(self, x, rate: float):
+        """x [batch, seq, width] with each element zeroed with probability `rate`, the rest
+        divided by 1 - rate; a token's mask comes from its seed and the path alone."""
+
+        def keep_row(seed):
+            key = jax.random.key(seed)
+            for number in self.path:
+                key = jax.random.fold_in(key, number)
+            return jax.random.bernoulli(key, 1.0 - rate, (x.shape[-1],))
+
+        keep = jax.vmap(jax.vmap(keep_row))(self.seeds)
+        return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def noise_of(batch: dict) -> Noise | None:
+    """The dropout seeds a batch carries (a train step's with finetune.lora.dropout), or None."""
+    return Noise(batch[SEEDS]) if SEEDS in batch else None
+
+
 # --- Running --------------------------------------------------------------------------------
 
 
-def project(module, weight_name: str, matmul, spec: str, x):
+def project(module, weight_name: str, matmul, spec: str, x, noise: Noise | None = None):
     """matmul(spec, x, W) for the weight `weight_name` of `module`, plus its adapter's
-    (alpha / rank) * x A B where it has one. x [batch, seq, in...]."""
+    (alpha / rank) * drop(x) A B where it has one (dropout only with `noise`). x [batch, seq, in...]."""
     y = matmul(spec, x, getattr(module, weight_name)[...])
     adapter = getattr(module, weight_name + SUFFIX, None)
     if adapter is None:
         return y
     flat = x.reshape(*x.shape[:2], -1)
+    rate = getattr(adapter, "dropout", 0.0)
+    if noise is not None and rate > 0:
+        flat = noise.at(WEIGHT_NUMBER[weight_name]).drop(flat, rate)
     low = adapter(flat).reshape(y.shape)
     return y + (low * jnp.asarray(adapter.scale, low.dtype)).astype(y.dtype)
 
@@ -142,15 +203,16 @@ def has_adapters(mlp) -> bool:
     return any(hasattr(mlp, name + SUFFIX) for name in ("w_gate", "w_up", "w_down"))
 
 
-def adapted_swiglu(mlp, x, matmul):
+def adapted_swiglu(mlp, x, matmul, noise: Noise | None = None):
     """The dense MLP's SwiGLU (`jaxpar.swiglu`) with each projection through `project`; the
     hidden activation pinned as `block_swiglu` pins it."""
 
     def project_in(x, name):
-        return project(mlp, name, matmul, "bse,ef->bsf", x)
+        return project(mlp, name, matmul, "bse,ef->bsf", x, noise)
 
     def project_out(hidden, name):
-        return project(mlp, name, matmul, "bsf,fe->bse", constrain(hidden, ("batch", "seq", "mlp")))
+        hidden = constrain(hidden, ("batch", "seq", "mlp"))
+        return project(mlp, name, matmul, "bsf,fe->bse", hidden, noise)
 
     act = mlp.cfg.mlp_activation
     return swiglu(
