@@ -88,7 +88,7 @@ from jaxpar.config import MESH_AXES, Config, ConfigError, ModelConfig
 from jaxpar.metrics import attention_width
 from jaxpar.models.llama import scan_length
 from jaxpar.models.moe import moe_layers
-from jaxpar.sharding import Rules, is_pipelined, is_ring, make_rules, state_rules
+from jaxpar.sharding import Rules, fitted_names, is_pipelined, is_ring, make_rules, state_rules
 from jaxpar.targets import DEVICES, DeviceSpec
 
 GIB = 2**30
@@ -183,12 +183,12 @@ def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | 
             (f"block{i}.norms", (units, 2 * e), L + ("embed",)),
             (f"block{i}.wq", (units, e, n, h), L + ("embed", "heads", "head_dim")),
             (f"block{i}.wkv", (units, e, 2 * k, h), L + ("embed", "kv_heads", "head_dim")),
-            (f"block{i}.wo", (units, n, h, e), L + ("heads", "head_dim", "embed")),
+            (f"block{i}.wo", (units, n, h, e), L + ("heads_in", "head_dim", "embed")),
         ]
         if not is_moe:
             out += [
                 (f"block{i}.w_gate_up", (units, e, 2 * f), L + ("embed", "mlp")),
-                (f"block{i}.w_down", (units, f, e), L + ("mlp", "embed")),
+                (f"block{i}.w_down", (units, f, e), L + ("mlp_in", "embed")),
             ]
             continue
         ff, ne = moe.d_ff or f, moe.num_experts
@@ -229,6 +229,7 @@ def state_elements(m: ModelConfig, sizes: dict[str, int], zero_stage: int) -> di
     gathered = make_rules(shard_embed=False, sequence_parallel=False)
     out = {"params": 0, "gradients": 0, "optimizer": 0, "total": 0, "blocks_local": 0, "blocks_gathered": 0}
     for name, shape, names in table:
+        names = fitted_names(names, shape, sizes)  # as the trainer fits them to this mesh
         out["params"] += _local_elements(shape, names, sizes, rules["params"])
         out["gradients"] += _local_elements(shape, names, sizes, rules["grads"])
         out["optimizer"] += _local_elements(shape, names, sizes, rules["opt_state"])
