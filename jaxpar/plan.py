@@ -293,10 +293,10 @@ BACKENDS = {
         moe_saved=(("dots", 2.0), ("none", 10.0), ("stashed", 7.6)),
         mlp_saved_none=3.0,
         casts_in_loop=False,
-        # Kept additive, not refitted: XLA:CPU's peaks also sit in the forward layer loop with
+        # Kept additive, not refitted: XLA:CPU's peak also sits in the forward layer loop with
         # no logits alive (fsdp8-z3-full: 24.5 MB live there), but its working set there is
-        # larger than the model's (XLA attention's float32 scores, probabilities and masks,
-        # 12 MiB of that peak); the loss term stands in for the difference.
+        # larger than the model's (two float32 [rows, heads, seq, seq] arrays of XLA attention,
+        # 4 MiB each, among it); the loss term stands in for the difference.
         loss_beside_work=True,
     ),
     # XLA:GPU (the H100 program, compiled without a GPU) keeps the CPU's structure where it
@@ -334,9 +334,9 @@ BACKENDS = {
         moe_saved=(("dots", 2.0), ("none", 10.0), ("stashed", 7.6)),
         mlp_saved_none=6.0,
         casts_in_loop=True,
-        # The H100 program's peak is the last layer's forward (fsdp8-z3, no remat: inside the
-        # forward loop, every layer's residuals kept, no logits alive) or a layer's backward,
-        # never the loss beside a layer's working set.
+        # The H100 programs looked at peak in the last layer's forward (fsdp8-z3, no remat:
+        # inside the forward loop, every layer's residuals kept, no logits alive) or in a
+        # layer's backward (f2-t4-z3-full), not at the loss beside a layer's working set.
         loss_beside_work=False,
     ),
 }
