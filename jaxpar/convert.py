@@ -104,7 +104,9 @@ def param_targets(cfg, sizes: dict[str, int], devices) -> tuple[dict, dict]:
     )
     abstract = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     state = nnx.split(abstract)[1]
-    return nnx.to_pure_dict(state), layout.shardings(sharding_lib.logical_names(state), "params")
+    return nnx.to_pure_dict(state), layout.shardings(
+        sharding_lib.logical_names(state, layout.sizes), "params"
+    )
 
 
 # --- from-hf -------------------------------------------------------------------------------------

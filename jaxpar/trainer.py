@@ -399,7 +399,7 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
 
     abstract_model = nnx.eval_shape(lambda: _new_model(cfg, context_layout))
     graphdef, abstract_state = nnx.split(abstract_model)
-    logical = sharding_lib.logical_names(abstract_state)
+    logical = sharding_lib.logical_names(abstract_state, layout.sizes)
     param_shape = nnx.to_pure_dict(abstract_state)
     lora = lora_lib.enabled(cfg.finetune.lora)
     trainable = lora_lib.Trainable.of(abstract_model) if lora else None

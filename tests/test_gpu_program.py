@@ -150,9 +150,11 @@ def test_zero1_keeps_a_quarter_of_the_gradients_among_the_temporaries():
     (_, zero0, r0), (_, zero1, _), (_, zero2, _) = fsdp4_at(0), fsdp4_at(1), fsdp4_at(2)
     temp = {stage: c.memory_analysis().temp_size_in_bytes for stage, c in enumerate((zero0, zero1, zero2))}
     assert temp[1] == temp[2], temp
-    # Within 20%: the rest of the temporaries move between the two programs too (the optimizer
-    # update of whole tensors at ZeRO-0; measured: 0.85 of the formula, jax 0.12.0.1).
-    assert temp[0] - temp[1] == pytest.approx(4 * r0["params"] * (1 - 1 / 4), rel=0.2)
+    # Within 25%: the rest of the temporaries move between the two programs too (the optimizer
+    # update of whole tensors at ZeRO-0, and how XLA packs the buffers; measured: 0.85 of the
+    # formula, 0.80 since `wo` and `w_down` split on their first dim, jax 0.12.0.1). Whole
+    # gradients at ZeRO-1 would make the difference about 0.
+    assert temp[0] - temp[1] == pytest.approx(4 * r0["params"] * (1 - 1 / 4), rel=0.25)
 
 
 def test_zero3_gathers_weights_in_bf16_zero2_the_updated_float32_masters(fsdp4):
@@ -171,6 +173,50 @@ def test_zero3_gathers_weights_in_bf16_zero2_the_updated_float32_masters(fsdp4):
             # gathered for the embedding's gradient (jaxpar.models.llama.lookup).
             if dims.count(",") >= 1 and dtype != "s32":
                 assert dtype == wanted, line[:300]
+
+
+def test_zero3_keeps_no_float32_copy_of_a_weight_stack_in_another_order():
+    """Each ZeRO-3 weight is split over fsdp on its first dim after the layers' (`wo` and
+    `w_down` on their input dim, `jaxpar.sharding.OUTER_NAMES`), so a layer's slice is gathered
+    along its outermost dim. Split on their last dim (`embed`, as before), XLA:GPU copied each
+    of the two whole float32 stacks with that dim first before the layer loop and kept the copy
+    for the step: 0.99 GB per device on the Llama-2-7B shape over 8 H100s. Four layers here:
+    with the SMALL model's two, XLA:GPU made no such copy with either split."""
+    import jax
+
+    trainer, compiled, _ = compiled_for(
+        4,
+        **{
+            "mesh.data": 1,
+            "mesh.fsdp": 4,
+            "mesh.tensor": 1,
+            "parallel.zero_stage": 3,
+            "model.attention": "xla",
+            "model.vocab_size": 512,
+            "model.n_layers": 4,
+        },
+    )
+    layers = trainer.cfg.model.n_layers
+    blocks = trainer.state_shardings["params"]["blocks"]
+    stacks = [
+        tuple(sharding.shard_shape(leaf.shape))
+        for leaf, sharding in zip(
+            jax.tree.leaves(trainer.state_shape["params"]["blocks"]), jax.tree.leaves(blocks)
+        )
+        if len(leaf.shape) >= 3
+    ]
+    assert stacks
+    (entry,) = [comp for comp in hlo.parse(compiled.as_text()).values() if comp.is_entry]
+    arguments = {ins.name for ins in entry.instrs if ins.op == "parameter"}
+    for ins in entry.instrs:  # what the step makes of its arguments before and between loops
+        if ins.op == "bitcast" or not set(ins.operands) & arguments:
+            continue
+        for dtype, found in hlo._ARRAY.findall(ins.shape):
+            dims = tuple(int(d) for d in found.split(",") if d)
+            for stack in stacks:  # the same dims in another order, the layers' not first
+                assert not (dtype == "f32" and sorted(dims) == sorted(stack) and dims[0] != layers), ins.text[
+                    :200
+                ]
 
 
 # --- The head and loss under ZeRO-3 ------------------------------------------------------------

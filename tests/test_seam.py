@@ -291,3 +291,21 @@ def test_the_layouts_row_axes_are_the_pipelines_under_the_default_rules():
             assert (layout.ring, layout.ring_axis, layout.ring_size) == (True, "context", 2)
     moved = _layout_with_activation_rules(layers=("context",))
     assert (moved.pipelined, moved.pipe_axis, moved.stages) == (True, "context", 2)
+
+
+def test_output_projections_split_over_fsdp_on_their_first_dim_where_it_divides():
+    """`wo` and `w_down` take fsdp on their input dim (heads, d_ff) with tensor, where tensor x
+    fsdp divides it, else on `embed` as the other weights do (`sharding.fitted_names`)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.sharding import fitted_names, logical_to_spec
+
+    rules = make_rules(shard_embed=True, sequence_parallel=False)
+    sizes = {"tensor": 2, "fsdp": 4}
+    down = fitted_names(("layers", "mlp_in", "embed"), (3, 64, 32), sizes)  # 64 = 8 x 8
+    assert logical_to_spec(down, rules) == P("pipe", ("tensor", "fsdp"), None)
+    wo = fitted_names(("layers", "heads_in", "head_dim", "embed"), (3, 4, 8, 32), sizes)  # 4 heads
+    assert logical_to_spec(wo, rules) == P("pipe", "tensor", None, "fsdp")
+    # Below ZeRO-3 the parameters are whole over fsdp: tensor alone, as `heads` and `mlp`.
+    whole = make_rules(shard_embed=False, sequence_parallel=False)
+    assert logical_to_spec(down, whole) == logical_to_spec(("layers", "mlp", "embed"), whole)

@@ -214,7 +214,7 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
         # Output projection scaled down with depth (GPT-2), so the residual stream stays O(1).
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
-        self.wo = _param(rngs, (n, h, e), ("heads", "head_dim", "embed"), cfg, out_std)
+        self.wo = _param(rngs, (n, h, e), ("heads_in", "head_dim", "embed"), cfg, out_std)
         if cfg.qkv_bias:  # Qwen2: biases on q, k and v (not on the output), zero at init
             zeros = lambda *shape: jnp.zeros(shape, jnp.dtype(cfg.param_dtype))
             self.bq = nnx.Param(zeros(n, h), out_sharding=("heads", "head_dim"), eager_sharding=False)
@@ -312,7 +312,7 @@ class MLP(nnx.Module):
         e, f = cfg.d_model, d_ff or cfg.d_ff
         self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), cfg)
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg)
-        self.w_down = _param(rngs, (f, e), ("mlp", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        self.w_down = _param(rngs, (f, e), ("mlp_in", "embed"), cfg, cfg.init_std / (2 * cfg.n_layers) ** 0.5)
 
     def __call__(self, x, noise=None):  # [batch, seq, embed]; noise: LoRA dropout (`lora.Noise`)
         if lora_lib.has_adapters(self):
