@@ -385,7 +385,7 @@ def data_changes(run_dir: str, settings: dict) -> list[tuple[str, object, object
     """(key, recorded value, value in `settings`) for each of DATA_KEYS that `settings` (a
     config as `jaxpar.config.to_dict` gives it) sets otherwise than the run's record
     (`<run_dir>/config.yaml`). Keys the record lacks (an older jaxpar's) are no change, except
-    those RECORD_BEFORE gives the value of; no readable record is none."""
+    those RECORD_BEFORE gives the value of (on either side); no readable record is none."""
     try:
         with open(os.path.join(run_dir, RECORD)) as f:
             recorded = yaml.safe_load(f)
@@ -393,9 +393,8 @@ def data_changes(run_dir: str, settings: dict) -> list[tuple[str, object, object
         return []
     changes = []
     for key in DATA_KEYS:
-        was, now = _setting(recorded, key), _setting(settings, key)
-        if was is _ABSENT:
-            was = RECORD_BEFORE.get(key, _ABSENT)
+        was, now = (_setting(tree, key) for tree in (recorded, settings))
+        was, now = (RECORD_BEFORE.get(key, _ABSENT) if v is _ABSENT else v for v in (was, now))
         if was is not _ABSENT and was != now:
             changes.append((key, was, now))
     return changes
