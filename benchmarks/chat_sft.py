@@ -124,10 +124,19 @@ def evaluate(run_dir: str, held_out: list, step: int) -> dict:
     }
 
 
-def forced_accuracy(run_dir: str, held_out: list, step: int) -> float:
-    """The held-out accuracy of the checkpoint of `step` by the one-pass check alone."""
+def forced_accuracy(run_dir: str, held_out: list, step: int) -> dict:
+    """The held-out accuracy of the checkpoint of `step` by the one-pass check alone, overall and
+    per kind of question."""
     forced = forced_replies(*load(run_dir, step), held_out)
-    return round(sum(forced) / len(forced), 4)
+    right, total = {}, {}
+    for (messages, _), ok in zip(chat_task.questions(held_out), forced):
+        k = kind(messages[-1]["content"])
+        total[k] = total.get(k, 0) + 1
+        right[k] = right.get(k, 0) + ok
+    return {
+        "accuracy": round(sum(forced) / len(forced), 4),
+        "by_kind": {k: f"{right[k]}/{total[k]}" for k in sorted(total)},
+    }
 
 
 def forced_replies(model, tokenizer, template, held_out: list) -> list[bool]:
@@ -205,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["accuracy_by_step"][args.steps] = forced_accuracy(run_dir, held_out, args.steps)
             else:
                 result.update(evaluate(run_dir, held_out, args.steps))
-                result["accuracy_by_step"][args.steps] = result["accuracy"]
+                result["accuracy_by_step"][args.steps] = {k: result[k] for k in ("accuracy", "by_kind")}
                 result["command_line_agrees"] = command_line_agrees(run_dir, tmp, held_out, result)
             out[f"train_on={train_on}"] = result
             print(json.dumps({train_on: result}), flush=True)
