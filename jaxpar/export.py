@@ -56,18 +56,8 @@ def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]
     model.qkv_bias, q/k/v_proj.bias: [N, H] -> [N*H]. MoE: the router [E, X] -> [X, E], and
     each expert's matrices as their own tensors, transposed like the dense MLP's.
     """
-    flat = {key: _to_numpy(value) for key, value in _flatten(params).items()}
+    flat = {key: _to_numpy(value) for key, value in families.flatten(params).items()}
     return families.hf_tensors(flat, model_cfg)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + str(key)] = value
-    return flat
 
 
 def _to_numpy(x) -> np.ndarray:

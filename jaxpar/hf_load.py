@@ -233,19 +233,9 @@ def _rows_reader(info: TensorInfo, dtype: np.dtype, name: str):
 # --- Loading onto a mesh -----------------------------------------------------------------------
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def _shaped_like(tree: dict, flat: dict, prefix: str = "") -> dict:
     """`tree`'s nesting, its keys as they are (a grouped model's integer block keys stay
-    integers), with the leaf at each of `_flat`'s paths taken from `flat`."""
+    integers), with the leaf at each of `families.flatten`'s paths taken from `flat`."""
     return {
         key: _shaped_like(value, flat, f"{prefix}{key}.")
         if isinstance(value, dict)
@@ -284,7 +274,7 @@ def load_hf_params(
     tensors = tensors if tensors is not None else checkpoint_tensors(hf_dir)
     check_tensors(tensors, m, hf_dir)
     table = families.tensor_table(m)
-    flat_shapes, flat_shardings = _flat(shapes), _flat(shardings)
+    flat_shapes, flat_shardings = families.flatten(shapes), families.flatten(shardings)
     if set(flat_shapes) != set(table):
         raise ConfigError(
             f"the model's parameters {sorted(flat_shapes)} do not match the conversion table {sorted(table)}"

@@ -63,6 +63,17 @@ def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
     return family_of_model(m).tensor_table(m)
 
 
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A nested parameter dict as {dotted name: leaf}: the names `hf_tensors` maps."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + str(key)] = value
+    return flat
+
+
 def hf_tensors(flat_params: dict[str, np.ndarray], m: ModelConfig) -> dict[str, np.ndarray]:
     """jaxpar params (flat: path -> array) -> {Hugging Face name: array}, through `tensor_table`:
     the tensors before the layers, then each layer's in the table's order, then the ones after."""
