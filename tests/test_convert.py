@@ -396,7 +396,7 @@ def test_init_from_starts_a_new_run_on_a_mesh_from_the_imported_weights(imported
             ckpt.close()
 
     before, after = params_of(source, cfg), params_of(tmp_path / "run", cfg)
-    for path, (a, b) in hf_load._flat(
+    for path, (a, b) in families.flatten(
         jax.tree.map(lambda *x: x, before, after, is_leaf=lambda x: hasattr(x, "shape"))
     ).items():
         # Two AdamW steps at lr 1e-6 move each weight by about 2e-6; a fresh init would differ by O(0.3).
@@ -597,7 +597,7 @@ def test_the_family_reads_back_what_it_writes(case):
     shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0)))))
     rng = np.random.default_rng(0)
     params = {
-        path: rng.standard_normal(s.shape).astype(np.float32) for path, s in hf_load._flat(shapes).items()
+        path: rng.standard_normal(s.shape).astype(np.float32) for path, s in families.flatten(shapes).items()
     }
     tensors = families.hf_tensors(params, m)
     assert {name: t.shape for name, t in tensors.items()} == hf_load.expected_tensors(m)

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from jaxpar import config as config_lib
-from jaxpar import convert, hf_load, hub
+from jaxpar import convert, hub
 from jaxpar import export as export_lib
 from jaxpar.models import Transformer, families
 
@@ -48,7 +48,7 @@ def _tiny_hf(directory, seed: int, max_shard_bytes: int) -> None:
     rng = np.random.default_rng(seed)
     params = {
         path: rng.standard_normal(s.shape).astype(np.float32)
-        for path, s in hf_load._flat(nnx.to_pure_dict(nnx.state(abstract))).items()
+        for path, s in families.flatten(nnx.to_pure_dict(nnx.state(abstract))).items()
     }
     export_lib.write_safetensors(families.hf_tensors(params, cfg.model), str(directory), max_shard_bytes)
     eod = export_lib.write_tokenizer(cfg, str(directory))
@@ -116,7 +116,7 @@ def _command(home, *args: str) -> subprocess.CompletedProcess:
 
 
 def _params(run) -> dict:
-    return hf_load._flat(export_lib.load_params(str(run))[1])
+    return families.flatten(export_lib.load_params(str(run))[1])
 
 
 def _assert_same_run(run, reference) -> None:
