@@ -48,7 +48,7 @@ MODEL = [
     "parallel.remat=none",
     "train.batch_size=16",
     "train.seq_len=512",
-    "optimizer.lr=3e-3",
+    "optimizer.lr=1e-3",
     "optimizer.warmup_steps=50",
     "optimizer.weight_decay=0.1",
 ]

@@ -13,7 +13,7 @@ message, on its own question and, for "again" questions, on an earlier turn:
     user:      the first word again, reversed
     assistant: OBLEK
 
-Once a word has been reversed, a later turn asks for it again with probability AGAIN (7% of the
+Once a word has been reversed, a later turn asks for it again with probability AGAIN (15% of the
 turns). Words are random lowercase strings of 3 to 5 letters; numbers are 0 to 19. Held-out
 words and number pairs never occur in the training conversations (a hash of the word or the
 pair decides the split), so a correct held-out answer is not recall of a training answer.
@@ -32,7 +32,7 @@ STYLES = {
 }
 HELD_OUT_PERCENT = 10
 NUMBERS = 20  # numbers to add are 0 .. NUMBERS - 1
-AGAIN = 0.25  # the chance that a turn after a reversal asks for the first word again
+AGAIN = 0.5  # the chance that a turn after a reversal asks for the first word again
 
 
 def held_out(key: str) -> bool:
