@@ -185,8 +185,8 @@ def command_line_agrees(run_dir: str, tmp: str, held_out: list, evaluated: dict)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--every", type=int, default=1000, help="evaluate every this many steps")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--every", type=int, default=250, help="evaluate every this many steps")
     parser.add_argument("--conversations", type=int, default=40000, help="training conversations")
     parser.add_argument("--held-out", type=int, default=300, help="held-out conversations asked")
     parser.add_argument("--train-on", nargs="+", default=["assistant", "all"])
