@@ -107,36 +107,37 @@ def evaluate(run_dir: str, held_out: list, step: int) -> dict:
 
     model, tokenizer, template = load(run_dir, step)
     forced = forced_replies(model, tokenizer, template, held_out)
-    right, total, examples, agree = {}, {}, [], 0
-    for (messages, want), fast in zip(chat_task.questions(held_out), forced):
+    right, examples = [], []
+    for messages, want in chat_task.questions(held_out):
         got = chat_reply(model, tokenizer, template, messages, max_tokens=16)
-        k = kind(messages[-1]["content"])
-        total[k] = total.get(k, 0) + 1
-        right[k] = right.get(k, 0) + (got == want)
-        agree += fast == (got == want)
+        right.append(got == want)
         if len(examples) < 6:
             examples.append({"question": messages[-1]["content"], "want": want, "got": got})
     return {
-        "accuracy": round(sum(right.values()) / sum(total.values()), 4),
-        "by_kind": {k: f"{right[k]}/{total[k]}" for k in sorted(total)},
+        **score(held_out, right),
         "examples": examples,
-        "one_pass_check_agrees": f"{agree}/{len(forced)}",
+        "one_pass_check_agrees": f"{sum(a == b for a, b in zip(forced, right))}/{len(forced)}",
+    }
+
+
+def score(held_out: list, right: list[bool]) -> dict:
+    """The share of held-out questions answered right (`right`, one per question), overall and
+    per kind of question."""
+    hits, total = {}, {}
+    for (messages, _), ok in zip(chat_task.questions(held_out), right):
+        k = kind(messages[-1]["content"])
+        total[k] = total.get(k, 0) + 1
+        hits[k] = hits.get(k, 0) + ok
+    return {
+        "accuracy": round(sum(right) / len(right), 4),
+        "by_kind": {k: f"{hits[k]}/{total[k]}" for k in sorted(total)},
     }
 
 
 def forced_accuracy(run_dir: str, held_out: list, step: int) -> dict:
     """The held-out accuracy of the checkpoint of `step` by the one-pass check alone, overall and
     per kind of question."""
-    forced = forced_replies(*load(run_dir, step), held_out)
-    right, total = {}, {}
-    for (messages, _), ok in zip(chat_task.questions(held_out), forced):
-        k = kind(messages[-1]["content"])
-        total[k] = total.get(k, 0) + 1
-        right[k] = right.get(k, 0) + ok
-    return {
-        "accuracy": round(sum(forced) / len(forced), 4),
-        "by_kind": {k: f"{right[k]}/{total[k]}" for k in sorted(total)},
-    }
+    return score(held_out, forced_replies(*load(run_dir, step), held_out))
 
 
 def forced_replies(model, tokenizer, template, held_out: list) -> list[bool]:
