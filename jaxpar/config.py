@@ -176,10 +176,10 @@ class ParallelConfig:
     grad_accum: int = 1  # microsteps per optimizer step (the global batch is split into these)
     # The dtype the weight gradients leave their GEMMs in, so the dtype of their reduce-scatter /
     # all-reduce across devices (bfloat16: half the bytes, each device's partial sum rounded;
-    # float32: exact sums). Summed over microsteps and applied in float32 either way.
-    grad_reduce_dtype: GradReduceDtype = (
-        "bfloat16"  # bfloat16 | float32: the dtype of the gradient reductions (see above)
-    )
+    # float32: exact sums). Summed over microsteps and applied in float32 either way. null: the
+    # compute dtype's (`reduce_dtype`): bfloat16 for a bfloat16 model, float32 for a float32 or
+    # float16 one, so that a float32 model is float32 throughout unless this is set.
+    grad_reduce_dtype: GradReduceDtype | None = None  # null | bfloat16 | float32 (see above)
     context_layout: ContextLayout = "zigzag"  # ring attention's sequence cut; zigzag evens causal work
     pipeline_schedule: PipelineSchedule = "1f1b"  # gpipe | 1f1b | interleaved | zb (when mesh.pipe > 1)
     microbatches: int = 4  # pipeline microbatches per step (when mesh.pipe > 1)
@@ -629,6 +629,24 @@ def fit_default_mesh(num_devices: int) -> MeshConfig:
     default = MeshConfig()
     size = default.data * default.fsdp * default.tensor
     return default if num_devices == size else MeshConfig(data=num_devices, fsdp=1, tensor=1)
+
+
+def reduce_dtype(cfg: Config) -> str:
+    """The dtype the weight gradients are reduced across devices in: parallel.grad_reduce_dtype
+    when set, else bfloat16 for a bfloat16 model and float32 for any other (float16 sums of
+    gradients overflow, and a float32 model is asked for to be exact)."""
+    chosen = cfg.parallel.grad_reduce_dtype
+    if chosen is not None:
+        return chosen
+    return "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
+
+
+def precision_line(cfg: Config) -> str:
+    """The start-up line's account of precision: compute and weights, and the dtype the weight
+    gradients are reduced across devices in, with where that came from."""
+    m, reduced = cfg.model, reduce_dtype(cfg)
+    why = "parallel.grad_reduce_dtype" if cfg.parallel.grad_reduce_dtype else f"model.dtype={m.dtype}'s"
+    return f"precision: compute {m.dtype}, weights {m.param_dtype}, gradients reduced in {reduced} ({why})"
 
 
 def resolve_paths(cfg: Config) -> Config:

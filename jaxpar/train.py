@@ -481,6 +481,8 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
     trainer = build_trainer(cfg, sizes)
     preemption.check_startup(1)
     is_main = jax.process_index() == 0
+    if is_main:
+        print(config_lib.precision_line(cfg), file=sys.stderr, flush=True)
     lock = rundir_lib.RunLock(t.run_dir)
     ckpt, finished = None, False
     no_space_logs = _DropNoSpace().__enter__()

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar import config as config_lib
 from jaxpar import fp8 as fp8_lib
 from jaxpar import sharding as sharding_lib
 from jaxpar import targets as targets_lib
@@ -102,7 +103,7 @@ def _new_model(cfg: Config, context_layout: str | None) -> Transformer:
         rngs=nnx.Rngs(cfg.train.seed),
         remat=cfg.parallel.remat,
         context_layout=context_layout,
-        grad_dtype=cfg.parallel.grad_reduce_dtype,
+        grad_dtype=config_lib.reduce_dtype(cfg),
     )
     if lora_lib.enabled(cfg.finetune.lora):
         lora_lib.add_lora(model, cfg.finetune.lora, cfg.train.seed)

@@ -529,3 +529,31 @@ def test_parse_cli_takes_only_the_first_argument_as_a_file():
 )
 def test_optimizer_numbers_out_of_range_are_refused(override, want):
     assert_names_all(validation_error(override), (override, want))
+
+
+@pytest.mark.parametrize(
+    "overrides, reduced, why",
+    [
+        (["model.dtype=bfloat16"], "bfloat16", "model.dtype=bfloat16's"),
+        (["model.dtype=float32"], "float32", "model.dtype=float32's"),
+        (["model.dtype=float16"], "float32", "model.dtype=float16's"),
+        (
+            ["model.dtype=float32", "parallel.grad_reduce_dtype=bfloat16"],
+            "bfloat16",
+            "parallel.grad_reduce_dtype",
+        ),
+        (
+            ["model.dtype=bfloat16", "parallel.grad_reduce_dtype=float32"],
+            "float32",
+            "parallel.grad_reduce_dtype",
+        ),
+    ],
+)
+def test_gradients_are_reduced_in_the_compute_dtype_unless_set(overrides, reduced, why):
+    """A float32 model reduced its gradients in bfloat16 when parallel.grad_reduce_dtype was left
+    at its old default: unset, it now follows model.dtype (bfloat16 stays bfloat16, with its
+    halved bytes), an explicit setting wins, and the start-up line says which is in force."""
+    cfg = config.load_config(None, overrides)
+    assert cfg.parallel.grad_reduce_dtype in (None, "bfloat16", "float32")
+    assert config.reduce_dtype(cfg) == reduced
+    assert config.precision_line(cfg).endswith(f"gradients reduced in {reduced} ({why})")

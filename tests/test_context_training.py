@@ -10,10 +10,11 @@ from jaxpar.parallel.ring_attention import needed_shifts
 from tests.parity import assert_parity, parity_trainer, random_batches, run_parity, tiny_config
 
 
-def run(mesh, extra=(), init=None):
+def run(mesh, extra=(), init=None, along=None):
     trainer = parity_trainer(list(extra), mesh)
     compiled = compile_step(trainer)
-    return run_parity(trainer, compiled, random_batches(trainer.cfg), init=init), report(trainer, compiled)
+    got = run_parity(trainer, compiled, random_batches(trainer.cfg), init=init, along=along)
+    return got, report(trainer, compiled)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def single_device():
 )
 def test_context_parallel_training_matches_single_device(mesh, extra, own_init, single_device):
     # own_init: the layout's born-sharded init; else the single-device one (one compile fewer).
-    got, r = run(mesh, extra, init=None if own_init else single_device.init)
+    got, r = run(mesh, extra, init=None if own_init else single_device.init, along=single_device)
     assert_parity(got, single_device)
     # K/V blocks travel the ring by collective-permute; nothing gathers the sequence.
     assert r["collectives"]["collective-permute"]["count"] > 0
@@ -63,6 +64,6 @@ def test_sliding_window_layers_train_the_single_device_model_on_a_ring():
     assert needed_shifts(64, 4, "zigzag", 8) == (0, 1, 3)  # the path taken: not every hop
     extra = [*GEMMA_STYLE, "train.seq_len=64"]
     want = run({}, extra)[0]
-    got, r = run({"context": 4, "data": 2}, extra, init=want.init)
+    got, r = run({"context": 4, "data": 2}, extra, init=want.init, along=want)
     assert_parity(got, want)
     assert r["collectives"]["collective-permute"]["count"] > 0

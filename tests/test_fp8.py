@@ -179,7 +179,7 @@ def test_fsdp_tensor_and_expert_layouts_equal_one_device():
     reference = parity_trainer(FP8, {})
     want = run_parity(reference, compile_step(reference), random_batches(reference.cfg))
     layout = parity_trainer(FP8 + ["parallel.zero_stage=3"], {"fsdp": 2, "tensor": 2, "expert": 2})
-    got = run_parity(layout, compile_step(layout), random_batches(layout.cfg), init=want.init)
+    got = run_parity(layout, compile_step(layout), random_batches(layout.cfg), want.init, along=want)
     assert_parity(got, want)
 
 

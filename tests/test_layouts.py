@@ -33,10 +33,14 @@ LAYOUTS = {
 OWN_INIT = {"data2_fsdp2_tensor2"}
 
 
-def _run(mesh, extra, init=None):
+def _run(mesh, extra, init=None, along=None):
     trainer = parity_trainer(MODEL + extra, mesh)
     compiled = compile_step(trainer)
-    return trainer, compiled, run_parity(trainer, compiled, random_batches(trainer.cfg), init=init)
+    return (
+        trainer,
+        compiled,
+        run_parity(trainer, compiled, random_batches(trainer.cfg), init=init, along=along),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,8 @@ def layout(request, layouts, single_device):
     name = request.param
     if name not in layouts:
         mesh, extra = LAYOUTS[name]
-        trainer, compiled, run = _run(mesh, extra, None if name in OWN_INIT else single_device.init)
+        init = None if name in OWN_INIT else single_device.init
+        trainer, compiled, run = _run(mesh, extra, init, along=single_device)
         layouts[name] = (run, report(trainer, compiled))
     return layouts[name]
 
@@ -89,7 +94,7 @@ def test_data_parallel_all_reduces_the_gradients_once(layout):
 
 
 # tiny.yaml's embedding table, float32 (vocab 264 x d_model 32), and one device's token rows of
-# its gradient (8 x 32 tokens over 8 devices, 32 wide, float32: parallel.grad_reduce_dtype).
+# its gradient (8 x 32 tokens over 8 devices, 32 wide, float32: a float32 model reduces in float32).
 EMBED_BYTES = 264 * 32 * 4
 ROW_BYTES = 8 * 32 // 8 * 32 * 4
 
@@ -142,7 +147,7 @@ def test_bfloat16_gradient_reduction_stays_near_the_float32_gradients(single_dev
     than 1e-4: one left out of the setting would sit near 1e-7, as the norm scales do (their
     gradients are not GEMM outputs and stay float32)."""
     mesh, extra = {"fsdp": 8}, ["parallel.zero_stage=3", "parallel.grad_reduce_dtype=bfloat16"]
-    run = _run(mesh, extra, single_device.init)[2]
+    run = _run(mesh, extra, single_device.init, along=single_device)[2]
     errors = relative_errors(run.grads, single_device.grads)
     assert max(errors.values()) <= 1e-2, errors
     matmul_weights = {name: e for name, e in errors.items() if "norm" not in name}

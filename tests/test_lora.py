@@ -80,14 +80,12 @@ def parity_runs():
     """The same LoRA training (SGD, 3 steps, from the same state with random B) on one device
     and on data x fsdp x tensor = 2 x 2 x 2."""
     runs, extra = {}, list(LORA)
-    init = None
+    init = one = None
     for name, mesh in (("one", {}), ("mesh", MESH)):
         trainer = parity.parity_trainer(extra, mesh)
         init = with_random_b(trainer.init()) if init is None else init
-        runs[name] = (
-            trainer,
-            parity.run_parity(trainer, trainer.step, parity.random_batches(trainer.cfg), init),
-        )
+        run = parity.run_parity(trainer, trainer.step, parity.random_batches(trainer.cfg), init, along=one)
+        runs[name], one = (trainer, run), one or run
     return runs
 
 
@@ -96,8 +94,7 @@ def test_adapter_gradients_on_a_mesh_equal_one_device_leaf_by_leaf(parity_runs):
     names = set(_flat(one.grads))
     assert len(names) == 2 * 7 and all("lora_a" in n or "lora_b" in n for n in names), names
     parity.assert_nonzero(one.grads)
-    parity.assert_grads_match(mesh.grads, one.grads)
-    np.testing.assert_allclose(mesh.losses, one.losses, rtol=parity.RTOL)
+    parity.assert_same_steps(mesh, one)
     assert one.losses[-1] < one.losses[0], one.losses  # the adapters learn
 
 
@@ -109,10 +106,9 @@ def test_adapter_gradients_pipelined_with_a_ring_and_zero3_equal_one_device():
     init = with_random_b(one_trainer.init())
     one = parity.run_parity(one_trainer, one_trainer.step, parity.random_batches(one_trainer.cfg), init)
     trainer = parity.parity_trainer(extra, mesh)
-    got = parity.run_parity(trainer, trainer.step, parity.random_batches(trainer.cfg), init)
+    got = parity.run_parity(trainer, trainer.step, parity.random_batches(trainer.cfg), init, along=one)
     parity.assert_nonzero(one.grads)
-    parity.assert_grads_match(got.grads, one.grads)
-    np.testing.assert_allclose(got.losses, one.losses, rtol=parity.RTOL)
+    parity.assert_same_steps(got, one)
 
 
 def test_frozen_weights_are_bit_identical_after_training(parity_runs):

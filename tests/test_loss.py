@@ -234,14 +234,40 @@ def unchunked_reference():
     return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
 
 
-def test_chunked_loss_on_a_sharded_head_matches_one_device_unchunked(unchunked_reference):
-    """fsdp 8, ZeRO-3: the partial sums of the weight gradient kept per part of the batch rows
-    (8 parts); the batch x sequence parts on data x context with a vocabulary split over tensor
-    are test_sharded_with_the_trainers_rules_matches_single_device's."""
+@pytest.fixture(scope="module")
+def chunked_on_a_sharded_head(unchunked_reference):
+    """fsdp 8, ZeRO-3, 4 loss chunks, run along the unchunked one-device reference."""
     from jaxpar.inspect import compile_step
-    from tests.parity import assert_parity, parity_trainer, random_batches, run_parity
+    from tests.parity import parity_trainer, random_batches, run_parity
 
     want = unchunked_reference
     trainer = parity_trainer(TIED + ["parallel.zero_stage=3", "train.loss_chunks=4"], {"fsdp": 8})
-    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), init=want.init)
-    assert_parity(got, want)
+    return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), want.init, along=want)
+
+
+def test_chunked_loss_on_a_sharded_head_matches_one_device_unchunked(
+    chunked_on_a_sharded_head, unchunked_reference
+):
+    """fsdp 8, ZeRO-3: the partial sums of the weight gradient kept per part of the batch rows
+    (8 parts); the batch x sequence parts on data x context with a vocabulary split over tensor
+    are test_sharded_with_the_trainers_rules_matches_single_device's."""
+    from tests.parity import assert_parity
+
+    assert_parity(chunked_on_a_sharded_head, unchunked_reference)
+
+
+@pytest.mark.parametrize("step", [0, 2])
+def test_the_parity_check_fails_on_a_gradient_one_part_in_ten_thousand_off(
+    chunked_on_a_sharded_head, unchunked_reference, step
+):
+    """The check above once compared rounding noise that a diverging step amplified (it failed
+    on one CPU by 1.25e-5 at step 3, every leaf in place); now it compares each step from the
+    reference's state, and must still fail on a real bug of 1e-4: the head's gradient (the
+    embedding, tied) x (1 + 1e-4) at the first or the last step."""
+    from tests.parity import Run, assert_parity
+
+    got = chunked_on_a_sharded_head
+    grads = [dict(g) for g in got.step_grads]
+    grads[step]["embedding"] = grads[step]["embedding"] * (1 + 1e-4)
+    with pytest.raises(AssertionError, match=f"step {step + 1}: 1 of .* gradient leaves differ"):
+        assert_parity(Run(grads, got.history, got.starts, got.ends), unchunked_reference)

@@ -40,6 +40,7 @@ def test_expert_parallel_training_matches_single_device(layout, single_device):
         compiled,
         random_batches(trainer.cfg),
         init=None if layout == OWN_INIT else single_device.init,
+        along=single_device,
     )
     assert_parity(got, single_device)
     for key in ("aux_loss", "z_loss"):  # (loss and grad_norm: assert_parity)

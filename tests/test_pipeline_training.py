@@ -104,6 +104,7 @@ def test_pipelined_training_matches_single_device(layout, single_device):
         compiled,
         random_batches(trainer.cfg),
         init=None if layout == OWN_INIT else single_device.init,
+        along=single_device,
     )
     assert_parity(got, single_device)
     if layout == "pipe8_gpipe":  # activations and gradients hop between neighbouring stages
@@ -145,7 +146,7 @@ def test_masked_targets_contribute_exactly_zero_gradient_with_pipeline_and_ring(
     kept = sum(float(b["loss_mask"].sum()) for b in batches) / sum(b["loss_mask"].size for b in batches)
     assert 0.3 < kept < 0.7, kept
     want = run_parity(one, one_step, batches, init=single_device.init)
-    assert_parity(run_parity(ring, ring_step, batches, init=single_device.init), want)
+    assert_parity(run_parity(ring, ring_step, batches, init=single_device.init, along=want), want)
     # The loss is the mean over target tokens: the masked tokens' count does not dilute it.
     assert want.history[0]["loss"] > 0.9 * single_device.history[0]["loss"]
     first = batches[0]
@@ -251,7 +252,9 @@ def test_bf16_pipeline_hands_off_bf16_and_splits_the_vocabulary_over_tensor(sing
     lowered = trainer.step.lower(trainer.state_shape, trainer.batch_shape()).as_text()
     permutes = [line for line in lowered.splitlines() if "stablehlo.collective_permute" in line]
     assert permutes and all(line.rstrip().endswith("bf16>") for line in permutes), permutes[:2]
-    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), init=single_device.init)
+    got = run_parity(
+        trainer, compile_step(trainer), random_batches(trainer.cfg), single_device.init, along=single_device
+    )
     # bf16 matmuls against the float32 single-device run: the same gradients and trajectory, to
     # bf16's precision.
     errors = relative_errors(got.grads, single_device.grads)
@@ -281,7 +284,13 @@ def moe_single_device():
 def test_pipelined_moe_training_matches_single_device(layout, moe_single_device):
     mesh, extra = MOE_LAYOUTS[layout]
     trainer = trainer_for(mesh, MOE + [f"parallel.microbatches={MOE_MICROBATCHES}"] + extra)
-    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), init=moe_single_device.init)
+    got = run_parity(
+        trainer,
+        compile_step(trainer),
+        random_batches(trainer.cfg),
+        moe_single_device.init,
+        along=moe_single_device,
+    )
     assert_parity(got, moe_single_device)
     for key in ROUTER_METRICS:
         np.testing.assert_allclose(
@@ -312,5 +321,5 @@ def test_pipelined_sliding_window_layers_match_single_device():
         "parallel.microbatches=2",
     ]
     trainer = trainer_for({"pipe": 2, "context": 2, "data": 2}, GEMMA_STYLE + schedule)
-    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), init=want.init)
+    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), want.init, along=want)
     assert_parity(got, want)
