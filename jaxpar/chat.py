@@ -31,6 +31,17 @@ whose targets are the completion's assistant messages.
 
 Pieces are tokenized one by one, without the tokenizer's own added tokens (the template writes
 them): a reply's tokens are those the model produces after the prompt's, as at sampling time.
+
+What is refused, before a template sees it (`check_messages`, for training's records and
+`sample --messages` alike; a ConfigError naming the record, the message and the field): a role
+outside ROLES (a misspelt "assitant" would leave a conversation without targets), a content that
+is null, missing or not text (null or missing is allowed only beside tool_calls), a content part
+that is not text. A content given as a list of text parts (`[{"type": "text", "text": ...}]`, as
+Hugging Face chat datasets give it) is read as their text, concatenated. A record without an
+assistant message (`has_target`) is left out by its reader, with a count (jaxpar.documents). A
+template's error -- its raise_exception, a Jinja error, a Python error of its code -- is a
+ConfigError naming the template, and the record being rendered (`Record.where`), with where the
+conversation's turns do not alternate (`explained`); a template file that is not UTF-8 is one too.
 """
 
 from __future__ import annotations
@@ -51,6 +62,10 @@ TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")  # CHAT_TEMPLATES, as <name>.jinja
 # The named special tokens transformers passes to a template as variables (its special_tokens_map).
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The roles of transformers' chat format. Another role is refused (`check_messages`): templates
+# differ on what they do with one (Llama's writes it as a header, Qwen3's drops the message,
+# Gemma's raises), and a misspelt "assitant" would silently leave a conversation without targets.
+ROLES = ("system", "user", "assistant", "tool")
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases of a reply's reasoning
 _PROBE = "\ue000jaxpar reply\ue001"  # a reply no template changes (private-use characters)
 
@@ -139,6 +154,29 @@ def _compiled(source: str):
 # --- Templates ----------------------------------------------------------------------------------
 
 
+# What a template's Jinja code can raise besides jinja2's TemplateError: the Python errors of the
+# operations it runs on the conversation's values (a concatenation of text and a number, a missing
+# key or index, a bad number format, a template calling itself without end).
+_TEMPLATE_FAULTS = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError)
+
+
+def _read_template(path: str, name: str) -> str:
+    """The text of a template file; ConfigError naming `name` (the setting, or where the file
+    was found) when it is not UTF-8 or cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read {path} ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{name}: {path} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at offset "
+            f"{e.start}); a chat template is a Jinja2 text file, save it as UTF-8"
+        ) from None
+
+
 def _token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
     value = value.get("content") if isinstance(value, dict) else value
@@ -146,7 +184,7 @@ def _token_text(value) -> str | None:
 
 
 def _tokenizer_files(tokenizer: str) -> tuple[dict, str | None]:
-    """(tokenizer_config.json as a dict, the text of chat_template.jinja) beside a tokenizer.json;
+    """(tokenizer_config.json as a dict, the path of chat_template.jinja) beside a tokenizer.json;
     ({}, None) for the byte tokenizer or where they are not there."""
     if tokenizer == "byte":
         return {}, None
@@ -158,11 +196,7 @@ def _tokenizer_files(tokenizer: str) -> tuple[dict, str | None]:
     except (OSError, ValueError):
         pass
     jinja = os.path.join(directory, TEMPLATE_FILE)
-    text = None
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            text = f.read()
-    return (config if isinstance(config, dict) else {}), text
+    return (config if isinstance(config, dict) else {}), (jinja if os.path.isfile(jinja) else None)
 
 
 @dataclass(frozen=True)
@@ -189,6 +223,10 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as e:
             raise ConfigError(f"chat template ({self.origin}): {e}") from None
+        except _TEMPLATE_FAULTS as e:  # the template's own Python errors, e.g. `'text' + 1`
+            raise ConfigError(
+                f"chat template ({self.origin}) failed while rendering: {type(e).__name__}: {e}"
+            ) from None
 
     @functools.cached_property
     def end_of_turn(self) -> str:
@@ -259,31 +297,32 @@ def special_tokens(tokenizer: str) -> tuple[tuple[str, str], ...]:
     return tuple((name, text) for name in SPECIAL_TOKENS if (text := _token_text(config.get(name))))
 
 
-def load_template(spec: str | None, tokenizer: str) -> ChatTemplate:
+def load_template(spec: str | None, tokenizer: str, setting: str | None = None) -> ChatTemplate:
     """The chat template a run or a preparation uses: `spec` (a .jinja file, or a CHAT_TEMPLATES name),
     else the tokenizer's own (chat_template.jinja beside its tokenizer.json, else the
     chat_template of its tokenizer_config.json). The tokenizer's special tokens come with it.
-    ConfigError when there is none, naming what would work."""
+    ConfigError when there is none, naming what would work, or when the file is missing or not
+    UTF-8 text (naming `setting`: by default data.chat_template)."""
     config, jinja = _tokenizer_files(tokenizer)
     special = special_tokens(tokenizer)
     if spec is not None:
+        setting = setting or f"data.chat_template={spec} (--chat-template)"
         path = (
             os.path.join(TEMPLATES, f"{spec}.jinja") if spec in CHAT_TEMPLATES else os.path.expanduser(spec)
         )
         if not os.path.isfile(path):
             raise ConfigError(
-                f"data.chat_template={spec} (--chat-template) is neither a file nor one of "
-                f"jaxpar's templates ({', '.join(CHAT_TEMPLATES)})"
+                f"{setting} is neither a file nor one of jaxpar's templates ({', '.join(CHAT_TEMPLATES)})"
             )
-        with open(path, encoding="utf-8") as f:
-            return ChatTemplate(f.read(), spec, special)
+        return ChatTemplate(_read_template(path, setting), spec, special)
     own = config.get("chat_template")
     if isinstance(own, list):  # several named templates: transformers' default is "default"
         own = next(
             (t.get("template") for t in own if isinstance(t, dict) and t.get("name") == "default"), None
         )
     if jinja is not None:
-        return ChatTemplate(jinja, f"chat_template.jinja beside {tokenizer}", special)
+        text = _read_template(jinja, f"the chat template of data.tokenizer={tokenizer}")
+        return ChatTemplate(text, f"chat_template.jinja beside {tokenizer}", special)
     if isinstance(own, str):
         return ChatTemplate(own, f"the chat_template of {tokenizer}'s tokenizer_config.json", special)
     raise ConfigError(
@@ -297,17 +336,124 @@ def load_template(spec: str | None, tokenizer: str) -> ChatTemplate:
 # --- Records: conversations, prompt/completion ------------------------------------------------------
 
 
+class Record(dict):
+    """A conversation or prompt/completion record (its fields, as a dict), with `where` it was
+    read ("FILE:LINE", "FILE: row N"), which the errors of rendering it name."""
+
+    where: str | None = None
+
+
+def _shown(value, limit: int = 60) -> str:
+    text = json.dumps(value, default=repr, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content given as a list of parts (Hugging Face's form, `[{"type": "text",
+    "text": ...}, ...]`) read as its text parts, concatenated; ConfigError for any other part."""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+            continue
+        what = f"of type {kind!r}" if isinstance(kind, str) else f"{_shown(part, 40)}"
+        raise ConfigError(
+            f"{where}: content part {j} is {what}; jaxpar reads text only, parts of the form "
+            '{"type": "text", "text": "..."}; remove the others'
+        )
+    return "".join(texts)
+
+
+def check_messages(messages, where: str, key: str = "messages") -> list[dict]:
+    """The messages of a record, checked: a list of {"role": one of ROLES, "content": text}
+    (content may be null or absent in a message that has tool_calls); a content given
+    as a list of text parts becomes their text, concatenated. ConfigError naming `where`, the
+    message and the field otherwise."""
+    if not isinstance(messages, list):
+        raise ConfigError(
+            f"{where}: '{key}' is {_shown(messages)}, not a list of "
+            '{"role": ..., "content": ...} messages'
+        )
+    checked = []
+    for i, message in enumerate(messages):
+        at = f"{where}: {key}[{i}]"
+        if not isinstance(message, dict):
+            raise ConfigError(f'{at} is {_shown(message)}, not a {{"role": ..., "content": ...}} message')
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise ConfigError(f"{at} has {'no role' if role is None else f'role {_shown(role)}'}")
+        if role not in ROLES:
+            raise ConfigError(
+                f"{at} has role {role!r}, which is none of {', '.join(ROLES)} (the roles chat "
+                "templates know; a conversation's targets are its 'assistant' messages)"
+            )
+        content = message.get("content")
+        if isinstance(content, list):
+            message = {**message, "content": _content_text(content, f"{at} ({role})")}
+        elif content is None and not message.get("tool_calls"):
+            state = "is null" if "content" in message else "is missing"
+            raise ConfigError(f"{at} ({role}): its 'content' {state}; give the message's text (a string)")
+        elif content is not None and not isinstance(content, str):
+            raise ConfigError(
+                f"{at} ({role}): 'content' is {_shown(content)}, not a string (nor a list of "
+                '{"type": "text", "text": ...} parts)'
+            )
+        checked.append(message)
+    return checked
+
+
+def has_target(record: dict) -> bool:
+    """Whether a (checked) record has anything to train on: an assistant message (in the
+    completion, for a prompt/completion of messages), or a completion that is a string."""
+    if "messages" in record:
+        messages = record["messages"]
+    elif isinstance(record["completion"], str):
+        return True
+    else:
+        messages = record["completion"]
+    return any(m["role"] == "assistant" for m in messages)
+
+
+def _alternation(messages: list[dict]) -> str | None:
+    """Where a conversation's user and assistant turns do not alternate (after a leading system
+    message), which many templates refuse; None where they do."""
+    turns = [(i, m["role"]) for i, m in enumerate(messages) if m.get("role") in ("user", "assistant")]
+    if turns and turns[0][1] != "user":
+        return f"the first turn is message {turns[0][0]}, an {turns[0][1]!r} one, not a user message"
+    for (i, a), (j, b) in zip(turns, turns[1:]):
+        if a == b:
+            return f"messages {i} and {j} are both {a!r}: its user and assistant turns do not alternate"
+    return None
+
+
 def record_pieces(record: dict, template) -> tuple[list[tuple[str, bool]], bool]:
     """(pieces, whether the end-of-document token after them is a target) of a conversation or
     prompt/completion record (see the module docstring). `template`: a ChatTemplate, or a
-    function returning one (called only for records that need it)."""
+    function returning one (called only for records that need it). A template's error names the
+    record (`Record.where`) and says where its turns do not alternate."""
     get = template if callable(template) else (lambda: template)
     if "messages" in record:
-        return get().pieces(record["messages"]), False
-    prompt, completion = record["prompt"], record["completion"]
-    if isinstance(prompt, str) and isinstance(completion, str):
-        return [(text, target) for text, target in ((prompt, False), (completion, True)) if text], True
-    return get().pieces(list(prompt) + list(completion), first_target=len(prompt)), False
+        messages, first = record["messages"], 0
+    else:
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            pieces = [(text, target) for text, target in ((prompt, False), (completion, True)) if text]
+            return pieces, True
+        messages, first = list(prompt) + list(completion), len(prompt)
+    chosen = get()
+    try:
+        return chosen.pieces(messages, first_target=first), False
+    except ConfigError as e:
+        raise explained(e, messages, getattr(record, "where", None)) from None
+
+
+def explained(error: ConfigError, messages: list[dict], where: str | None) -> ConfigError:
+    """A template's error on a conversation, naming where the conversation was read and saying
+    where its user and assistant turns do not alternate (which many templates refuse)."""
+    why = _alternation(messages)
+    prefix, suffix = f"{where}: " if where else "", f"; in this conversation {why}" if why else ""
+    return ConfigError(f"{prefix}{error}{suffix}")
 
 
 def encode_record(record: dict, tokenizer, template) -> tuple[np.ndarray, np.ndarray, bool]:

@@ -320,6 +320,9 @@ class DistributedConfig:
     num_processes: int | None = None  # processes in the run (with coordinator)
     process_id: int | None = None  # this process's index, 0 .. num_processes - 1
     auto: bool = False  # let JAX detect the cluster (SLURM, Kubernetes, Cloud TPU, MPI)
+    # How long a process waits at start for the coordinator and every other process to join;
+    # then it stops with one line and exit code 2 (jaxpar/mesh.py).
+    timeout_s: float = 300.0  # seconds to wait for the coordinator and the other processes
 
 
 @dataclass

@@ -11,6 +11,8 @@ by one). Every token carries the id of its document, which gives, per sequence:
 - `loss_mask`: 0 where the target belongs to another document (the end-of-document token
   predicting the next document's first token), or, under data.train_on=assistant, is no target
   token of a conversation or prompt/completion record (jaxpar.chat: its prompt); 1 elsewhere.
+  A source none of whose sequences holds a target is refused, one where some hold none is
+  counted in a warning (`check_targets`).
 
 Whole documents (data.packing=whole; the default, wrap, is the above). The same stream is laid
 into rows of seq_len + 1 tokens differently (`documents.whole_rows`): a row takes whole documents,
@@ -184,6 +186,72 @@ def packed_source(cfg: DataConfig, tokenizer, seq_len: int):
     return pack(read_documents(cfg), tokenizer, seq_len, functools.cache(template), cfg.train_on, cfg.packing)
 
 
+# --- Sequences without a target ------------------------------------------------------------------
+
+TARGET_SAMPLE = 4096  # sequences `check_targets` reads: all of a source with fewer, else this many
+
+
+def _masked(source) -> bool:
+    """Whether some of a source's tokens are no target (conversations under data.train_on=
+    assistant); plain text and data.train_on=all have none to check."""
+    if isinstance(source, PackedSequences):
+        return source.targets is not None
+    return any(mask is not None for mask in getattr(source, "masks", ()))
+
+
+def _any_target(source) -> bool:
+    """Whether any token of a source is a target: its target mask read until a 1 (a prepared
+    shard without a mask is all targets)."""
+    if isinstance(source, PackedSequences):
+        return bool(source.targets.any())
+    for path in source.masks:
+        if path is None:
+            return True
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                if np.frombuffer(chunk, np.uint8).any():
+                    return True
+    return False
+
+
+def check_targets(source, name: str) -> None:
+    """Refuses a source (`name`: its setting) none of whose sequences holds a target token: a
+    run on it reads loss 0, gradient 0, and learns nothing. Warns, with a count, where some
+    sequences hold none (a batch of only such sequences trains nothing): e.g. a conversation
+    longer than train.seq_len whose first rows are all prompt. Reads every sequence of a source
+    of at most TARGET_SAMPLE, else that many evenly spaced (the count is then of those), and,
+    where none of these has a target, the whole target mask. Sources without a mask (plain text,
+    data.train_on=all) are not read."""
+    if not _masked(source):
+        return
+    n = len(source)
+    rows = np.arange(n) if n <= TARGET_SAMPLE else np.linspace(0, n - 1, TARGET_SAMPLE).astype(np.int64)
+    empty = 0
+    for lo in range(0, len(rows), 256):
+        empty += sum(not row["loss_mask"].any() for row in source._getitems(rows[lo : lo + 256].tolist()))  # noqa: SLF001
+    if empty == len(rows) and (n == len(rows) or not _any_target(source)):
+        raise ConfigError(
+            f"{name}: none of its {n} sequences of train.seq_len={source.seq_len} holds a target "
+            "token: under data.train_on=assistant the targets are the assistant replies, and its "
+            "records have none (a conversation without an assistant message, or a role that is "
+            "not 'assistant'), so training would read loss 0 and learn nothing; give conversations "
+            "with assistant replies (`prepare` leaves out those without one, with a count), or set "
+            "data.train_on=all"
+        )
+    if empty:
+        counted = (
+            f"{empty} of its {n}" if n == len(rows) else f"{empty} of {len(rows)} evenly spaced of its {n}"
+        )
+        print(
+            f"warning: {name}: {counted} sequences of train.seq_len={source.seq_len} hold no target "
+            "token (all prompt: a conversation longer than a sequence, its reply further on); they "
+            "add nothing to the loss, and a batch of only such sequences trains nothing",
+            file=sys.stderr,
+        )
+
+
+# --- The run's chat template ---------------------------------------------------------------------
+
 RUN_TEMPLATE = chat.TEMPLATE_FILE  # the chat template a run trained with, in its run directory
 
 
@@ -216,10 +284,16 @@ def training_template(cfg: DataConfig):
 
 
 def save_run_template(cfg: DataConfig, run_dir: str) -> None:
-    """RUN_DIR/chat_template.jinja: the `training_template`, where there is one."""
+    """RUN_DIR/chat_template.jinja: the `training_template`, where there is one; where there is
+    none, a copy left there by an earlier start is removed (`sample --chat` would render with
+    it). Called once the resume is decided: a copy the earlier steps were rendered with and
+    this start changes was refused, or kept aside (jaxpar.rundir.keep_record) first."""
+    path = os.path.join(run_dir, RUN_TEMPLATE)
     if (template := training_template(cfg)) is not None:
-        with open(os.path.join(run_dir, RUN_TEMPLATE), "w", encoding="utf-8") as f:
+        with open(path, "w", encoding="utf-8") as f:
             f.write(template.source)
+    elif os.path.isfile(path):
+        os.remove(path)
 
 
 def run_template(run_dir: str, cfg: DataConfig):
@@ -228,7 +302,7 @@ def run_template(run_dir: str, cfg: DataConfig):
     when there is none. The tokenizer's special tokens come with it."""
     path = os.path.join(run_dir, RUN_TEMPLATE)
     if os.path.isfile(path):
-        return chat.load_template(path, cfg.tokenizer)
+        return chat.load_template(path, cfg.tokenizer, "the chat template the run kept")
     return training_template(cfg) or chat.load_template(None, cfg.tokenizer)
 
 
@@ -310,7 +384,9 @@ def training_source(cfg: DataConfig, tokenizer, seq_len: int):
     if cfg.chat_template is not None:
         training_template(cfg)  # the prepared data's chat template, if any, is data.chat_template
     if cfg.sources is None:
-        return packed_source(cfg, tokenizer, seq_len)
+        packed = packed_source(cfg, tokenizer, seq_len)
+        check_targets(packed, f"data.source={cfg.source}")
+        return packed
     sources = [
         shards.PreparedSequences(
             os.path.expanduser(s.path),
@@ -322,6 +398,8 @@ def training_source(cfg: DataConfig, tokenizer, seq_len: int):
         )
         for s in cfg.sources
     ]
+    for i, (s, source) in enumerate(zip(cfg.sources, sources)):
+        check_targets(source, f"data.sources[{i}].path={s.path}")
     return Mixture(sources, mixture_proportions([s.weight for s in cfg.sources]), source_names(cfg))
 
 
@@ -360,6 +438,7 @@ def eval_dataset(
                 directory, cfg.tokenizer, seq_len, split="val", train_on=cfg.train_on, packing=cfg.packing
             )
         )
+        check_targets(vals[-1], f"the val split of {key}={directory}")
     proportions = mixture_proportions([s.weight for s in cfg.sources] if cfg.sources else [1.0])
 
     def taken(n_batches: int) -> list[int]:  # sequences each val split gives to n_batches batches

@@ -2,7 +2,8 @@
 Hugging Face `tokenizer.json`), reading a source's documents (the running interpreter's standard
 library, text files, JSONL, Parquet; .gz and .zst decompressed; data.errors for what is not text;
 a JSONL line or Parquet row without the text field may be a conversation or a prompt/completion
-record, kept as a dict for jaxpar.chat to render),
+record, checked and kept as a dict for jaxpar.chat to render, or left out with a count when it
+has no assistant message: `record_document`),
 and the packed rows a window of the token stream becomes (`packed_rows`; under data.packing=whole,
 rows of whole documents, padded: `whole_rows`, `pad_rows`). Both consumers of
 documents build on this module: packing in memory and the grain pipeline (jaxpar.data) and the
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar import chat
 from jaxpar.config import ConfigError, DataConfig, Packing, data_files
 
 EOD_TOKEN = "<|endoftext|>"
@@ -128,11 +130,14 @@ def stdlib_files() -> list[str]:
 
 
 class Skipped:
-    """Counts the documents data.errors=replace/skip changed or left out, for one warning."""
+    """Counts the documents data.errors=replace/skip changed or left out, and the records left
+    out for having nothing to train on, for one warning each."""
 
     def __init__(self):
         self.replaced: list[str] = []
         self.skipped: list[str] = []
+        self.records: dict[str, int] = {}  # file -> conversation / prompt-completion records read
+        self.no_target: dict[str, list[str]] = {}  # file -> those left out (`chat.has_target`)
 
     def warn(self, errors: str) -> None:
         for what, places in (
@@ -140,11 +145,22 @@ class Skipped:
             ("left out", self.skipped),
         ):
             if places:
-                shown = ", ".join(places[:3]) + (", ..." if len(places) > 3 else "")
                 print(
-                    f"warning: data.errors={errors}: {len(places)} document(s) {what} ({shown})",
+                    f"warning: data.errors={errors}: {len(places)} document(s) {what} ({_few(places)})",
                     file=sys.stderr,
                 )
+        for path, places in self.no_target.items():
+            places = [f"line {p}" if p.isdigit() else p for p in places]  # JSONL line, Parquet row
+            print(
+                f"warning: {path}: left out {len(places)} of its {self.records[path]} conversation "
+                f"and prompt/completion records: no assistant message, so nothing to train on "
+                f"({_few(places)})",
+                file=sys.stderr,
+            )
+
+
+def _few(places: list[str]) -> str:
+    return ", ".join(places[:3]) + (", ..." if len(places) > 3 else "")
 
 
 def _text(raw: bytes, path: str, line: int | None, errors: str, skipped: Skipped) -> str | None:
@@ -405,7 +421,7 @@ def _jsonl_text(
     if not isinstance(record, dict):
         raise ConfigError(f"{path}:{n} is not a JSON object (one document per line, in '{field}')")
     if field not in record:
-        return record_document(record, f"{path}:{n}", field)
+        return record_document(record, f"{path}:{n}", field, skipped, path)
     text = record[field]
     if not isinstance(text, str):
         return _not_a_string(text, path, n, field, errors, skipped)
@@ -415,33 +431,36 @@ def _jsonl_text(
 RECORD_KINDS = "a text in data.text_field, a 'messages' list, or a 'prompt' and a 'completion'"
 
 
-def record_document(record: dict, where: str, field: str) -> dict:
-    """A record without the text field as a document: a conversation (`messages`: a list of
-    {role, content}) or a prompt/completion pair (both strings, or both lists of messages); the
-    record's other fields are dropped. ConfigError naming `where` for anything else."""
+def record_document(
+    record: dict, where: str, field: str, skipped: Skipped | None = None, path: str | None = None
+) -> chat.Record | None:
+    """A record without the text field as a document (a `chat.Record`, knowing `where` it was
+    read): a conversation (`messages`: a list of {role, content}, `chat.check_messages`, which
+    reads a content of text parts as text) or a prompt/completion pair (both strings, or both
+    lists of messages); the record's other fields are dropped. ConfigError naming `where` for
+    anything else. A record with nothing to train on (no assistant message: `chat.has_target`)
+    is None, counted in `skipped` under `path` for its warning, when `skipped` is given."""
     if "messages" in record:
-        _check_messages(record["messages"], where, "messages")
-        return {"messages": record["messages"]}
-    if "prompt" in record and "completion" in record:
+        document = chat.Record(messages=chat.check_messages(record["messages"], where))
+    elif "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         if not (isinstance(prompt, str) and isinstance(completion, str)):
-            _check_messages(prompt, where, "prompt")
-            _check_messages(completion, where, "completion")
-        return {"prompt": prompt, "completion": completion}
-    raise ConfigError(
-        f"{where} has no field '{field}' (data.text_field); it has {sorted(record)} (a record "
-        f"holds {RECORD_KINDS})"
-    )
-
-
-def _check_messages(messages, where: str, key: str) -> None:
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
-    ):
+            prompt = chat.check_messages(prompt, where, "prompt")
+            completion = chat.check_messages(completion, where, "completion")
+        document = chat.Record(prompt=prompt, completion=completion)
+    else:
         raise ConfigError(
-            f"{where}: '{key}' is {json.dumps(messages, default=repr)[:60]}, not a list of "
-            '{"role": ..., "content": ...} messages'
+            f"{where} has no field '{field}' (data.text_field); it has {sorted(record)} (a record "
+            f"holds {RECORD_KINDS})"
         )
+    document.where = where
+    if skipped is not None:
+        path = where if path is None else path
+        skipped.records[path] = skipped.records.get(path, 0) + 1
+        if not chat.has_target(document):
+            skipped.no_target.setdefault(path, []).append(where[len(path) :].lstrip(":").strip())
+            return None
+    return document
 
 
 def parquet_file(path: str, field: str):
@@ -490,7 +509,10 @@ def _parquet_documents(path, field, errors, skipped, start, raw_position):
                 if row <= start:
                     continue
                 if columns != [field]:  # conversations or prompt/completion records
-                    yield row, record_document(dict(zip(columns, value)), f"{path}: row {row}", field)
+                    record = dict(zip(columns, value))
+                    document = record_document(record, f"{path}: row {row}", field, skipped, path)
+                    if document is not None:
+                        yield row, document
                     continue
                 value = value[0]
                 if isinstance(value, bytes):  # a binary column: text under data.errors

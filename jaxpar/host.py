@@ -6,8 +6,9 @@ machine, and a step that an H100 runs in 40 ms takes minutes. Both are predicted
 config alone, before anything compiles:
 
 - memory: the planner's per-device prediction for XLA:CPU's program (`jaxpar.plan.predict_memory`,
-  backend "cpu"), times the emulated devices of this process, times `COMPILER_MARGIN`, plus
-  `PROCESS_BYTES` for the Python process, the JAX runtime and the data loader; compared with
+  backend "cpu"; with finetune.lora, the adapters and their gradients and Adam state), times the
+  emulated devices of this process, times `COMPILER_MARGIN`, plus `PROCESS_BYTES` for the Python
+  process, the JAX runtime and the data loader; compared with
   `runtime.host_memory_gib` when set, else with `USABLE_SHARE` of the memory available to this
   process: the kernel's MemAvailable, or less where a cgroup limits the process (Slurm's --mem,
   a container's memory limit).
@@ -149,7 +150,8 @@ def forecast(cfg: Config, sizes: dict[str, int], local_devices: int, rate: float
     """Predicted peak memory of this process and time per step of `cfg` on this CPU host."""
     memory = memory_bytes(cfg, sizes, local_devices)
     t = cfg.train
-    flops = plan_lib.hardware_flops(cfg.model, t.seq_len, cfg.parallel.remat) * t.batch_size * t.seq_len
+    per_token = plan_lib.hardware_flops(cfg.model, t.seq_len, cfg.parallel.remat, lora=cfg.finetune.lora)
+    flops = per_token * t.batch_size * t.seq_len
     rate = matmul_rate() if rate is None else rate
     available = available_bytes()
     return Forecast(
@@ -180,11 +182,15 @@ ADVICE = (
 
 def refusal(f: Forecast, cfg: Config) -> str:
     """The one-line message of a run that will not fit."""
+    lora = cfg.finetune.lora
+    adapters = f", finetune.lora.rank={lora.rank}" if lora.rank > 0 else ""
     return (
         f"this run needs about {f.memory_bytes / GIB:.1f} GiB of host memory on this CPU "
-        f"(train.batch_size={cfg.train.batch_size} x train.seq_len={cfg.train.seq_len}, "
+        f"(train.batch_size={cfg.train.batch_size} x train.seq_len={cfg.train.seq_len}{adapters}, "
         f"{cfg.runtime.cpu_devices} emulated device(s)) and "
-        f"{room(cfg, f.limit_bytes, f.available_bytes)}; {ADVICE}"
+        f"{room(cfg, f.limit_bytes, f.available_bytes)}; "
+        + ("use a smaller finetune.lora.rank, or " if adapters else "")
+        + ADVICE
     )
 
 

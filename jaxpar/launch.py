@@ -37,7 +37,9 @@ What crosses processes (here over loopback, on a cluster over the network):
   metrics.jsonl, the plots, and shows progress.
 
 Before the first process starts, the launch is checked, and refused in one line (exit code 2)
-when it cannot work: --port outside 1-65535 or taken; more processes than the machine holds
+when it cannot work: a negative --tail, --grace or --max-restarts; a distributed.* setting the
+launcher makes itself (distributed.timeout_s passes through: how long each process waits for the
+others at start); --port outside 1-65535 or taken; more processes than the machine holds
 (`most_processes`: about PROCESS_BYTES of the machine's memory for each, at most
 PROCESSES_PER_CORE per core); and, for `python -m jaxpar.train`, the config every process would
 refuse -- on the CPU checked for the devices of all of them, nproc x runtime.cpu_devices (on
@@ -82,6 +84,7 @@ import codecs
 import collections
 import ctypes
 import dataclasses
+import math
 import os
 import queue
 import signal
@@ -672,17 +675,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.train_args[:1] == ["--"]:
         args.train_args = args.train_args[1:]
+    if (problem := argument_problem(args)) is not None:
+        _say(f"error: {problem}")  # one line, before any process starts
+        raise SystemExit(CONFIG_ERROR)
+    return args
+
+
+# The distributed settings the launcher gives every process itself (through the environment).
+OWN_SETTINGS = (
+    "distributed.coordinator",
+    "distributed.num_processes",
+    "distributed.process_id",
+    "distributed.auto",
+)
+
+
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """A count or duration on the command line that cannot work, or a distributed setting the
+    launcher makes itself (None: nothing)."""
     if args.max_restarts < 0:
-        parser.error(f"--max-restarts={args.max_restarts}: need a count >= 0")
-    if args.grace < 0:
-        parser.error(f"--grace={args.grace}: need a duration >= 0")
-    given = [a for a in args.train_args if a.startswith("distributed.")]
+        return f"--max-restarts={args.max_restarts}: need a count >= 0"
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        return f"--grace={args.grace}: need a duration >= 0 in seconds, e.g. --grace 30"
+    if args.tail < 0:
+        return f"--tail={args.tail}: need a count of lines >= 0, e.g. --tail 40"
+    given = [a for a in args.train_args if a.split("=", 1)[0].strip() in OWN_SETTINGS]
     if given:
-        parser.error(
+        return (
             f"{' '.join(given)}: the launcher sets the distributed settings itself "
             "(JAXPAR_COORDINATOR, JAXPAR_NUM_PROCESSES, JAXPAR_PROCESS_ID); drop them"
         )
-    return args
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,13 +16,16 @@ Memory per device (`predict_memory`), in bytes, for jaxpar's own program:
 - params, optimizer state (Adam: two moments) and gradients in param_dtype, each divided as the
   ZeRO stage shards it over `fsdp` and as the rules of `jaxpar.sharding` split it over
   `tensor`, `pipe` and `expert` (the same table the trainer uses: `param_table` mirrors the
-  model's parameters and their logical names);
+  model's parameters and their logical names); with finetune.lora, the adapters' parameters
+  (`lora_table`) beside the frozen model's, and gradients and optimizer state for the adapters
+  alone, as the trainer holds them;
 - activations: what one layer keeps for the backward under the remat policy (none: every
   residual of the block, XLA attention's float32 probabilities included; dots: the outputs of
   the projection matmuls and the layer input; full: the layer input only), times the layers
   held, times the rows alive at once (the batch share, a grad-accumulation microstep, or the
   pipeline's stashed microbatches: the schedule's own buffer count), plus the working set of
-  one layer's backward (its recomputed residuals and their gradients);
+  one layer's backward (its recomputed residuals and their gradients); LoRA adds each adapter's
+  x A (`adapter_residuals`);
 - loss: the chunked cross-entropy's float32 logits of one chunk and their gradient (for a
   backend whose peak never holds them beside a layer's working set, `Backend.loss_beside_work`
   False, only what they need beyond it);
@@ -39,13 +42,14 @@ planner predicts for "gpu"; the CPU tests predict for "cpu".
 Step time (`predict_time`), in seconds, with a stated uncertainty:
 - compute: the model's FLOPs (6N + 12LdT per token, `jaxpar.metrics`) plus what is computed
   twice (remat: the attention core for `dots`, the whole block forward for `full`; the chunked
-  loss recomputes the head matmul). Matmuls at a fraction of the device's bf16 peak that grows
-  with the model width, eff(d) = MATMUL_CEILING * d / (d + d_half) (what narrow models lose to
-  memory-bound work); the attention core's forward at its kernel's measured rate, a flash
+  loss recomputes the head matmul; with LoRA the frozen weights' gradient matmuls are left out
+  and the adapters' added, `hardware_flops`). Matmuls at a fraction of the device's bf16 peak
+  that grows with the model width, eff(d) = MATMUL_CEILING * d / (d + d_half) (what narrow models
+  lose to memory-bound work); the attention core's forward at its kernel's measured rate, a flash
   kernel's backward at `attention_backward` of it;
 - host: a fixed cost per layer per forward+backward pass (launches, dispatch, gaps);
 - the optimizer step: AdamW's update, memory-bound, the state a device updates read and written
-  at the HBM bandwidth (`optimizer_step_s`);
+  at the HBM bandwidth (`optimizer_step_s`; with LoRA, the adapters' state);
 - communication per mesh axis, ring formulas (all-reduce 2(n-1)/n of the bytes, all-gather and
   reduce-scatter (n-1)/n, all-to-all (n-1)/n) over NVLink when the axis stays inside a node and
   over the node's network when it does not. data/fsdp traffic (gradient reduction, ZeRO-3
@@ -55,7 +59,8 @@ Step time (`predict_time`), in seconds, with a stated uncertainty:
   tensor-parallel all-reduces, expert all-to-alls and pipeline sends are not overlapped;
 - the pipeline bubble of the schedule as the runtime builds it (`schedule_bubble`: the idle
   fraction of `jaxpar.parallel.pipeline`'s own lowered schedule, not a textbook formula).
-MFU = model FLOPs per step / (step time * GPUs * peak).
+MFU = model FLOPs per step / (step time * GPUs * peak), the model FLOPs 6N + 12LdT per token
+also with LoRA (as the trainer reports its MFU).
 The four constants (`FITTED`: d_half 825, host 0.64 ms a layer, exposed_fraction 0, attention
 backward at 0.241 of cuDNN's forward rate) are fitted by `benchmarks/plan_fit.py` to the "fit"
 results of `jaxpar.published` (4 single-H100 plain-JAX steps measured here, Megatron-LM's 1.7B
@@ -65,8 +70,10 @@ Megatron-LM's 7.1B and 70B, a nanoGPT and a plain-JAX single-H100 step): predict
 step time 0.69-1.41 on those. Every predicted step time and MFU carries STEP_TIME_BAND (x1.55):
 the measured value is expected within that factor (how it is derived: STEP_TIME_BAND's comment).
 
-Exit codes: 0 with plans; 2 for bad input (a config error, an unknown GPU type, a count that
-does not divide into nodes); 3 when no layout fits, with how many GPUs would be needed.
+Exit codes: 0 with plans; 2 for bad input (a config error -- the config is validated on one
+device before any layout is tried, `check_config` --, an unknown GPU type, a count that does not
+divide into nodes); 3 when no layout fits, with how many GPUs would be needed, or when no layout
+divides the batch over that many GPUs, with the batch or the GPU count that would (`no_layout`).
 `--verify K` compiles the top K for the target (`jaxpar.inspect --target`, no GPU needed),
 prints predicted against compiled memory, and drops a plan whose compiled program does not fit.
 """
@@ -78,6 +85,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -86,7 +94,7 @@ from types import SimpleNamespace
 from jaxpar import cli, published
 from jaxpar import config as config_lib
 from jaxpar import targets as targets_lib
-from jaxpar.config import MESH_AXES, Config, ConfigError, ModelConfig
+from jaxpar.config import MESH_AXES, Config, ConfigError, LoRAConfig, ModelConfig
 from jaxpar.metrics import attention_width
 from jaxpar.models.llama import scan_length
 from jaxpar.models.moe import moe_layers
@@ -223,22 +231,64 @@ def _local_elements(shape, names, sizes: dict[str, int], rules: Rules) -> int:
     return total
 
 
-def state_elements(m: ModelConfig, sizes: dict[str, int], zero_stage: int) -> dict[str, int]:
-    """Elements per device of the parameters, gradients and one optimizer moment, and the
-    model's parameter count (`total`) and the blocks' share of it."""
-    table = param_table(m)
+def lora_table(m: ModelConfig, lora: LoRAConfig) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
+    """(name, shape, logical names) of every adapter matrix of finetune.lora (none at rank 0), as
+    `jaxpar.models.lora` adds them: for each targeted weight of each block, A [in, rank] with the
+    weight's first in-dim name on its rows and B [rank, out] with its first out-dim name on its
+    columns (in- and out-dims flattened), stacked over the layers as the blocks are."""
+    if lora.rank <= 0:
+        return []
+    e, r, f = m.d_model, lora.rank, m.d_ff
+    q, kv = m.n_heads * m.head_width, m.n_kv_heads * m.head_width
+    # target -> (in width, its logical name, out width, its logical name)
+    dims = {
+        "q": (e, "embed", q, "heads"),
+        "k": (e, "embed", kv, "kv_heads"),
+        "v": (e, "embed", kv, "kv_heads"),
+        "o": (q, "heads_in", e, "embed"),
+        "gate": (e, "embed", f, "mlp"),
+        "up": (e, "embed", f, "mlp"),
+        "down": (f, "mlp_in", e, "embed"),
+    }
+    units = scan_length(m)
+    out = []
+    for i in range(m.n_layers // units):
+        for target in lora.targets:
+            fan_in, in_name, fan_out, out_name = dims[target]
+            out += [
+                (f"block{i}.{target}_lora_a", (units, fan_in, r), ("layers", in_name, None)),
+                (f"block{i}.{target}_lora_b", (units, r, fan_out), ("layers", None, out_name)),
+            ]
+    return out
+
+
+def state_elements(
+    m: ModelConfig, sizes: dict[str, int], zero_stage: int, lora: LoRAConfig | None = None
+) -> dict[str, int]:
+    """Elements per device of the parameters, gradients and one optimizer moment; the model's
+    parameter count (`total`), the adapters' (`adapters`, with finetune.lora `lora`), and the
+    blocks' share of the parameters (`blocks_local`, `blocks_gathered`) and of what trains
+    (`trained_blocks_local`). With adapters only they have gradients and optimizer state; the
+    parameters are the frozen model's and the adapters'."""
+    base, adapters = param_table(m), lora_table(m, lora) if lora is not None else []
     rules = state_rules(zero_stage, sequence_parallel=False)
     gathered = make_rules(shard_embed=False, sequence_parallel=False)
-    out = {"params": 0, "gradients": 0, "optimizer": 0, "total": 0, "blocks_local": 0, "blocks_gathered": 0}
-    for name, shape, names in table:
+    keys = ("params", "gradients", "optimizer", "total", "adapters")
+    out = dict.fromkeys(keys + ("blocks_local", "blocks_gathered", "trained_blocks_local"), 0)
+    rows = [(False, row) for row in base] + [(True, row) for row in adapters]
+    for is_adapter, (name, shape, names) in rows:
         names = fitted_names(names, shape, sizes)  # as the trainer fits them to this mesh
-        out["params"] += _local_elements(shape, names, sizes, rules["params"])
-        out["gradients"] += _local_elements(shape, names, sizes, rules["grads"])
-        out["optimizer"] += _local_elements(shape, names, sizes, rules["opt_state"])
-        out["total"] += math.prod(shape)
+        local = _local_elements(shape, names, sizes, rules["params"])
+        out["params"] += local
+        out["adapters" if is_adapter else "total"] += math.prod(shape)
+        trains = is_adapter or not adapters
+        if trains:
+            out["gradients"] += _local_elements(shape, names, sizes, rules["grads"])
+            out["optimizer"] += _local_elements(shape, names, sizes, rules["opt_state"])
         if name.startswith("block"):
-            out["blocks_local"] += _local_elements(shape, names, sizes, rules["params"])
+            out["blocks_local"] += local
             out["blocks_gathered"] += _local_elements(shape, names, sizes, gathered)
+            out["trained_blocks_local"] += local if trains else 0
     return out
 
 
@@ -397,6 +447,17 @@ def layer_residuals(
     return 2 * x + 2 * proj + 2 * (q + 2 * kv) - kv + attention + q + mlp["none"] + extra
 
 
+def adapter_residuals(cfg: Config, s: Shape) -> float:
+    """Bytes one layer's LoRA adapters keep for the backward, per row: each adapted weight's
+    x A [tokens, rank] (model dtype; the rank is whole on every device), which B's gradient
+    reads, unless remat `full` recomputes it. With finetune.lora.dropout the dropped inputs are
+    residuals too; they are not counted."""
+    lora = cfg.finetune.lora
+    if lora.rank <= 0 or cfg.parallel.remat == "full":
+        return 0.0
+    return len(lora.targets) * s.tokens * lora.rank * _BYTES[cfg.model.dtype]
+
+
 def _moe_or_dense(
     m: ModelConfig, s: Shape, ff: float, proj: float, backend: Backend, stashed: bool = False
 ) -> dict[str, float]:
@@ -504,7 +565,7 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str, backend: str
     b = BACKENDS[backend]
     m, t, p = cfg.model, cfg.train, cfg.parallel
     pb, a = _BYTES[m.param_dtype], _BYTES[m.dtype]
-    el = state_elements(m, sizes, p.zero_stage)
+    el = state_elements(m, sizes, p.zero_stage, cfg.finetune.lora)
     moments = 2 if cfg.optimizer.name == "adamw" else 0
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     pipe, pipelined, ring = sizes["pipe"], is_pipelined(sizes), is_ring(sizes)
@@ -514,6 +575,7 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str, backend: str
     rows = t.batch_size // (dp * p.grad_accum * (p.microbatches if pipelined else 1))
     s = shape_for(cfg, sizes, rows)
     saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipelined, backend=backend) * rows
+    saved += adapter_residuals(cfg, s) * rows
     whole = layer_residuals(m, s, "none", kernel, ring, backend=backend, kept=False) * rows
     if ring:  # one hop's float32 block attention: scores, probabilities and their gradients
         whole += b.ring_arrays * 4 * rows * s.heads * s.tokens * s.tokens
@@ -525,8 +587,9 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str, backend: str
         activations = (stash + 1) * chunk * saved
         local_batch = t.batch_size // (dp * p.grad_accum)  # the rows of one pipelined pass
         buffers = (n_act + n_grad + 2) * stream + 2 * local_batch * s.between * m.d_model * a
-        # One chunk's float32 parameter gradients, made by each backward before they are added.
-        buffers += el["blocks_local"] * pb / p.virtual_stages
+        # One chunk's float32 parameter gradients (with LoRA, the adapters' alone), made by
+        # each backward before they are added.
+        buffers += el["trained_blocks_local"] * pb / p.virtual_stages
     else:
         activations = layers * saved
         buffers = 0.0
@@ -619,11 +682,15 @@ def compiled_memory(
     return out
 
 
-def hardware_flops(m: ModelConfig, seq_len: int, remat: str, chunked_loss: bool = True) -> float:
+def hardware_flops(
+    m: ModelConfig, seq_len: int, remat: str, chunked_loss: bool = True, lora: LoRAConfig | None = None
+) -> float:
     """FLOPs per token a train step executes: the model's 6N + 12LdT (`jaxpar.metrics`) plus
     what it computes twice -- remat `dots` recomputes the attention core's two matmuls (4LdT),
     `full` the whole block forward (2N_blocks + 4LdT); the chunked loss recomputes the head's
-    matmul (2dV)."""
+    matmul (2dV). With LoRA adapters (`lora`) the frozen weights get no gradient: their 2N of
+    weight-gradient matmuls are not computed, and the adapters' N_A parameters add 6N_A (2N_A
+    more under `full`)."""
     from jaxpar.metrics import flops_per_token
     from jaxpar.models.llama import active_matmul_params
 
@@ -634,6 +701,9 @@ def hardware_flops(m: ModelConfig, seq_len: int, remat: str, chunked_loss: bool 
         flops += attention_forward
     elif remat == "full":
         flops += 2 * (active_matmul_params(m) - head) + attention_forward
+    adapters = sum(math.prod(shape) for _, shape, _ in lora_table(m, lora)) if lora is not None else 0
+    if adapters:
+        flops += (8 if remat == "full" else 6) * adapters - 2 * active_matmul_params(m)
     return flops + (2 * head if chunked_loss else 0)
 
 
@@ -683,14 +753,16 @@ def _collective_bytes(bytes_: float, group: int, kind: str) -> float:
 
 def _data_parallel_time(cfg: Config, sizes: dict[str, int], bandwidth) -> float:
     """Seconds of data / fsdp traffic per step: gradients reduced over every data-parallel
-    replica (float32), and ZeRO's traffic over fsdp. `bandwidth(axes)`: bytes/s per GPU."""
+    replica (float32), and ZeRO's traffic over fsdp. `bandwidth(axes)`: bytes/s per GPU. With
+    LoRA adapters only theirs are reduced and, below ZeRO-3, gathered after the update."""
     m, p = cfg.model, cfg.parallel
     ring = _collective_bytes
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    # What one device computes with: params split by tensor / pipe / expert.
-    gathered = state_elements(m, sizes, 0)["params"]
+    # What one device computes with: params split by tensor / pipe / expert; what of it trains.
+    whole = state_elements(m, sizes, 0, cfg.finetune.lora)
+    gathered, trained = whole["params"], whole["gradients"]
     passes = p.grad_accum * (p.microbatches if is_pipelined(sizes) else 1)  # forward+backward passes
-    grad_bytes = 4 * gathered
+    grad_bytes = 4 * trained
     f = sizes["fsdp"]
     if p.zero_stage == 0 or f == 1:
         return ring(grad_bytes, dp, "all-reduce") / bandwidth(("data", "fsdp", "expert"))
@@ -701,7 +773,7 @@ def _data_parallel_time(cfg: Config, sizes: dict[str, int], bandwidth) -> float:
         gathers = 2 if p.remat == "none" else 3
         dp_time += passes * gathers * ring(_BYTES[m.dtype] * gathered, f, "gather") / bw_f
     else:  # the updated float32 parameters gathered once
-        dp_time += ring(4 * gathered, f, "gather") / bw_f
+        dp_time += ring(4 * trained, f, "gather") / bw_f
     return dp_time
 
 
@@ -759,7 +831,7 @@ def predict_time(
     model_flops = tokens * _model_flops_per_token(m, t.seq_len)
     kernel = kernel or attention_kernel(cfg, sizes, device)
     attention = tokens * attention_flops(m, t.seq_len, p.remat)
-    matmul = tokens * hardware_flops(m, t.seq_len, p.remat, chunked_loss) - attention
+    matmul = tokens * hardware_flops(m, t.seq_len, p.remat, chunked_loss, cfg.finetune.lora) - attention
     # Scaled from the H100's measured rates by the device's peak.
     # A flash kernel's backward at its own, slower rate (fitted); XLA's at the measured one.
     backward = tokens * 8 * m.n_layers * attention_width(m) * t.seq_len
@@ -817,9 +889,10 @@ def _exposed_data_parallel(
 
 def optimizer_step_s(cfg: Config, sizes: dict[str, int], device: DeviceSpec) -> float:
     """Seconds of the AdamW update, memory-bound: for every element of the optimizer state a
-    device updates (its ZeRO shard), the parameter, gradient and two moments read and the
-    parameter and moments written, in param_dtype, at the HBM bandwidth."""
-    updated = state_elements(cfg.model, sizes, cfg.parallel.zero_stage)["optimizer"]
+    device updates (its ZeRO shard; with LoRA, of the adapters alone), the parameter, gradient
+    and two moments read and the parameter and moments written, in param_dtype, at the HBM
+    bandwidth."""
+    updated = state_elements(cfg.model, sizes, cfg.parallel.zero_stage, cfg.finetune.lora)["optimizer"]
     return updated * 7 * _BYTES[cfg.model.param_dtype] / device.hbm_bandwidth
 
 
@@ -1049,8 +1122,9 @@ def explain(plan: Plan, plans: list[Plan], device: DeviceSpec) -> str:
             else:
                 parts.append(f"{label}: as fast as without {name}")
     if not parts:
+        state = "its LoRA adapters' gradients" if plan.cfg.finetune.lora.rank > 0 else "its gradients"
         parts.append(
-            f"plain data parallelism: the model, its gradients and Adam state fit on "
+            f"plain data parallelism: the model, {state} and Adam state fit on "
             f"each GPU ({plan.memory['total'] / GIB:.1f} of {usable:.1f} GiB)"
         )
     if plan.crosses:
@@ -1130,6 +1204,7 @@ def format_human(result: dict) -> str:
         f"x seq {result['model']['seq_len']} on {g['count']} x {g['name']} ({g['per_node']} per "
         f"node); {result['layouts_considered']} layouts considered, {result['layouts_fitting']} fit "
         f"in {g['usable_gib']:.1f} GiB",
+        *([result["model"]["lora"]] if result["model"]["lora"] else []),
         "",
     ]
     head = (
@@ -1260,44 +1335,117 @@ def parse_args(argv: list[str]) -> Args:
     )
 
 
+def layer_splits(cfg: Config) -> set[int]:
+    """The tensor x context sizes the enumeration gives a model (`_meshes`): the axes that split
+    each layer's work. Every other axis (data, fsdp, expert, and pipe, whose microbatches are
+    rows too) takes whole rows of the global batch."""
+    m, t = cfg.model, cfg.train
+    heads = math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)
+    contexts = [c for c in _divisors(max(t.seq_len // 2, 1)) if c == 1 or t.seq_len % (2 * c) == 0]
+    return {tensor * context for tensor in _divisors(heads) for context in contexts}
+
+
+def no_layout(cfg: Config, n: int, device: DeviceSpec, per_node: int) -> str:
+    """Why no layout divides n GPUs, with what would: a batch of more rows, or fewer GPUs."""
+    batch = cfg.train.batch_size
+    splits = layer_splits(cfg)
+    split = max(s for s in splits if n % s == 0)
+    rows = n // split
+    counts = {r * s for r in _divisors(batch) for s in splits}
+    fewer = max(c for c in counts if c <= n and (c <= per_node or c % per_node == 0))
+    bigger = rows * -(-batch // rows)  # the next multiple of rows
+    return (
+        f"no layout of {n} x {device.key} divides this model and batch: a layer splits over at most "
+        f"{split} of the {n} GPUs (tensor x context, as the heads and train.seq_len="
+        f"{cfg.train.seq_len} allow), so the batch must split {rows} ways into whole rows, and "
+        f"train.batch_size={batch} does not divide by {rows}; raise train.batch_size to a multiple "
+        f"of {rows}" + (f" (e.g. {bigger})" if bigger != rows else "") + f", or use fewer GPUs: "
+        f"{fewer} is the most up to {n} that it divides over (--gpus {fewer}x{device.key})"
+    )
+
+
 def missing(cfg: Config, n: int, device: DeviceSpec, per_node: int, plans: list[Plan]) -> str:
-    """What a model that fits nowhere lacks: the smallest need now, and how many GPUs of this
-    type the planner would need (up to 64 times as many)."""
-    least = min((p.memory["total"] for p in plans), default=None)
+    """What a model that fits nowhere lacks: a batch that divides over n GPUs (`no_layout`), a
+    setting every layout that fits breaks, or memory: the smallest need now, and how many GPUs
+    of this type the planner would need (up to 64 times as many)."""
+    if not plans:
+        return no_layout(cfg, n, device, per_node)
+    if fitting := [p for p in plans if p.fits]:  # they fit, but `validate` refuses each of them
+        try:
+            config_lib.validate(fitting[0].cfg, n)
+        except ConfigError as e:
+            return f"no layout of {n} x {device.key} that fits is runnable; the fastest is refused: {e}"
+    least = min(p.memory["total"] for p in plans)
     usable = device.usable_bytes / GIB
     now = (
         f"no layout of {n} x {device.key} fits: the smallest needs "
         f"{least / GIB:.1f} GiB per GPU, {usable:.1f} GiB usable of {device.memory_bytes / 1e9:.0f} GB"
-        if least is not None
-        else f"no layout of {n} x {device.key} divides this model and batch"
     )
+    divided = False  # whether any larger count has a layout at all
     for more in (2, 4, 8, 16, 32, 64):
         bigger = n * more
         if bigger > per_node and bigger % per_node:
             continue
-        fits = [p for p in enumerate_plans(cfg, bigger, device, per_node) if p.fits]
-        if any(runnable(p, bigger) for p in fits[:50]):
+        larger = enumerate_plans(cfg, bigger, device, per_node)
+        divided = divided or bool(larger)
+        if any(runnable(p, bigger) for p in [p for p in larger if p.fits][:50]):
             return f"{now}; needs >= {bigger} GPUs of {device.memory_bytes / 1e9:.0f} GB"
+    if not divided:
+        return (
+            f"{now}; and no layout of 2 to 64 times as many GPUs divides train.batch_size="
+            f"{cfg.train.batch_size}: shrink the model or shorten train.seq_len, or raise the batch "
+            "(more rows for more GPUs to share) and plan for more GPUs"
+        )
     return (
         f"{now}; even {64 * n} GPUs do not make it fit at train.batch_size="
         f"{cfg.train.batch_size}: lower the batch or the sequence length, or shrink the model"
     )
 
 
-def plan_main(args: Args) -> tuple[dict, int]:
-    cfg = config_lib.load_config(args.path, args.overrides)
-    config_lib.check_types(cfg)
-    n, device = args.count, args.device
-    plans = enumerate_plans(cfg, n, device, args.per_node)
-    inside = [p for p in plans if not p.crosses]
-    candidates = [p for p in inside if p.fits] or [p for p in plans if p.fits]
+def lora_note(cfg: Config, adapters: int) -> str | None:
+    """What the plans assume of finetune.lora, in one line (None without adapters)."""
+    lora = cfg.finetune.lora
+    if lora.rank <= 0:
+        return None
+    return (
+        f"finetune.lora rank {lora.rank} on {', '.join(lora.targets)}: {adapters / 1e6:.2f} M adapter "
+        "parameters train, the model's are frozen; gradients, optimizer state, their reduction "
+        "and the update are the adapters' alone, and the frozen weights' gradient matmuls are "
+        "not computed"
+    )
+
+
+def check_config(cfg: Config) -> None:
+    """The config's own errors, as `jaxpar.config.validate` finds them on one device (the
+    model's shape and counts, LoRA, the data, the tokenizer), as a ConfigError before any layout
+    is tried: otherwise every layout would be refused for it, and the planner would answer that
+    none fits. The layout (mesh, ZeRO stage, remat, pipeline, accumulation) is the planner's to
+    choose and is left out."""
+    ones = {a: 1 for a in MESH_AXES}
+    config_lib.validate(_with(cfg, ones, {"zero_stage": 0}), 1)
+
+
+def fastest_runnable(plans: list[Plan], n: int, top: int) -> list[Plan]:
+    """The first `top` of `plans` that `jaxpar.config.validate` accepts on n GPUs."""
     chosen = []
-    for p in candidates:
+    for p in plans:
+        if len(chosen) >= top:
+            break
         if runnable(p, n):
             chosen.append(p)
-        if len(chosen) >= args.top:
-            break
-    params = state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"]
+    return chosen
+
+
+def plan_main(args: Args) -> tuple[dict, int]:
+    cfg = config_lib.load_config(args.path, args.overrides)
+    check_config(cfg)
+    n, device = args.count, args.device
+    plans = enumerate_plans(cfg, n, device, args.per_node)
+    fitting = [p for p in plans if p.fits]
+    # Layouts keeping tensor and context inside a node first; the others when none of those runs.
+    chosen = fastest_runnable([p for p in fitting if not p.crosses], n, args.top)
+    chosen = chosen or fastest_runnable(fitting, n, args.top)
+    whole = state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0, cfg.finetune.lora)
     result = {
         "gpus": {
             "count": n,
@@ -1307,7 +1455,13 @@ def plan_main(args: Args) -> tuple[dict, int]:
             "memory_bytes": device.memory_bytes,
             "usable_gib": device.usable_bytes / GIB,
         },
-        "model": {"params": params, "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len},
+        "model": {
+            "params": whole["total"],
+            "trained_params": whole["adapters"] or whole["total"],
+            "lora": lora_note(cfg, whole["adapters"]),
+            "batch_size": cfg.train.batch_size,
+            "seq_len": cfg.train.seq_len,
+        },
         "step_time_band": STEP_TIME_BAND,
         "step_time_uncertainty": UNCERTAINTY,
         "layouts_considered": len(plans),
@@ -1375,7 +1529,10 @@ def _plan(argv: list[str]) -> int:
     """The command's work: the ranked plans printed; exit 3 when none fits."""
     args = parse_args(argv)
     result, code = plan_main(args)
-    print(format_human(result) if args.human else json.dumps(result, indent=2))
+    try:
+        print(format_human(result) if args.human else json.dumps(result, indent=2), flush=True)
+    except BrokenPipeError:  # `plan ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if code == 3:
         print(f"plan error: {result['error']}", file=sys.stderr)
     return code

@@ -13,6 +13,14 @@ loss.png and checkpoints/ (jaxpar.checkpoint). The rules, applied before anythin
 - `train.resume=<step>` continues from that checkpoint; checkpoints of later steps (the
   abandoned continuation) are moved likewise, with a copy of the whole metrics.jsonl.
 
+What a run trained on stays on record. `config.yaml` names the data (DATA_KEYS) and
+`chat_template.jinja` keeps the text of the chat template its conversations were rendered with
+(jaxpar.data.save_run_template); a resume compares both with what it would read now
+(`data_changes`: the settings, and the template's text, since a file edited in place keeps its
+path) and is refused on a change unless data.allow_source_change, which first keeps the earlier
+two as `config.until-step-<N>.yaml` and `chat_template.until-step-<N>.jinja` (`keep_record`;
+`-2`, `-3`, ... after N for a later resume from the same step: none is ever overwritten).
+
 One run at a time: `RunLock` keeps `<run_dir>/jaxpar.lock` (the holder's pid, host, process
 start time, Slurm job id) for as long as the run lives, and touches it every `HEARTBEAT_S`
 seconds. A second run finds it and is refused (exit 2). A lock is stale, and taken over with a
@@ -27,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -48,7 +57,11 @@ METRICS = "metrics.jsonl"
 HISTORY = ("config.yaml", METRICS, "loss.png")  # plus events.out.tfevents.* and checkpoints/
 REPLACED = "replaced-"
 RECORD = "config.yaml"  # the run's settings, rewritten at every start
-EARLIER_RECORD = "config.until-step-{step}.yaml"  # the record before a resume onto other data
+# The record before a resume onto other data; a second such resume from the same step keeps its
+# own as config.until-step-<step>-2.yaml, and so on: no record is ever overwritten.
+EARLIER_RECORD = "config.until-step-{step}.yaml"
+TEMPLATE = "chat_template.jinja"  # the chat template the run renders with (jaxpar.data.RUN_TEMPLATE)
+EARLIER_TEMPLATE = "chat_template.until-step-{step}.jinja"  # kept beside EARLIER_RECORD
 # The settings that say which sequences global batch k holds: a checkpoint's data position (a
 # count of global batches, train.batch_size and train.seq_len checked beside it) means the same
 # data only while these stay the same.
@@ -222,7 +235,7 @@ class History:
             self.metrics_last_step is not None
             or self.checkpoints
             or self.unfinished
-            or any(f != "config.yaml" for f in self.files)
+            or any(f not in (RECORD, TEMPLATE) for f in self.files)
         )
 
     def describe(self) -> str:
@@ -252,10 +265,11 @@ def _last_metrics_step(path: str) -> int | None:
 
 def survey(run_dir: str) -> History:
     run_dir = os.path.abspath(run_dir)
-    files = [f for f in HISTORY if os.path.isfile(os.path.join(run_dir, f))]
-    files += sorted(
-        os.path.basename(p) for p in glob.glob(os.path.join(run_dir, EARLIER_RECORD.format(step="*")))
-    )
+    files = [f for f in (*HISTORY, TEMPLATE) if os.path.isfile(os.path.join(run_dir, f))]
+    for pattern in (EARLIER_RECORD, EARLIER_TEMPLATE):
+        files += sorted(
+            os.path.basename(p) for p in glob.glob(os.path.join(run_dir, pattern.format(step="*")))
+        )
     files += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
     committed, unfinished = checkpoint_lib.list_steps(checkpoint_lib.checkpoint_dir(run_dir))
     return History(run_dir, files, _last_metrics_step(os.path.join(run_dir, METRICS)), committed, unfinished)
@@ -385,7 +399,8 @@ def data_changes(run_dir: str, settings: dict) -> list[tuple[str, object, object
     """(key, recorded value, value in `settings`) for each of DATA_KEYS that `settings` (a
     config as `jaxpar.config.to_dict` gives it) sets otherwise than the run's record
     (`<run_dir>/config.yaml`). Keys the record lacks (an older jaxpar's) are no change, except
-    those RECORD_BEFORE gives the value of (on either side); no readable record is none."""
+    those RECORD_BEFORE gives the value of (on either side); no readable record is none. The chat
+    template's text is compared too (`_template_change`): a file edited in place keeps its path."""
     try:
         with open(os.path.join(run_dir, RECORD)) as f:
             recorded = yaml.safe_load(f)
@@ -397,7 +412,42 @@ def data_changes(run_dir: str, settings: dict) -> list[tuple[str, object, object
         was, now = (RECORD_BEFORE.get(key, _ABSENT) if v is _ABSENT else v for v in (was, now))
         if was is not _ABSENT and was != now:
             changes.append((key, was, now))
+    if all(key != "data.chat_template" for key, _, _ in changes):
+        changes += _template_change(run_dir, settings)
     return changes
+
+
+TEMPLATE_TEXT = "data.chat_template's text"  # the key of a change of the template's text alone
+
+
+def _digest(text: str) -> str:
+    return "sha256 " + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _template_change(run_dir: str, settings: dict) -> list[tuple[str, str, str]]:
+    """[(TEMPLATE_TEXT, the kept text's digest, the current one's)] when the chat template the
+    run would render with now (`jaxpar.data.training_template`: data.chat_template's file, or
+    the one its prepared data recorded) is not the text kept in `<run_dir>/chat_template.jinja`,
+    which the earlier steps were rendered with; [] when it is, or where either is missing."""
+    kept_path = os.path.join(run_dir, TEMPLATE)
+    if not os.path.isfile(kept_path):
+        return []
+    from jaxpar import config as config_lib
+    from jaxpar import data as data_lib  # grain: only where a run kept a template
+
+    data = config_lib.build_config({"data": settings.get("data") or {}}).data
+    template = data_lib.training_template(data)
+    with open(kept_path, encoding="utf-8", errors="replace") as f:
+        kept = f.read()
+    if template is None or template.source == kept:
+        return []
+    return [
+        (
+            TEMPLATE_TEXT,
+            f"{_digest(kept)}, kept in {kept_path}",
+            f"{_digest(template.source)}, {template.origin}",
+        )
+    ]
 
 
 def data_change_error(changes, run_dir: str, step: int) -> ConfigError:
@@ -407,19 +457,52 @@ def data_change_error(changes, run_dir: str, step: int) -> ConfigError:
         return repr(value) if isinstance(value, str) else json.dumps(value)
 
     what = ", ".join(f"{key}={show(now)} (the run trained on {show(was)})" for key, was, now in changes)
+    restore = (
+        f" (for the template, its text as {os.path.join(run_dir, TEMPLATE)} keeps it)"
+        if any(key == TEMPLATE_TEXT for key, _, _ in changes)
+        else ""
+    )
+    template = (
+        f", its chat template as {EARLIER_TEMPLATE.format(step=step)}"
+        if os.path.isfile(os.path.join(run_dir, TEMPLATE))
+        else ""
+    )
     return ConfigError(
         f"{what}: checkpoint step {step} in train.run_dir={run_dir} keeps the position of the "
         f"first {step} global batches in the data its {RECORD} names, which other data would not "
-        f"continue; resume with the recorded settings, start a new run (another train.run_dir, "
-        f"or train.resume=never), or set data.allow_source_change=true to go on with the new data "
-        f"({RECORD} then records it, and the earlier one is kept as "
-        f"{EARLIER_RECORD.format(step=step)})"
+        f"continue; resume with the recorded settings{restore}, start a new run (another "
+        f"train.run_dir, or train.resume=never), or set data.allow_source_change=true to go on "
+        f"with the new data ({RECORD} then records it, and the earlier one is kept as "
+        f"{EARLIER_RECORD.format(step=step)}{template})"
     )
 
 
+def _earlier_names(run_dir: str, step: int) -> tuple[str, str]:
+    """The paths of the copies `keep_record` makes before a resume from `step`: EARLIER_RECORD
+    and EARLIER_TEMPLATE, with -2, -3, ... after the step where an earlier resume from the same
+    step has kept its own (never overwritten: they are the only record of what those steps
+    read)."""
+    n = 1
+    while True:
+        step_name = str(step) if n == 1 else f"{step}-{n}"
+        names = [os.path.join(run_dir, p.format(step=step_name)) for p in (EARLIER_RECORD, EARLIER_TEMPLATE)]
+        if not any(os.path.lexists(name) for name in names):
+            return names[0], names[1]
+        n += 1
+
+
 def keep_record(run_dir: str, step: int) -> str:
-    """Copies the run's record to `config.until-step-<step>.yaml` (before the resume onto other
-    data rewrites it); returns the copy's path."""
-    target = os.path.join(run_dir, EARLIER_RECORD.format(step=step))
-    shutil.copy2(os.path.join(run_dir, RECORD), target)
-    return target
+    """Copies the run's record to `config.until-step-<step>.yaml`, and its chat template (if it
+    kept one) to `chat_template.until-step-<step>.jinja`, before the resume onto other data
+    rewrites them (a numbered name where such copies exist: `_earlier_names`); returns the
+    record's copy's path, and says where the template's copy is."""
+    record, template = _earlier_names(run_dir, step)
+    shutil.copy2(os.path.join(run_dir, RECORD), record)
+    if os.path.isfile(os.path.join(run_dir, TEMPLATE)):
+        shutil.copy2(os.path.join(run_dir, TEMPLATE), template)
+        print(
+            f"data.allow_source_change: the chat template the first {step} steps were rendered "
+            f"with is kept as {template}",
+            file=sys.stderr,
+        )
+    return record

@@ -7,7 +7,11 @@ assistant's reply instead. The conversation is rendered with the run's chat temp
 named one, else the tokenizer's own: jaxpar.data.run_template) and its generation prompt;
 generation stops at the template's end-of-turn marker (`ChatTemplate.end_of_turn`: a token such as
 <|eot_id|> where the tokenizer has it, else the text) or the end-of-document token, and only the
-reply is printed.
+reply is printed. The --messages file is checked as training checks a record
+(`chat.check_messages`: known roles, contents that are text or lists of text parts).
+
+Ctrl-C ends the command with one line and exit code 130 at any moment from its first import on:
+it writes nothing that could be left half done.
 
 The params are restored alone onto one device (`jaxpar.export.load_params`), the prompt is
 tokenized with the run's tokenizer (data.tokenizer), and generation runs under one `nnx.jit`:
@@ -34,23 +38,38 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import typing
 from functools import partial
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+INTERRUPTED = 130  # the exit code of a command stopped by Ctrl-C (128 + SIGINT), as the shells give
 
-from jaxpar import cli
-from jaxpar import config as config_lib
-from jaxpar import fp8 as fp8_lib
-from jaxpar.config import ConfigError
-from jaxpar.convert import ARCHITECTURE_KEYS, MOE_ARCHITECTURE_KEYS
-from jaxpar.documents import make_tokenizer
-from jaxpar.export import load_params
-from jaxpar.models.llama import KVCache, Transformer
+
+def _interrupted(signum, frame):
+    """Ctrl-C on `python -m jaxpar.sample`, at any moment: sampling writes nothing, so it ends at
+    once, one line and exit 130 (a KeyboardInterrupt would print a traceback where it lands in
+    an import, a compiled extension, or jax's plugin set-up, which logs it and goes on)."""
+    print("\ninterrupted", file=sys.stderr, flush=True)
+    os._exit(INTERRUPTED)
+
+
+if __name__ == "__main__":  # set before the seconds of imports below
+    signal.signal(signal.SIGINT, _interrupted)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxpar import chat, cli  # noqa: E402
+from jaxpar import config as config_lib  # noqa: E402
+from jaxpar import fp8 as fp8_lib  # noqa: E402
+from jaxpar.config import ConfigError  # noqa: E402
+from jaxpar.convert import ARCHITECTURE_KEYS, MOE_ARCHITECTURE_KEYS  # noqa: E402
+from jaxpar.documents import make_tokenizer  # noqa: E402
+from jaxpar.export import load_params  # noqa: E402
+from jaxpar.models.llama import KVCache, Transformer  # noqa: E402
 
 
 def sample_token(logits, key, temperature=1.0, top_k: int | None = None):
@@ -230,7 +249,8 @@ EPILOG = (
     + "\n".join(f"  {key:<14}{meaning}" for key, meaning in SAMPLING_KEYS.items())
     + "\ne.g. python -m jaxpar.sample runs/llama --prompt 'The capital of France is' model.dtype=float32\n"
     "(a model imported in float32 then samples in float32, not in bfloat16, the default).\n"
-    "Exit codes: 0 done, 2 a bad argument or setting, or no usable checkpoint."
+    "Exit codes: 0 done, 2 a bad argument or setting, or no usable checkpoint, 130 interrupted\n"
+    "(Ctrl-C)."
 )
 
 
@@ -268,11 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="sampling settings (below)")
     args = parser.parse_intermixed_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
-    return cli.run(
-        lambda: _sample_command(args),
-        prefix="error",
-        failures={ValueError: cli.CONFIG_ERROR, FileNotFoundError: cli.CONFIG_ERROR},
-    )
+    try:
+        return cli.run(
+            lambda: _sample_command(args),
+            prefix="error",
+            failures={ValueError: cli.CONFIG_ERROR, FileNotFoundError: cli.CONFIG_ERROR},
+        )
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C where `main` is called in-process (the command exits in `_interrupted`)
+        print("\ninterrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def _sample_command(args) -> int:
@@ -318,8 +344,7 @@ def chat_messages(args) -> list[dict]:
     first."""
     messages: list[dict] = []
     if args.messages is not None:
-        with open(args.messages, encoding="utf-8") as f:
-            text = f.read()
+        text = _read_text(args.messages)
         try:
             loaded = json.loads(text)
         except json.JSONDecodeError:
@@ -328,13 +353,29 @@ def chat_messages(args) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"--messages={args.messages} is neither JSON nor JSONL: {e}") from None
         messages = loaded.get("messages") if isinstance(loaded, dict) else loaded
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ConfigError(f"--messages={args.messages} is not a list of {{role, content}} messages")
+        # Checked as training checks a record: roles, and contents that are text (a list of text
+        # parts is read as their text).
+        messages = chat.check_messages(messages, f"--messages={args.messages}")
     if args.chat is not None:
         messages.append({"role": "user", "content": args.chat})
     if args.system is not None:
         messages.insert(0, {"role": "system", "content": args.system})
     return messages
+
+
+def _read_text(path: str) -> str:
+    """A --messages file's text; ConfigError when it cannot be read or is not UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"--messages={path}: cannot read it ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"--messages={path} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at offset {e.start})"
+        ) from None
 
 
 def chat_reply(
@@ -379,7 +420,10 @@ def _chat_command(args, cfg, tokenizer) -> int:
     template = data_lib.run_template(args.run_dir, cfg.data)
     messages = chat_messages(args)
     # The prompt's length is checked before the slower restore.
-    prompt = template.render(messages, add_generation_prompt=True)
+    try:
+        prompt = template.render(messages, add_generation_prompt=True)
+    except ConfigError as e:
+        raise chat.explained(e, messages, args.messages and f"--messages={args.messages}") from None
     check_prompt(len(tokenizer.encode_plain([prompt])[0]), cfg.model.max_seq_len)
     _, model, _ = load_model(args.run_dir, args.step, args.overrides)
     reply = chat_reply(

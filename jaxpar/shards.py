@@ -58,6 +58,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -452,7 +453,10 @@ def verify(directory: str, log=None) -> str:
     ConfigError naming the file at the first problem."""
     log = log or (lambda message: print(message, file=sys.stderr))
     clock = time.perf_counter()
+    _check_verify_target(directory)
     manifest = read_manifest(directory)
+    if (problem := listing_problem(directory, manifest)) is not None:
+        raise ConfigError(f"{problem}; {AGAIN}")
     spec = manifest.get("tokenizer", {}).get("spec")
     if spec == "byte" or (isinstance(spec, str) and os.path.isfile(spec)):
         tokenizer = tokenizer_identity(spec)
@@ -475,6 +479,66 @@ def verify(directory: str, log=None) -> str:
     return (
         f"{directory}: {shards} shard(s) verified ({counts}); {read / 2**20:.1f} MiB read in {seconds:.1f} s"
     )
+
+
+def _check_verify_target(directory: str) -> None:
+    """A ConfigError when what `verify` was given is not a directory of prepared shards: a
+    path that does not exist, a file (the directory it is in, where that is one, named), a
+    directory without a manifest."""
+    make = "python -m jaxpar.data prepare SOURCES --out DIR makes one"
+    if not os.path.exists(directory):
+        raise ConfigError(
+            f"{directory}: no such directory; verify takes a directory of prepared shards ({make})"
+        )
+    if not os.path.isdir(directory):
+        parent = os.path.dirname(os.path.abspath(directory))
+        hint = (
+            f"python -m jaxpar.data verify {os.path.dirname(directory) or '.'} checks the set it belongs to"
+            if os.path.isfile(os.path.join(parent, MANIFEST))
+            else make
+        )
+        raise ConfigError(f"{directory} is a file; verify takes a directory of prepared shards ({hint})")
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        why = (
+            "its preparation did not finish; run the same `python -m jaxpar.data prepare` command "
+            "again, it resumes"
+            if os.path.isfile(os.path.join(directory, PLAN))
+            else f"not a directory of prepared shards ({make})"
+        )
+        raise ConfigError(f"{directory} has no {MANIFEST}: {why}")
+
+
+_SHARD_FILE = re.compile(r"[a-z]+-\d{5}\.(bin|idx|msk)")  # the names `prepare` gives shard files
+
+
+def listing_problem(directory: str, manifest: dict) -> str | None:
+    """Where the manifest's list of shards and the directory disagree (None: nowhere): a split
+    whose shards do not add up to its totals or skip a number (an entry lost from the list), a
+    shard file in the directory that no entry names (a leftover, or an entry's file whose entry
+    was removed). A listed file that is missing is `verify_shard`'s to report."""
+    path, listed = os.path.join(directory, MANIFEST), set()
+    for name, split in manifest["splits"].items():
+        records = split["shards"]
+        for key in ("tokens", "documents"):
+            if (total := sum(r[key] for r in records)) != split[key]:
+                return (
+                    f"{path}: the {len(records)} shard(s) it lists for the {name} split hold {total} "
+                    f"{key}, but it records {split[key]} for the split: a shard is missing from its list"
+                )
+        for k, record in enumerate(records):
+            if record["name"] != f"{name}-{k:05d}":
+                return (
+                    f"{path}: the {name} split's shard {k} is {record['name']}, not {name}-{k:05d}: "
+                    "a shard is missing from its list"
+                )
+            listed.update(os.path.basename(p) for p, _ in _shard_files(directory, record, manifest["dtype"]))
+    for entry in sorted(os.listdir(directory)):
+        if _SHARD_FILE.fullmatch(entry) and entry not in listed:
+            return (
+                f"{os.path.join(directory, entry)} is a shard file that {MANIFEST} does not list "
+                "(left from another preparation, or its entry was removed from the manifest)"
+            )
+    return None
 
 
 def check_tokenizer(directory: str, manifest: dict, have: dict) -> None:
@@ -881,12 +945,56 @@ def read_manifest(directory: str) -> dict:
             )
         )
     manifest = _read_json(path)
-    if manifest.get("format") != FORMAT or manifest.get("version") not in (VERSION, MASKED_VERSION):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or manifest.get("version") not in (VERSION, MASKED_VERSION)
+    ):
         raise ConfigError(
             f"{path} is not a {FORMAT} manifest of version {VERSION} or {MASKED_VERSION}; prepare the "
             "corpus again with this jaxpar"
         )
+    if (key := _missing_key(manifest)) is not None:
+        raise ConfigError(f"{path} has no valid '{key}': it is damaged or was edited; {AGAIN}")
     return manifest
+
+
+def _missing_key(manifest: dict) -> str | None:
+    """The first setting the readers of a manifest use that it lacks or holds in another kind
+    (as a path, e.g. splits.train.shards[0].tokens); None when it has them all."""
+
+    def lacks(mapping: dict, keys: tuple, where: str) -> str | None:
+        for key, kind in keys:
+            if not isinstance(mapping.get(key), kind):
+                return where + key
+        return None
+
+    top = (("dtype", str), ("tokenizer", dict), ("splits", dict))
+    if (key := lacks(manifest, top, "")) is not None:
+        return key
+    if (
+        key := lacks(manifest["tokenizer"], (("vocab_size", int), ("eod_id", int)), "tokenizer.")
+    ) is not None:
+        return key
+    for name, split in manifest["splits"].items():
+        where = f"splits.{name}"
+        if not isinstance(split, dict):
+            return where
+        if (
+            key := lacks(split, (("tokens", int), ("documents", int), ("shards", list)), where + ".")
+        ) is not None:
+            return key
+        for k, record in enumerate(split["shards"]):
+            at = f"{where}.shards[{k}]."
+            if not isinstance(record, dict):
+                return at[:-1]
+            keys = (("name", str), ("tokens", int), ("documents", int), ("sha256", dict))
+            if (
+                key := lacks(record, keys, at)
+                or lacks(record["sha256"], (("bin", str), ("idx", str)), at + "sha256.")
+            ) is not None:
+                return key
+    return None
 
 
 def _map(path: str, dtype: str) -> np.ndarray:

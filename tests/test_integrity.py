@@ -186,7 +186,86 @@ def test_verify_command_checks_everything_and_exits_2_naming_the_file(prepared, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "val-00000.bin: token" in err[0] and "beyond the tokenizer's" in err[0]
     assert data.main(["verify", str(tmp_path / "nothing")]) == 2
-    assert "has no manifest.json" in capsys.readouterr().err
+    assert f"{tmp_path / 'nothing'}: no such directory" in capsys.readouterr().err
+
+
+def drop_first_train_shard_from_manifest(directory: Path) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    del manifest["splits"]["train"]["shards"][0]
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def drop_last_train_shard_from_manifest_and_totals(directory: Path) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    split = manifest["splits"]["train"]
+    gone = split["shards"].pop()
+    split["tokens"] -= gone["tokens"]
+    split["documents"] -= gone["documents"]
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def edit_manifest_entry(directory: Path, edit) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    edit(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+UNLISTED = {
+    # what the probe did -> what verify must say
+    "a shard the manifest does not list": (
+        lambda d: shutil.copy(d / "train-00000.bin", d / "train-00042.bin"),
+        r"train-00042.bin is a shard file that manifest.json does not list",
+    ),
+    "an entry removed from the manifest": (
+        drop_first_train_shard_from_manifest,
+        r"manifest.json: the \d+ shard\(s\) it lists for the train split hold \d+ tokens, but it "
+        r"records \d+ for the split: a shard is missing from its list",
+    ),
+    "an entry and its totals removed": (
+        drop_last_train_shard_from_manifest_and_totals,
+        r"train-0000\d.bin is a shard file that manifest.json does not list",
+    ),
+    "a shard's entry without its token count": (
+        lambda d: edit_manifest_entry(d, lambda m: m["splits"]["train"]["shards"][0].pop("tokens")),
+        r"manifest.json has no valid 'splits.train.shards\[0\].tokens': it is damaged or was edited",
+    ),
+    "a listed shard's file deleted": (
+        lambda d: os.unlink(d / "train-00001.idx"),
+        r"train-00001.idx is missing",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(UNLISTED))
+def test_verify_fails_where_the_manifest_and_the_files_disagree(prepared, tmp_path, capsys, change):
+    """Bug (issue 40): a shard file the manifest does not list, or a manifest that lost a
+    shard's entry, passed `python -m jaxpar.data verify`; an entry without a key it needs ended
+    in a KeyError traceback."""
+    import re
+
+    directory = copy_of(prepared, tmp_path)
+    alter, message = UNLISTED[change]
+    alter(directory)
+    assert data.main(["verify", str(directory)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_verify_of_a_file_says_it_wants_a_directory(prepared, tmp_path, capsys):
+    """Bug (issue 40): `verify DIR/train-00000.bin` said 'data.source=... has no manifest.json ...
+    for raw files give a glob, e.g. DIR/train-00000.bin/*.txt'."""
+    directory = copy_of(prepared, tmp_path)
+    assert data.main(["verify", str(directory / "train-00000.bin")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: {directory / 'train-00000.bin'} is a file; verify takes a directory of prepared "
+        f"shards (python -m jaxpar.data verify {directory} checks the set it belongs to)"
+    ]
+    (tmp_path / "notes.txt").write_text("not a shard")
+    assert data.main(["verify", str(tmp_path / "notes.txt")]) == 2
+    assert "notes.txt is a file; verify takes a directory of prepared shards (python -m jaxpar.data " in (
+        capsys.readouterr().err
+    )
 
 
 def test_training_on_overwritten_ids_exits_2_before_the_first_step(prepared, tmp_path):

@@ -565,3 +565,74 @@ def test_steps_that_read_nothing_from_the_device_do_not_wait_on_the_host(env, tm
     for process in (0, 1):
         assert json.loads((tmp_path / f"polls.{process}").read_text()) == {"polls": 12, "agreements": 2}
     assert sorted(losses(tmp_path / "run")) == [12]
+
+
+# --- A coordinator that never comes up (issue 40) -------------------------------------------------
+
+
+def test_a_coordinator_that_never_comes_up_is_one_line_and_exit_2_after_the_timeout(env, tmp_path):
+    """Bug: process 1 of a run whose coordinator never came up printed nothing for 300 s, then
+    jax.distributed aborted it from C++ (a stack trace, exit 134). Now it says at once what it
+    waits for and how long (distributed.timeout_s), and ends after that with one line, exit 2."""
+    from jaxpar.launch import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    proc = subprocess.Popen(
+        [
+            *TRAIN,
+            TINY_YAML,
+            f"distributed.coordinator={address}",
+            "distributed.num_processes=2",
+            "distributed.process_id=1",
+            "distributed.timeout_s=3",
+            "runtime.cpu_devices=1",
+            f"train.run_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = proc.stderr.readline()
+    said = time.monotonic()
+    _, rest = proc.communicate(timeout=120)
+    assert first.startswith(
+        f"jaxpar: process 1 of 2: waiting up to 3 s (distributed.timeout_s) for the coordinator at {address}"
+    )
+    assert proc.returncode == 2 and time.monotonic() - said > 2.5, rest
+    lines = rest.strip().splitlines()
+    assert len(lines) == 1 and "Check failure" not in rest and "Traceback" not in rest, rest
+    assert lines[0].startswith(
+        f"config error: process 1 of 2: nothing answered at the coordinator's address {address} "
+        "within 3 s (distributed.timeout_s)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_timed_out_start_says_who_was_missing():
+    """The timeout's line tells a coordinator that answered from one that did not, and speaks
+    for process 0 as the coordinator; distributed.timeout_s must be a positive number."""
+    import socket
+
+    from jaxpar import mesh
+    from jaxpar.config import ConfigError, DistributedConfig
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        dist = DistributedConfig(coordinator=address, num_processes=3, process_id=2, timeout_s=7)
+        assert mesh.timeout_message(dist).startswith(
+            f"process 2 of 3: the coordinator at {address} is up, but not all 3 processes "
+            "(distributed.num_processes) joined within 7 s"
+        )
+    first = DistributedConfig(coordinator=address, num_processes=3, process_id=0, timeout_s=7)
+    assert mesh.timeout_message(first).startswith(
+        f"process 0 of 3 (the coordinator, at {address}): not all 3"
+    )
+    assert "for the other 2 processes to join" in mesh.waiting_line(first)
+    with pytest.raises(ConfigError, match="distributed.timeout_s=0: give the seconds"):
+        mesh.start_distributed(
+            DistributedConfig(coordinator=address, num_processes=2, process_id=1, timeout_s=0)
+        )
