@@ -125,7 +125,11 @@ def test_restore_onto_another_mesh_continues_the_run(reference_run, tmp_path):
     summary = train(cfg, config_lib.validate(cfg, 8))
     assert summary["start_step"] == 6
     want, got = losses(reference_run), losses(tmp_path)
-    np.testing.assert_allclose([got[s] for s in range(7, 13)], [want[s] for s in range(7, 13)], rtol=1e-5)
+    # Six AdamW steps of the float32 tiny model from the same state on another layout: only sums
+    # in another order differ, and the loss falls smoothly (4.11 -> 3.67), so nothing amplifies
+    # them: 1.3e-7 apart at most (jax 0.12.0.1). With gradients reduced in bfloat16 (the default
+    # for every model before parallel.grad_reduce_dtype followed model.dtype), 2.1e-6 apart.
+    np.testing.assert_allclose([got[s] for s in range(7, 13)], [want[s] for s in range(7, 13)], rtol=1e-6)
 
 
 def test_checkpoint_of_another_shape_is_a_clear_error(reference_run, tmp_path):
