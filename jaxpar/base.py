@@ -8,9 +8,12 @@ A LoRA run (finetune.lora) trains adapters over a frozen base, so its checkpoint
 changes (`Trainer.stored`): the adapters, their optimizer state, the step counters and the data
 position, and name their base beside the data position (`BASE_KEY`: the train.init_from directory,
 or null for the random init of train.seed, and where that is a jaxpar run the checkpoint step of it
-that serves as the base: its newest when the checkpoint is saved). Restoring one (`restore`,
-`params_of`) loads that base the way init_from does and lays the adapters over it. The base must
-still be there, unchanged: a checkpoint holds no copy of it.
+that serves as the base). That step is pinned when the LoRA run starts -- the step `init_state`
+loaded, its newest intact one then -- and a resume takes it from the checkpoint it restores
+(`restore`); every later checkpoint records the pinned step (`record`), so the base run training
+on changes nothing. Restoring one (`restore`, `params_of`) loads that base the way init_from does
+and lays the adapters over it. The base must still be there, unchanged: a checkpoint holds no copy
+of it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,21 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import config as config_lib
-from jaxpar.checkpoint import Checkpointer, checkpoint_dir, list_steps
+from jaxpar.checkpoint import Checkpointer, CheckpointNotFoundError, checkpoint_dir
 from jaxpar.config import ConfigError
 from jaxpar.hf_load import is_hf_dir, load_hf_params
 from jaxpar.optim import make_optimizer
 
 BASE_KEY = "lora_base"  # in a LoRA checkpoint's data item: the base it was trained over
+
+# The base of each LoRA run this process started or resumed (`init_state`, `restore`), by its
+# absolute run_dir: {"init_from": ..., "step": ...}, what `record` writes into its checkpoints.
+# `record` is handed the config alone, so the pin lives here rather than in the trainer.
+_PINNED: dict[str, dict] = {}
+
+
+def _pin(cfg, init_from: str | None, step: int | None) -> None:
+    _PINNED[os.path.abspath(cfg.train.run_dir)] = {"init_from": init_from, "step": step}
 
 
 def _check_run_base(path: str) -> None:
@@ -40,40 +52,59 @@ def _check_run_base(path: str) -> None:
         )
 
 
-def load_weights(trainer, path: str, shapes: dict, shardings: dict, step: int | None = None) -> dict:
-    """The params of `shapes` (a part of the model's) from train.init_from=`path`, on `shardings`
-    and cast to their dtypes: a Hugging Face directory's tensors, or a run's checkpoint `step`
-    (default: its newest intact one)."""
+def load_weights(
+    trainer, path: str, shapes: dict, shardings: dict, step: int | None = None
+) -> tuple[dict, int | None]:
+    """(params, step): the params of `shapes` (a part of the model's) from train.init_from=`path`,
+    on `shardings` and cast to their dtypes, and the checkpoint step they come from: a Hugging Face
+    directory's tensors (step None), or a run's checkpoint `step` (default: its newest intact
+    one)."""
     if is_hf_dir(path):
-        return load_hf_params(path, trainer.cfg.model, shapes, shardings)
+        return load_hf_params(path, trainer.cfg.model, shapes, shardings), None
     _check_run_base(path)
     ckpt = Checkpointer(checkpoint_dir(path), read_only=True)
     try:
-        return ckpt.restore({"params": shapes}, {"params": shardings}, step)[0]["params"]
+        state, _, step = ckpt.restore({"params": shapes}, {"params": shardings}, step)
+        return state["params"], step
     finally:
         ckpt.close()
 
 
-def frozen_params(trainer, init_from: str | None, step: int | None = None) -> dict:
-    """A LoRA trainer's frozen weights on its shardings: those of `init_from` (a run's checkpoint
-    `step`, default its newest), or without one the random init of train.seed (the same every
-    time)."""
+def frozen_params(trainer, init_from: str | None, step: int | None = None) -> tuple[dict, int | None]:
+    """(frozen weights, base step) of a LoRA trainer on its shardings: those of `init_from` (a
+    run's checkpoint `step`, default its newest intact one, and that step), or without one the
+    random init of train.seed (the same every time; step None)."""
     lora = trainer.trainable
     if init_from is None:
-        return lora.split(trainer.init()["params"])[1]
+        return lora.split(trainer.init()["params"])[1], None
     shapes = lora.split(trainer.state_shape["params"])[1]
-    return load_weights(trainer, init_from, shapes, lora.split(trainer.state_shardings["params"])[1], step)
+    try:
+        return load_weights(
+            trainer, init_from, shapes, lora.split(trainer.state_shardings["params"])[1], step
+        )
+    except CheckpointNotFoundError as e:
+        if step is None:
+            raise
+        raise ConfigError(
+            f"these adapters were trained over checkpoint step {step} of the base run "
+            f"train.init_from={init_from}, which is gone ({e}); a LoRA checkpoint holds no copy of "
+            "its base: keep that checkpoint of the base run (its checkpoint.keep), or train new adapters"
+        ) from None
 
 
 def init_state(trainer, path: str):
     """The train state at step 0 of a run started from train.init_from=`path`: its weights on
     the trainer's param shardings (cast to model.param_dtype), a fresh optimizer state; with
-    finetune.lora those weights are the frozen base and the adapters start fresh."""
+    finetune.lora those weights are the frozen base, whose step is pinned for `record`, and the
+    adapters start fresh."""
     lora = trainer.trainable
     if lora is None:
-        params = load_weights(trainer, path, trainer.state_shape["params"], trainer.state_shardings["params"])
+        shapes, shardings = trainer.state_shape["params"], trainer.state_shardings["params"]
+        params = load_weights(trainer, path, shapes, shardings)[0]
     else:
-        params = lora.join(trainer.init_adapters(), frozen_params(trainer, path))
+        frozen, step = frozen_params(trainer, path)
+        _pin(trainer.cfg, path, step)
+        params = lora.join(trainer.init_adapters(), frozen)
     optimizer = make_optimizer(trainer.cfg)
 
     def fresh(params):
@@ -91,13 +122,21 @@ def init_state(trainer, path: str):
 
 def record(cfg) -> dict:
     """What a checkpoint of this run notes beside its data position: for a LoRA run its base,
-    {"init_from": train.init_from, "step": the newest committed checkpoint of that run, or null
-    for a Hugging Face directory or no init_from}."""
+    {"init_from": train.init_from, "step": the base run's checkpoint step pinned when this run
+    started or resumed (`init_state`, `restore`), or null for a Hugging Face directory or no
+    init_from}."""
     if cfg.finetune.lora.rank == 0:
         return {}
     path = cfg.train.init_from
-    committed = [] if path is None or is_hf_dir(path) else list_steps(checkpoint_dir(path))[0]
-    return {BASE_KEY: {"init_from": path, "step": committed[-1] if committed else None}}
+    pinned = _PINNED.get(os.path.abspath(cfg.train.run_dir))
+    if pinned is not None and pinned["init_from"] == path:
+        return {BASE_KEY: dict(pinned)}
+    if path is None or is_hf_dir(path):
+        return {BASE_KEY: {"init_from": path, "step": None}}
+    raise RuntimeError(
+        f"no base step pinned for the LoRA run {cfg.train.run_dir} over the jaxpar run {path}: "
+        "base.init_state or base.restore starts such a run"
+    )
 
 
 def recorded_base(data_state: dict | None, cfg, where: str) -> tuple[str | None, int | None]:
@@ -123,7 +162,8 @@ def restore(trainer, ckpt: Checkpointer, step: int) -> tuple[dict, dict | None, 
     )
     if trainer.trainable is not None:
         base = recorded_base(data_state, trainer.cfg, f"checkpoint step {step} in {ckpt.directory}")
-        state["params"] = trainer.trainable.join(state["params"], frozen_params(trainer, *base))
+        _pin(trainer.cfg, *base)  # the checkpoints after this one name the same base
+        state["params"] = trainer.trainable.join(state["params"], frozen_params(trainer, *base)[0])
     return state, data_state, step
 
 
@@ -141,5 +181,5 @@ def params_of(trainer, run_dir: str, step: int | None) -> tuple[dict, int]:
     params = state["params"]
     if trainer.trainable is not None:
         base = recorded_base(data_state, trainer.cfg, f"checkpoint step {step} of {run_dir}")
-        params = trainer.trainable.join(params, frozen_params(trainer, *base))
+        params = trainer.trainable.join(params, frozen_params(trainer, *base)[0])
     return params, step

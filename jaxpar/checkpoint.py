@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import warnings
@@ -477,3 +478,38 @@ def _split(state: dict) -> dict[str, Any]:
         raise ValueError(f"the train state has no '{PARAMS_ITEM}' (it has {sorted(state)})")
     rest = {key: value for key, value in state.items() if key != PARAMS_ITEM}
     return {PARAMS_ITEM: state[PARAMS_ITEM], **({REST_ITEM: rest} if rest else {})}
+
+
+# --- A full disk, said in one line -----------------------------------------------------------
+
+
+class DropNoSpace(logging.Filter):
+    """Orbax's background threads log a disk-full write failure as several pages of tracebacks
+    (through absl, and asyncio's "exception was never retrieved" when the process ends); the run
+    reports it in one line instead (DiskFull)."""
+
+    LOGGERS = ("absl", "asyncio")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
+        return not ("No space left on device" in text or "os_error_code='28'" in text)
+
+    def __enter__(self):
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
+def quiet_closed_loop(default_hook, unraisable) -> None:
+    """sys.unraisablehook for the command line. After a failed save (a full disk), orbax closes
+    its event loop while tensorstore still completes writes into it; each completion becomes an
+    unraisable "RuntimeError: Event loop is closed", a page of them. They say nothing the run's
+    one-line error does not; every other unraisable error goes to the default hook."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return
+    default_hook(unraisable)

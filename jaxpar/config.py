@@ -878,8 +878,9 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
-    """finetune.lora: a rank of 0 (off) or more, a positive alpha, a dropout in [0, 1) (none with
-    a pipeline), targets named once each, none of them MoE experts."""
+    """finetune.lora: a rank of 0 (off) or more, below the smaller side of every adapted matrix,
+    a positive alpha, a dropout in [0, 1) (none with a pipeline), targets named once each, none
+    of them MoE experts."""
     lora, moe = cfg.finetune.lora, cfg.model.moe
     if lora.rank < 0:
         raise ConfigError(f"finetune.lora.rank={lora.rank}: use a positive rank (e.g. 8), or 0 for no LoRA")
@@ -908,6 +909,21 @@ def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
             f"finetune.lora.targets={lora.targets} with model.moe.num_experts={moe.num_experts}: "
             f"LoRA does not adapt MoE experts ({', '.join(mlp)}); use attention targets only "
             "(q, k, v, o)"
+        )
+    # A rank at or above a matrix's smaller side gives its adapter more parameters than the matrix
+    # and no change that training the matrix itself could not make.
+    m = cfg.model
+    heads = (f"n_heads x head width = {m.n_heads * m.head_width}", m.n_heads * m.head_width)
+    kv_heads = (f"n_kv_heads x head width = {m.n_kv_heads * m.head_width}", m.n_kv_heads * m.head_width)
+    mlp = (f"d_ff = {m.d_ff}", m.d_ff)
+    other = {"q": heads, "k": kv_heads, "v": kv_heads, "o": heads, "gate": mlp, "up": mlp, "down": mlp}
+    side, target = min((min(m.d_model, other[t][1]), t) for t in lora.targets)
+    if lora.rank >= side:
+        raise ConfigError(
+            f"finetune.lora.rank={lora.rank} is not below the smaller side ({side}) of the {target} "
+            f"projection (d_model = {m.d_model} by {other[target][0]}): such an adapter has more "
+            "parameters than the weight and can change it no more than training it does; use a "
+            f"rank below {side}, or finetune.lora.rank=0 to train the whole model"
         )
 
 

@@ -44,14 +44,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import sys
-import tempfile
 
 import numpy as np
 
-from jaxpar import chat, cli, hub
+from jaxpar import chat, cli, export, hub
+from jaxpar import checkpoint as checkpoint_lib
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.hf_load import (
@@ -169,8 +170,8 @@ def from_hf(hf_dir: str, out: str, overrides: list[str] = (), revision: str | No
     """Converts the Hugging Face model in `hf_dir` (a local directory, or a Hub model id at
     `revision`: `jaxpar.hub.model_dir`) into a jaxpar run directory `out` (see the module
     docstring). Everything is checked before anything is written; the directory is built under a
-    temporary name beside `out` and renamed into place at the end, so a failure leaves no `out`
-    behind."""
+    temporary name beside `out` and renamed into place at the end (`export.staged_directory`), so
+    a failure leaves no `out` behind, and a failed write (a full disk) is one line."""
     import jax
 
     from jaxpar.checkpoint import Checkpointer
@@ -210,25 +211,17 @@ def from_hf(hf_dir: str, out: str, overrides: list[str] = (), revision: str | No
         sizes,
         devices[:fsdp],
     )
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.converting-", dir=os.path.dirname(out))
-    try:
+    with export.staged_directory(out, "from-hf") as built:
         params = load_hf_params(hf_dir, model, shapes, shardings, tensors)
-        ckpt = Checkpointer(os.path.join(tmp, "checkpoints"), keep=1)
+        ckpt = Checkpointer(os.path.join(built, "checkpoints"), keep=1)
         try:
             ckpt.save(0, {"params": params}, None, force=True)
         finally:
             ckpt.close()
         del params
         for path in tokenizer_files:
-            shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
-        config_lib.dump_yaml(cfg, os.path.join(tmp, "config.yaml"))
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            shutil.copyfile(path, os.path.join(built, os.path.basename(path)))
+        config_lib.dump_yaml(cfg, os.path.join(built, "config.yaml"))
     n = sum(int(np.prod(s)) for s in expected_tensors(model).values())
     return {
         "source": hf_dir,
@@ -289,8 +282,6 @@ def holds_imported_weights(run_dir: str, step: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["to-hf"]:
-        from jaxpar import export
-
         return export.main(argv[1:], prog="python -m jaxpar.convert to-hf")
     parser = argparse.ArgumentParser(
         prog="python -m jaxpar.convert",
@@ -319,7 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted.key=value settings for config.yaml")
     sub.add_parser("to-hf", help="a run directory -> Hugging Face safetensors (python -m jaxpar.export)")
     args = parser.parse_args(argv)
-    return cli.run(lambda: _from_hf_command(args))
+    _quiet_disk_full()
+    return cli.run(lambda: _from_hf_command(args), failures={export.WriteFailed: 1})
+
+
+@functools.cache  # once a process
+def _quiet_disk_full() -> None:
+    """For the rest of the process, as `python -m jaxpar.train` does: orbax's pages of tracebacks
+    on a full disk (its threads' logs, the closed event loop's unraisable errors) stay out of
+    stderr, where from-hf's one line (`export.WriteFailed`) says it."""
+    checkpoint_lib.DropNoSpace().__enter__()
+    sys.unraisablehook = functools.partial(checkpoint_lib.quiet_closed_loop, sys.unraisablehook)
 
 
 def _from_hf_command(args) -> int:

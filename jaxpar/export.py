@@ -25,15 +25,28 @@ any) is copied when data.tokenizer names one; a byte-level run (data.tokenizer=b
 tokenizer.json built with the `tokenizers` library (`byte_tokenizer`) and a tokenizer_config.json,
 so that `transformers.AutoTokenizer.from_pretrained(OUT)` encodes text to jaxpar's ids and decodes
 them back to the same text. config.json's eos_token_id is the run's end-of-document id.
+
+Where it writes (`check_out`, `staged_directory`): --out is a new or empty directory, or a previous
+jaxpar export of the same kind (merged model, or adapter) holding only what that export wrote, as
+its EXPORT_RECORD file lists; anything else -- another model's files, a run directory -- is refused
+before anything is read or written. The export is built in a fresh directory beside --out and
+renamed into place at the end, replacing the previous export whole (no stale shard or index of it
+stays); a write that fails (a full disk) removes what was built, leaves --out as it was and is one
+line (`WriteFailed`, exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
+import time
 
 import numpy as np
 
@@ -42,6 +55,142 @@ from jaxpar.config import ConfigError, ModelConfig, check_writable_dir
 from jaxpar.models import families
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default "5GB"
+# Written last into every export: its kind and the files it wrote, so that a later export into the
+# same --out can tell its own previous output (which it replaces) from anything else (refused).
+EXPORT_RECORD = "jaxpar-export.json"
+KINDS = {"model": "Hugging Face model", "adapter": "PEFT adapter (--adapter-only)"}
+
+
+class WriteFailed(RuntimeError):
+    """Writing an export (or from-hf's run directory) failed: a full disk, an I/O error. The
+    message is one line naming the path; what was built is removed and --out is as it was."""
+
+
+def write_failure(error: OSError, out: str, built: str | None, command: str) -> WriteFailed:
+    """The one line of `error`, raised while `command` built `out` in the directory `built`
+    (a path in it shown under `out`'s name; None: making that directory failed)."""
+    path = error.filename if isinstance(error.filename, str) else (built or out)
+    writing = built is None or path.startswith(built)
+    if built is not None and writing:
+        path = out + path[len(built) :]
+    reason, then = error.strerror or str(error), ""
+    if error.errno == errno.ENOSPC:
+        reason = f"no space left on the device of {os.path.dirname(out) or '.'}"
+        then = ": free some space or choose another --out, and run the same command again"
+    return WriteFailed(
+        f"{command} could not {'write' if writing else 'read'} {path}: {reason}; nothing was kept, "
+        f"{out} is as it was{then}"
+    )
+
+
+def os_error(error: BaseException) -> OSError | None:
+    """The OSError `error` is or was caused by (orbax's background writers pass one on as their
+    own exception, or only as tensorstore's message), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            return error
+        if "No space left on device" in str(error):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextlib.contextmanager
+def staged_directory(out: str, command: str):
+    """A fresh directory beside `out` to build it in; when the block ends without an error it is
+    renamed to `out`, replacing what is there (nothing, an empty directory, or a previous export
+    `check_out` allowed). On an error it is removed and `out` stays as it was; an OSError (a full
+    disk) is raised as a one-line WriteFailed."""
+    out = os.path.abspath(out)
+    parent = os.path.dirname(out)
+    built = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        built = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.writing-", dir=parent)
+        yield built
+        _replace(built, out)
+    except BaseException as e:
+        failed = isinstance(e, Exception) and not isinstance(e, ConfigError) and os_error(e) is not None
+        if built is not None:
+            _remove(built, settle=failed)
+        if not failed:
+            raise
+        raise write_failure(os_error(e), out, built, command) from None
+
+
+def _remove(directory: str, settle: bool) -> None:
+    """Removes `directory`. With `settle` (a write failed), again while anything reappears in
+    the next second: after a failed save orbax's writers (tensorstore) can still create files,
+    and their directories, for a moment."""
+    shutil.rmtree(directory, ignore_errors=True)
+    for _ in range(10 if settle else 0):
+        time.sleep(0.1)
+        if os.path.lexists(directory):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _replace(built: str, out: str) -> None:
+    """Renames the directory `built` to `out`; an existing `out` is moved aside first and removed
+    after (restored if the rename fails)."""
+    if not os.path.lexists(out):
+        os.rename(built, out)
+        return
+    aside = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.replaced-", dir=os.path.dirname(out))
+    os.rename(out, aside)  # onto the empty directory just made
+    try:
+        os.rename(built, out)
+    except BaseException:
+        os.rename(aside, out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def previous_export(out: str) -> dict | None:
+    """The record (EXPORT_RECORD) of the jaxpar export in directory `out`, or None where it has
+    no readable one."""
+    try:
+        with open(os.path.join(out, EXPORT_RECORD)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("kind") not in KINDS:
+        return None
+    files = record.get("files")
+    return record if isinstance(files, list) and all(isinstance(n, str) for n in files) else None
+
+
+def check_out(out: str, kind: str) -> None:
+    """--out may be written with an export of `kind`: it does not exist, is an empty directory,
+    or holds a previous jaxpar export of the same kind and nothing else (which the new one
+    replaces). Else a ConfigError naming the directory and what would work; nothing written."""
+    check_writable_dir(os.path.dirname(os.path.abspath(out)), "--out's parent")  # built there
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out):
+        raise ConfigError(f"--out {out} is a file; give a new or empty directory")
+    names = set(os.listdir(out))
+    if not names:
+        return
+    works = "give a new or empty directory, or a previous jaxpar export of the same kind (it is replaced)"
+    record = previous_export(out)
+    if record is None:
+        shown = ", ".join(sorted(names)[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(
+            f"--out {out} holds {shown} and is not a jaxpar export (it has no readable {EXPORT_RECORD}); "
+            f"writing there would mix two models: {works}"
+        )
+    if record["kind"] != kind:
+        raise ConfigError(
+            f"--out {out} holds a jaxpar {KINDS[record['kind']]} export, and this export is a "
+            f"{KINDS[kind]}; give another directory"
+        )
+    if extra := sorted(names - set(record["files"]) - {EXPORT_RECORD}):
+        raise ConfigError(
+            f"--out {out} holds {', '.join(extra[:3])}, which the jaxpar export there did not write "
+            "(a new export replaces the directory whole); move it out, or give a new or empty directory"
+        )
 
 
 def hf_state_dict(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -273,26 +422,40 @@ def export(
     adapter_only: bool = False,
 ) -> dict:
     """Writes the Hugging Face checkpoint of `run_dir` into `out` (a LoRA run's merged model),
-    or with `adapter_only` its LoRA adapters in PEFT's format; returns a summary."""
+    or with `adapter_only` its LoRA adapters in PEFT's format; returns a summary. `out` is
+    checked first (`check_out`) and built beside itself (`staged_directory`)."""
+    kind = "adapter" if adapter_only else "model"
+    check_out(out, kind)
     cfg, params, step = load_params(run_dir, step, merge_lora=not adapter_only)
-    if adapter_only:
-        tensors = write_adapter(cfg, params, out)
-        files = ["adapter_model.safetensors"]
-        summary = {
+    with staged_directory(out, "to-hf") as built:
+        if adapter_only:
+            tensors = write_adapter(cfg, params, built)
+            files = ["adapter_model.safetensors"]
+        else:
+            tensors = hf_state_dict(params, cfg.model)
+            files = write_model(cfg, tensors, built, max_shard_bytes)
+        record = {
+            "kind": kind,
+            "run_dir": os.path.abspath(run_dir),
             "step": step,
-            "out": out,
-            "files": files,
-            "tensors": len(tensors),
-            "bytes": _nbytes(tensors),
+            "files": sorted(os.listdir(built)),
         }
-        base = cfg.train.init_from
-        if base is not None and os.path.isfile(os.path.join(base, "config.yaml")):
-            summary["note"] = (
-                f"the adapters' base is the jaxpar run {base}, which PEFT cannot load: write it "
-                f"with `python -m jaxpar.convert to-hf {base} --out DIR` and load the adapter over DIR"
-            )
-        return summary
-    tensors = hf_state_dict(params, cfg.model)
+        with open(os.path.join(built, EXPORT_RECORD), "w") as f:
+            json.dump(record, f, indent=2)
+    summary = {"step": step, "out": out, "files": files, "tensors": len(tensors), "bytes": _nbytes(tensors)}
+    base = cfg.train.init_from
+    if adapter_only and base is not None and os.path.isfile(os.path.join(base, "config.yaml")):
+        summary["note"] = (
+            f"the adapters' base is the jaxpar run {base}, which PEFT cannot load: write it "
+            f"with `python -m jaxpar.convert to-hf {base} --out DIR` and load the adapter over DIR"
+        )
+    return summary
+
+
+def write_model(cfg, tensors: dict[str, np.ndarray], out: str, max_shard_bytes: int) -> list[str]:
+    """The model's safetensors (`write_safetensors`), tokenizer (`write_tokenizer`) and
+    config.json (with the tokenizer's end-of-document id) into `out`; returns the safetensors
+    files written."""
     files = write_safetensors(tensors, out, max_shard_bytes)
     eod_id = write_tokenizer(cfg, out)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -301,13 +464,7 @@ def export(
             f,
             indent=2,
         )
-    return {
-        "step": step,
-        "out": out,
-        "files": files,
-        "tensors": len(tensors),
-        "bytes": _nbytes(tensors),
-    }
+    return files
 
 
 def _nbytes(tensors: dict) -> int:
@@ -336,7 +493,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jaxpar.export") -
     )
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
-    return cli.run(lambda: _export_command(args), failures={FileNotFoundError: 1})
+    return cli.run(lambda: _export_command(args), failures={FileNotFoundError: 1, WriteFailed: 1})
 
 
 def _export_command(args) -> int:

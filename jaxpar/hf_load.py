@@ -82,10 +82,16 @@ class TensorInfo:
     shape: tuple
     offset: int  # of the first byte in the file
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _np_dtype(self.dtype).itemsize
+
 
 def read_safetensors_header(path: str, shown: str) -> dict[str, TensorInfo]:
     """The tensors of one .safetensors file (name -> TensorInfo), checked against the file's
-    size: a truncated file is named with the first tensor it cuts. `shown` names it in errors."""
+    size: a truncated file is named with the first tensor it cuts, a header that is not what
+    the format says (an object of {dtype, shape, data_offsets}, the tensors' bytes apart from
+    each other) with the tensor and the entry. `shown` names it in errors."""
     if not os.path.isfile(path):
         raise ConfigError(f"{shown} is missing")
     size = os.path.getsize(path)
@@ -100,28 +106,76 @@ def read_safetensors_header(path: str, shown: str) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise ConfigError(f"{shown}: its safetensors header is not valid JSON ({e})") from None
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ConfigError(
-                f"{shown}: tensor {name} has dtype {info.get('dtype')}; jaxpar reads "
-                f"{', '.join(SAFETENSORS_DTYPES)}"
-            )
-        start, end = info["data_offsets"]
-        shape = tuple(int(d) for d in info["shape"])
-        if end - start != int(np.prod(shape, dtype=np.int64)) * _np_dtype(dtype).itemsize:
-            raise ConfigError(
-                f"{shown}: tensor {name}: {end - start} bytes do not hold shape {shape} of {dtype}"
-            )
-        if 8 + n + end > size:
+    if not isinstance(header, dict):
+        raise ConfigError(f"{shown}: its safetensors header is not a JSON object; is it a safetensors file?")
+    tensors = {
+        name: _tensor_info(name, info, shown) for name, info in header.items() if name != "__metadata__"
+    }
+    spans = sorted((info.offset, info.offset + info.nbytes, name) for name, info in tensors.items())
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise ConfigError(f"{shown}: tensors {name} and {other} overlap in its safetensors header")
+    data = size - 8 - n
+    for start, end, name in spans:
+        if end > data:
             raise ConfigError(
                 f"{shown} is truncated: tensor {name} ends at byte {8 + n + end}, the file has {size}"
             )
-        tensors[name] = TensorInfo(os.path.abspath(path), dtype, shape, 8 + n + start)
-    return tensors
+    return {
+        name: dataclasses.replace(info, file=os.path.abspath(path), offset=8 + n + info.offset)
+        for name, info in tensors.items()
+    }
+
+
+def _tensor_info(name: str, info, shown: str) -> TensorInfo:
+    """One entry of a safetensors header as a TensorInfo (its offset from the data's start, the
+    file not yet set), or a ConfigError naming the tensor and what is wrong."""
+    if not isinstance(info, dict):
+        raise ConfigError(f"{shown}: tensor {name}: its header entry {info!r} is not an object")
+    dtype = SAFETENSORS_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+        raise ConfigError(
+            f"{shown}: tensor {name} has dtype {info.get('dtype')}; "
+            f"jaxpar reads {', '.join(SAFETENSORS_DTYPES)}"
+        )
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not _counts(shape):
+        raise ConfigError(
+            f"{shown}: tensor {name}: shape={shape!r} is not a list of sizes (whole numbers >= 0)"
+        )
+    if not (_counts(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        raise ConfigError(
+            f"{shown}: tensor {name}: data_offsets={offsets!r} is not [start, end] with 0 <= start <= end"
+        )
+    start, end = offsets
+    if end - start != int(np.prod(shape, dtype=np.int64)) * _np_dtype(dtype).itemsize:
+        raise ConfigError(
+            f"{shown}: tensor {name}: {end - start} bytes do not hold shape {tuple(shape)} of {dtype}"
+        )
+    return TensorInfo("", dtype, tuple(shape), start)
+
+
+def _counts(value) -> bool:
+    """Whether `value` is a JSON list of whole numbers >= 0."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def read_weight_map(index: str) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map (tensor name -> the file in the same directory
+    that holds it), or a ConfigError naming the index and the first entry that is not one."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{index} is not a readable index ({e!r})") from None
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{index}: weight_map={weight_map!r} is not an object of tensor name -> file")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or os.path.basename(file) != file or file in (".", ".."):
+            raise ConfigError(
+                f"{index}: weight_map[{name!r}]={file!r} is not the name of a file beside the index"
+            )
+    return weight_map
 
 
 def checkpoint_tensors(hf_dir: str) -> dict[str, TensorInfo]:
@@ -130,11 +184,7 @@ def checkpoint_tensors(hf_dir: str) -> dict[str, TensorInfo]:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     single = os.path.join(hf_dir, "model.safetensors")
     if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{index} is not a readable index ({e!r})") from None
+        weight_map = read_weight_map(index)
         tensors = {}
         for file in sorted(set(weight_map.values())):
             listed = [n for n, fl in weight_map.items() if fl == file]

@@ -20,7 +20,6 @@ import dataclasses
 import errno
 import functools
 import json
-import logging
 import os
 import shutil
 import signal
@@ -285,38 +284,6 @@ def _no_space(error: BaseException) -> bool:
     return False
 
 
-class _DropNoSpace(logging.Filter):
-    """Orbax's background threads log a disk-full write failure as several pages of tracebacks
-    (through absl, and asyncio's "exception was never retrieved" when the process ends); the run
-    reports it in one line instead (DiskFull)."""
-
-    LOGGERS = ("absl", "asyncio")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
-        return not ("No space left on device" in text or "os_error_code='28'" in text)
-
-    def __enter__(self):
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-        return self
-
-    def __exit__(self, *exc):
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self)
-
-
-def _quiet_closed_loop(default_hook, unraisable) -> None:
-    """sys.unraisablehook for the command line. After a failed save (a full disk), orbax closes
-    its event loop while tensorstore still completes writes into it; each completion becomes an
-    unraisable "RuntimeError: Event loop is closed", a page of them. They say nothing the run's
-    one-line error does not; every other unraisable error goes to the default hook."""
-    error = unraisable.exc_value
-    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-        return
-    default_hook(unraisable)
-
-
 def _megabytes(n: float) -> str:
     return f"{n / 2**20:,.1f} MB"
 
@@ -485,7 +452,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
         print(config_lib.precision_line(cfg), file=sys.stderr, flush=True)
     lock = rundir_lib.RunLock(t.run_dir)
     ckpt, finished = None, False
-    no_space_logs = _DropNoSpace().__enter__()
+    no_space_logs = checkpoint_lib.DropNoSpace().__enter__()
     try:
         _on_main(lock.acquire, f"train.run_dir={t.run_dir}")
         resume = _on_main(lambda: _resume_step(cfg), f"train.run_dir={t.run_dir}")
@@ -909,8 +876,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # From the first moment, a signal only asks for a stop (Preemption): start-up checks for it
     # between its phases, the loop after each step; nothing is interrupted half-way.
-    _DropNoSpace().__enter__()  # for the process's lifetime: orbax's leftovers are logged at its end
-    sys.unraisablehook = functools.partial(_quiet_closed_loop, sys.unraisablehook)
+    # For the process's lifetime: orbax's leftovers are logged at its end.
+    checkpoint_lib.DropNoSpace().__enter__()
+    sys.unraisablehook = functools.partial(checkpoint_lib.quiet_closed_loop, sys.unraisablehook)
     with Preemption(exit_at_once=True) as preemption:
         try:
             return cli.run(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -65,9 +66,20 @@ def _flat(tree) -> dict:
             ["finetune.lora.rank=4", "finetune.lora.targets=[q,up]", "model.moe.num_experts=4"],
             ["MoE experts", "up", "q, k, v, o"],
         ),
+        (  # tiny.yaml: k and v are 32 x 16 (two kv heads of 8)
+            ["finetune.lora.rank=16"],
+            ["finetune.lora.rank=16", "smaller side (16) of the k projection", "d_model = 32", "below 16"],
+        ),
+        (
+            ["finetune.lora.rank=4096", "finetune.lora.targets=[q,gate]"],
+            ["finetune.lora.rank=4096", "(32) of the gate projection", "d_ff = 64", "rank=0"],
+        ),
     ],
 )
 def test_bad_lora_settings_are_refused_by_name(overrides, words):
+    """Among them, a rank at or above a matrix's smaller side (it used to be accepted, even far
+    above the model's width): the adapter would outweigh the weight and add nothing to training
+    it."""
     with pytest.raises(ConfigError) as err:
         cfg = parity.tiny_config(["mesh.tensor=1", "mesh.fsdp=2", "mesh.data=4", *overrides])
         config_lib.validate(cfg, 8)
@@ -400,13 +412,37 @@ def test_the_peft_adapter_names_a_base_peft_can_load(tmp_path):
     assert peft_base(None) == {"base_model_name_or_path": None}
 
 
-def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_path):
-    """Base: a run directory whose checkpoint 0 holds whole weights (as from-hf writes one).
-    The LoRA checkpoint names that run and its step 0; a later checkpoint of the base run (the
-    base trained on) does not change what `load_params` rebuilds, and a LoRA run cannot itself
-    be a base."""
+def _save_base(base_dir, step: int, weights) -> None:
+    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+
+    ckpt = Checkpointer(checkpoint_dir(str(base_dir)), keep=0)
+    try:
+        ckpt.save(step, {"params": weights}, None, force=True)
+    finally:
+        ckpt.close()
+
+
+def _recorded_base(run_dir, step: int) -> dict:
     from jaxpar import base as base_lib
     from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+
+    recorded = Checkpointer(checkpoint_dir(str(run_dir)), read_only=True)
+    try:
+        return recorded.data_state(step)[base_lib.BASE_KEY]
+    finally:
+        recorded.close()
+
+
+def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_path, monkeypatch):
+    """Base: a run directory whose checkpoint 0 holds whole weights (as from-hf writes one). The
+    base run trains on while the LoRA run starts (a checkpoint 3 right after the LoRA run loaded
+    step 0) and again before the LoRA run resumes (a checkpoint 5): every LoRA checkpoint, the
+    resumed run's too, names step 0, and `load_params` rebuilds the model over step 0's weights;
+    once that checkpoint is gone it says so. A LoRA run cannot itself be a base.
+
+    Guards the bug where each save recorded the base run's newest step, not the one the adapters
+    were trained over (`sample` and `to-hf` then laid them over another model)."""
+    from jaxpar import base as base_lib
     from jaxpar.export import load_params
     from jaxpar.train import train
 
@@ -415,29 +451,35 @@ def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_pa
     base_dir = tmp_path / "base"
     base_dir.mkdir()
     config_lib.dump_yaml(plain.cfg, str(base_dir / "config.yaml"))
-    ckpt = Checkpointer(checkpoint_dir(str(base_dir)), keep=0)
-    try:
-        ckpt.save(0, {"params": weights}, None, force=True)
-    finally:
-        ckpt.close()
+    _save_base(base_dir, 0, weights)
     one = [f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES]
-    overrides = [*LORA, *one, "train.steps=2", "checkpoint.every=2", f"train.init_from={base_dir}"]
-    cfg = parity.tiny_config([*overrides, f"train.run_dir={tmp_path / 'run'}"])
+    overrides = [*LORA, *one, "checkpoint.every=2", "checkpoint.keep=0", f"train.init_from={base_dir}"]
+    start = base_lib.init_state
+
+    def base_trains_on(trainer, path):
+        state = start(trainer, path)
+        _save_base(base_dir, 3, jax.tree.map(lambda x: x + 1, weights))
+        return state
+
+    monkeypatch.setattr(base_lib, "init_state", base_trains_on)
+    cfg = parity.tiny_config([*overrides, "train.steps=2", f"train.run_dir={tmp_path / 'run'}"])
     train(cfg, config_lib.validate(cfg, 8))
-    ckpt = Checkpointer(checkpoint_dir(str(base_dir)), keep=0)
-    try:  # the base run goes on: its newest checkpoint is now other weights
-        ckpt.save(5, {"params": jax.tree.map(lambda x: x + 1, weights)}, None, force=True)
-        recorded = Checkpointer(checkpoint_dir(str(tmp_path / "run")), read_only=True)
-        assert recorded.data_state(2)[base_lib.BASE_KEY] == {"init_from": str(base_dir), "step": 0}
-        recorded.close()
-    finally:
-        ckpt.close()
-    _, params, _ = load_params(str(tmp_path / "run"), merge_lora=False)
+    monkeypatch.undo()
+    assert _recorded_base(tmp_path / "run", 2) == {"init_from": str(base_dir), "step": 0}
+    _save_base(base_dir, 5, jax.tree.map(lambda x: x + 2, weights))
+    cfg = parity.tiny_config([*overrides, "train.steps=4", f"train.run_dir={tmp_path / 'run'}"])
+    train(cfg, config_lib.validate(cfg, 8))  # resumes from step 2
+    assert _recorded_base(tmp_path / "run", 4) == {"init_from": str(base_dir), "step": 0}
+    _, params, step = load_params(str(tmp_path / "run"), merge_lora=False)
+    assert step == 4
     trainer = parity.trainer_on(LORA, {})
     frozen = _flat(trainer.trainable.split(params)[1])
     for name, want in _flat(weights).items():
         assert frozen[name].tobytes() == want.tobytes(), name
-    again = parity.tiny_config([*overrides, f"train.run_dir={tmp_path / 'again'}"])
+    shutil.rmtree(base_dir / "checkpoints" / "0")  # the base run's checkpoint.keep dropped it
+    with pytest.raises(ConfigError, match="trained over checkpoint step 0 of the base run"):
+        load_params(str(tmp_path / "run"))
+    again = parity.tiny_config([*overrides, "train.steps=2", f"train.run_dir={tmp_path / 'again'}"])
     again = dataclasses.replace(
         again, train=dataclasses.replace(again.train, init_from=str(tmp_path / "run"))
     )

@@ -20,14 +20,28 @@ FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, mixtral, qwen3_moe, gemma3)
 ARCHITECTURES = tuple(a for family in FAMILIES for a in family.ARCHITECTURES)
 
 
+def architecture(hf: dict, where: str) -> str:
+    """config.json's one architecture: `architectures` is a list of one class name (a lone
+    string is read as that one), else ConfigError naming the key."""
+    arch = hf.get("architectures")
+    if isinstance(arch, str):
+        return arch
+    if not (isinstance(arch, list) and len(arch) == 1 and isinstance(arch[0], str)):
+        raise ConfigError(
+            f"{where}: architectures={arch!r}; jaxpar reads a config.json that lists one "
+            f"model class, one of {', '.join(ARCHITECTURES)}"
+        )
+    return arch[0]
+
+
 def family_of_config(hf: dict, where: str) -> ModuleType:
     """The family that reads config.json `hf` (by its one architecture), else ConfigError."""
-    arch = hf.get("architectures") or []
+    arch = architecture(hf, where)
     for family in FAMILIES:
-        if len(arch) == 1 and arch[0] in family.ARCHITECTURES:
+        if arch in family.ARCHITECTURES:
             return family
     raise ConfigError(
-        f"{where}: architectures={arch} is not supported; jaxpar converts {', '.join(ARCHITECTURES)}"
+        f"{where}: architectures={[arch]} is not supported; jaxpar converts {', '.join(ARCHITECTURES)}"
     )
 
 
@@ -48,9 +62,10 @@ def settings_from_hf(hf: dict, where: str) -> dict:
     """config.json (a dict) -> the model.* settings it implies, or ConfigError naming what jaxpar
     cannot represent exactly. `where` names the file in messages. The inverse of `hf_config`."""
     family = family_of_config(hf, where)
+    arch = architecture(hf, where)
     # What transformers assumes for the keys a config.json leaves out, by architecture.
-    defaults = family.DEFAULTS.get(hf["architectures"][0], {})
-    return family.settings_from_hf({**defaults, **hf}, where)
+    defaults = family.DEFAULTS.get(arch, {})
+    return family.settings_from_hf({**defaults, **hf, "architectures": [arch]}, where)
 
 
 def hf_config(m: ModelConfig) -> dict:

@@ -1,7 +1,8 @@
 """What every family file builds on: how a jaxpar array and its Hugging Face tensors correspond
 (`Layout`, `Tensor`), the tensors every decoder has (`attention_tensors`, `dense_mlp_tensors`,
-`norm_tensors`), and the config.json keys every family reads and writes alike (`CONFIG_KEYS`,
-`base_settings`, `base_config`).
+`norm_tensors`), the config.json keys every family reads and writes alike (`CONFIG_KEYS`,
+`base_settings`, `base_config`), and how a config.json value is read (`read_int`, `read_float`,
+`read_bool`: of its kind and range, or refused naming the key, the file and the value).
 
 Each tensor's layout pair (`Layout`) says how jaxpar's einsum weight [in..., out...] and the
 torch `Linear` weight [out, in] correspond, both ways: `read` converts one device's shard of a
@@ -11,6 +12,8 @@ a whole layer on export.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -204,6 +207,48 @@ def refuse(where: str, what: str) -> ConfigError:
     return ConfigError(f"{where}: {what}; jaxpar converts a model exactly or not at all")
 
 
+def _invalid(where: str, key: str, value, what: str) -> ConfigError:
+    return ConfigError(f"{where}: {key}={json.dumps(value)} is not {what}; fix the file or use another model")
+
+
+def read_int(hf: dict, key: str, where: str, default: int | None = None, least: int = 1) -> int | None:
+    """config.json's `key` as an int of at least `least` (`default` where it is absent or null),
+    else a ConfigError naming the key, the file and the value. A float of a whole value is
+    read as that int (files written by hand); a bool or a string is refused."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < least:
+        raise _invalid(where, key, value, f"a whole number of at least {least}")
+    return int(value)
+
+
+def read_float(
+    hf: dict, key: str, where: str, default: float | None = None, positive: bool = False
+) -> float | None:
+    """config.json's `key` as a finite float, 0 or more (above 0 with `positive`; `default` where
+    it is absent or null), else a ConfigError naming the key, the file and the value."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise _invalid(where, key, value, "a finite number " + ("above 0" if positive else "of 0 or more"))
+    return float(value)
+
+
+def read_bool(hf: dict, key: str, where: str, default: bool = False) -> bool:
+    """config.json's `key`, true or false (`default` where it is absent or null), else a
+    ConfigError naming the key, the file and the value (a string "false" would read as true)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _invalid(where, key, value, "true or false")
+    return value
+
+
 def check_fixed(hf: dict, fixed: tuple, where: str) -> None:
     """Refuses a config.json whose keys in `fixed` ((key, the value jaxpar computes)) differ."""
     for key, want in fixed:
@@ -215,8 +260,9 @@ def check_full_attention(hf: dict, where: str, window_applies: bool = False) -> 
     """Refuses sliding-window attention and layer types other than full attention. The window
     is on where use_sliding_window says so (Qwen), or, with `window_applies` (Mistral, Mixtral,
     which have no switch), wherever sliding_window is shorter than the context."""
-    max_len, window = int(hf.get("max_position_embeddings", 2048)), hf.get("sliding_window")
-    if hf.get("use_sliding_window", False):
+    max_len = read_int(hf, "max_position_embeddings", where, 2048)
+    window = read_int(hf, "sliding_window", where)
+    if read_bool(hf, "use_sliding_window", where):
         raise refuse(
             where, f"use_sliding_window=true (sliding_window={window}): jaxpar attends to the whole context"
         )
@@ -243,18 +289,32 @@ def rope_from_hf(
     """(rope_theta, the model.rope_scaling settings) of config.json, or of its `rope` entry
     (one layer type's, Gemma 3) with `theta` the base when it names none."""
     if rope is None:
-        rope = dict(hf.get("rope_scaling") or {})
-        rope.update(hf.get("rope_parameters") or {})  # transformers >= 5 keeps everything here
-        theta = hf.get("rope_theta", theta)
-    theta = float(rope.get("rope_theta", theta))
+        rope = {}
+        for key in ("rope_scaling", "rope_parameters"):  # transformers >= 5 keeps everything in the second
+            if not isinstance(hf.get(key) or {}, dict):
+                raise _invalid(where, key, hf[key], "an object (or null)")
+            rope.update(hf.get(key) or {})
+        theta = read_float(hf, "rope_theta", where, theta, positive=True)
+    theta = read_float(rope, "rope_theta", where, theta, positive=True)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, {"type": "none"}
     if rope_type == "linear":
-        return theta, {"type": "linear", "factor": float(rope["factor"])}
+        return theta, {"type": "linear", "factor": _required(rope, "factor", float, where)}
     if rope_type == "llama3":
-        return theta, {"type": "llama3", **{field: cast(rope[key]) for key, field, cast in LLAMA3_ROPE_KEYS}}
+        return theta, {
+            "type": "llama3",
+            **{field: _required(rope, key, cast, where) for key, field, cast in LLAMA3_ROPE_KEYS},
+        }
     raise refuse(where, f"rope scaling {rope_type!r}: jaxpar has none, linear or llama3")
+
+
+def _required(rope: dict, key: str, cast: type, where: str):
+    """A rope scaling entry that its type needs: present and a positive number."""
+    if rope.get(key) is None:
+        raise refuse(where, f"rope scaling {rope.get('rope_type', rope.get('type'))!r} without its {key}")
+    shown = f"{where} (rope scaling)"
+    return read_int(rope, key, shown) if cast is int else read_float(rope, key, shown, positive=True)
 
 
 def rope_scaling_config(m: ModelConfig) -> dict | None:
@@ -270,15 +330,17 @@ def rope_scaling_config(m: ModelConfig) -> dict | None:
 def base_settings(hf: dict, where: str) -> dict:
     """The model.* settings every family reads alike: shape, norm, rotary, dtype; head_dim when
     config.json gives one other than hidden_size / num_attention_heads."""
+    readers = {int: read_int, float: read_float, bool: read_bool}
     settings = {}
     for key, field, cast, default in CONFIG_KEYS:
-        value = hf.get(key, default)
-        settings[field] = cast(value) if value is not None else None
+        settings[field] = readers[cast](hf, key, where, default)
+        if settings[field] is None and key != "num_key_value_heads":
+            raise ConfigError(f"{where}: {key} is not set; a model's config.json gives it")
     if settings["n_kv_heads"] is None:
         settings["n_kv_heads"] = settings["n_heads"]
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) * settings["n_heads"] != settings["d_model"]:
-        settings["head_dim"] = int(head_dim)
+    head_dim = read_int(hf, "head_dim", where)
+    if head_dim is not None and head_dim * settings["n_heads"] != settings["d_model"]:
+        settings["head_dim"] = head_dim
     settings["rope_theta"], settings["rope_scaling"] = rope_from_hf(hf, where)
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     if dtype not in DTYPES:
@@ -319,13 +381,20 @@ def moe_settings(hf: dict, where: str) -> dict:
     """model.moe.* from the keys MoE families share: experts (num_local_experts, or
     num_experts), experts per token, the load-balancing loss weight. transformers' routers have
     no z-loss, so it is off."""
-    experts = hf.get("num_local_experts", hf.get("num_experts"))
+    key = "num_local_experts" if hf.get("num_local_experts") is not None else "num_experts"
+    experts = read_int(hf, key, where)
     if experts is None:
         raise refuse(where, "neither num_local_experts nor num_experts is set")
+    top_k = read_int(hf, "num_experts_per_tok", where, 2)
+    if top_k > experts:
+        raise ConfigError(
+            f"{where}: num_experts_per_tok={top_k} is more than the {key}={experts} there are; "
+            "fix the file or use another model"
+        )
     return {
-        "num_experts": int(experts),
-        "top_k": int(hf.get("num_experts_per_tok", 2)),
-        "aux_loss_weight": float(hf.get("router_aux_loss_coef", 0.001)),
+        "num_experts": experts,
+        "top_k": top_k,
+        "aux_loss_weight": read_float(hf, "router_aux_loss_coef", where, 0.001),
         "z_loss_weight": 0.0,
     }
 

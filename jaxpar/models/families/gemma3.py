@@ -74,18 +74,21 @@ def layer_types(m: ModelConfig) -> list[str]:
 def _window(hf: dict, layers: int, where: str) -> dict:
     """model.sliding_window and global_every from sliding_window and layer_types (or the
     sliding_window_pattern older config.json files give instead)."""
-    window = hf.get("sliding_window")
-    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    window = common.read_int(hf, "sliding_window", where)
+    key = "sliding_window_pattern" if "sliding_window_pattern" in hf else "_sliding_window_pattern"
+    pattern = common.read_int(hf, key, where, 6)
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
     ]
+    if not isinstance(types, list):
+        raise common.refuse(where, f"layer_types={types!r}: a list of one type per layer")
     if "sliding_attention" not in types:
         return {}  # every layer global, whatever sliding_window says
     if window is None:
         raise common.refuse(where, f"sliding_window=null with sliding layers (layer_types={types})")
     every = types.index("full_attention") + 1 if "full_attention" in types else 0
-    settings = {"sliding_window": int(window), "global_every": every}
-    expected = layer_types(ModelConfig(n_layers=layers, sliding_window=int(window), global_every=every))
+    settings = {"sliding_window": window, "global_every": every}
+    expected = layer_types(ModelConfig(n_layers=layers, sliding_window=window, global_every=every))
     if list(types) != expected:
         raise common.refuse(
             where, f"layer_types={types}: jaxpar's layers are global every n-th and sliding otherwise"
@@ -95,13 +98,16 @@ def _window(hf: dict, layers: int, where: str) -> dict:
 
 def _rope(hf: dict, where: str) -> dict:
     """rope_theta and scaling of the global layers, rope_local_theta of the sliding ones."""
-    params = hf.get("rope_parameters") or {}
+    params = _object(hf, "rope_parameters", where)
     if "full_attention" in params or "sliding_attention" in params:  # transformers >= 5
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        full = _object(params, "full_attention", where)
+        local = _object(params, "sliding_attention", where)
     else:
-        full = dict(hf.get("rope_scaling") or {})
+        full = _object(hf, "rope_scaling", where)
         local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
-    theta, scaling = common.rope_from_hf(hf, where, full, float(hf.get("rope_theta", 1e6)))
+    theta, scaling = common.rope_from_hf(
+        hf, where, full, common.read_float(hf, "rope_theta", where, 1e6, positive=True)
+    )
     local_theta, local_scaling = common.rope_from_hf(hf, where, local, 10000.0)
     if (local_theta, local_scaling) == (theta, scaling):  # one rotary for both kinds of layer
         return {"rope_theta": theta, "rope_scaling": scaling}
@@ -113,16 +119,24 @@ def _rope(hf: dict, where: str) -> dict:
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
 
 
+def _object(hf: dict, key: str, where: str) -> dict:
+    """config.json's `key`, an object ({} where absent or null), else refused naming it."""
+    value = hf.get(key) or {}
+    if not isinstance(value, dict):
+        raise common.refuse(where, f"{key}={value!r} where an object belongs")
+    return dict(value)
+
+
 def settings_from_hf(hf: dict, where: str) -> dict:
     common.check_fixed(hf, FIXED_KEYS, where)
     settings = common.base_settings({**hf, "rope_parameters": None, "rope_scaling": None}, where)
     head = settings.get("head_dim") or settings["d_model"] // settings["n_heads"]
-    scalar = float(hf.get("query_pre_attn_scalar", 256))
+    scalar = common.read_float(hf, "query_pre_attn_scalar", where, 256.0, positive=True)
     return {
         **settings,
         **_rope(hf, where),
         **_window(hf, settings["n_layers"], where),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "tie_embeddings": common.read_bool(hf, "tie_word_embeddings", where, True),
         "qk_norm": True,
         "mlp_activation": "gelu_tanh",
         "embed_scale": True,

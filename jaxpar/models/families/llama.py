@@ -41,7 +41,7 @@ def settings_from_hf(hf: dict, where: str) -> dict:
     fixed = FIXED_KEYS
     if architecture == "Qwen2ForCausalLM":  # q/k/v biases whatever attention_bias says
         fixed = tuple(kv for kv in FIXED_KEYS if kv[0] != "attention_bias")
-    elif hf.get("attention_bias"):
+    elif common.read_bool(hf, "attention_bias", where):
         raise common.refuse(
             where,
             "attention_bias=True (it adds biases to q, k, v and o; jaxpar has q/k/v biases for Qwen2 only)",

@@ -63,18 +63,18 @@ def settings_from_hf(hf: dict, where: str) -> dict:
         raise common.refuse(where, f"mlp_only_layers={hf['mlp_only_layers']}, jaxpar has []")
     common.check_full_attention(hf, where)
     settings = common.base_settings(hf, where)
-    step, layers = int(hf.get("decoder_sparse_step", 1)), settings["n_layers"]
-    if step < 1 or layers % step:
+    step, layers = common.read_int(hf, "decoder_sparse_step", where, 1), settings["n_layers"]
+    if layers % step:
         raise common.refuse(where, f"decoder_sparse_step={step} does not divide num_hidden_layers={layers}")
     moe = common.moe_settings(hf, where)
-    norm = bool(hf.get("norm_topk_prob", False))
+    norm = common.read_bool(hf, "norm_topk_prob", where)
     if norm and moe["top_k"] < 2:
         raise common.refuse(
             where,
             "norm_topk_prob=true with one expert per token: its weight is 1, "
             "jaxpar's top-1 router weighs it by its probability",
         )
-    moe.update(every=step, norm_topk=norm, d_ff=int(hf["moe_intermediate_size"]))
+    moe.update(every=step, norm_topk=norm, d_ff=common.read_int(hf, "moe_intermediate_size", where, 768))
     return {**settings, "qk_norm": True, "moe": moe}
 
 
