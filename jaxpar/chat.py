@@ -160,9 +160,9 @@ def _compiled(source: str):
 _TEMPLATE_FAULTS = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError)
 
 
-def _read_template(path: str, name: str) -> str:
-    """The text of a template file; ConfigError naming `name` (the setting, or where the file
-    was found) when it is not UTF-8 or cannot be read."""
+def read_text(path: str, name: str, hint: str = "") -> str:
+    """The text of a file; ConfigError naming `name` (the setting or argument that named it, or
+    where it was found) when it cannot be read or is not UTF-8, with `hint` after the cause."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -173,8 +173,13 @@ def _read_template(path: str, name: str) -> str:
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{name}: {path} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at offset "
-            f"{e.start}); a chat template is a Jinja2 text file, save it as UTF-8"
+            f"{e.start}){hint}"
         ) from None
+
+
+def _read_template(path: str, name: str) -> str:
+    """The text of a template file (`read_text`)."""
+    return read_text(path, name, "; a chat template is a Jinja2 text file, save it as UTF-8")
 
 
 def _token_text(value) -> str | None:

@@ -344,7 +344,7 @@ def chat_messages(args) -> list[dict]:
     first."""
     messages: list[dict] = []
     if args.messages is not None:
-        text = _read_text(args.messages)
+        text = chat.read_text(args.messages, f"--messages={args.messages}")
         try:
             loaded = json.loads(text)
         except json.JSONDecodeError:
@@ -361,21 +361,6 @@ def chat_messages(args) -> list[dict]:
     if args.system is not None:
         messages.insert(0, {"role": "system", "content": args.system})
     return messages
-
-
-def _read_text(path: str) -> str:
-    """A --messages file's text; ConfigError when it cannot be read or is not UTF-8."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"--messages={path}: cannot read it ({e.strerror})") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"--messages={path} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at offset {e.start})"
-        ) from None
 
 
 def chat_reply(
