@@ -312,3 +312,115 @@ def kernels(text: str) -> dict[str, int]:
                 if found:
                     counts[found.group(1)] += n
     return dict(sorted(counts.items()))
+
+
+# --- What a GPU program launches, and where in Python each launch came from ----------------------
+
+# Instructions that launch nothing on a GPU: buffer plumbing (parameters, tuples, bitcasts,
+# constants baked into the program), control flow that runs the computations it calls, and the
+# second half of an async pair (its `-start` did the work).
+NOT_LAUNCHED = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "while",
+        "conditional",
+        "call",
+        "after-all",
+        "add-dependency",
+        "opt-barrier",
+        "domain",
+        "partition-id",
+        "replica-id",
+        "async-start",
+        "async-update",
+    }
+)
+
+
+def is_launch(ins: Instr) -> bool:
+    """Whether `ins`, in a computation the GPU runs, is a kernel (or library call, copy or
+    collective) of its own: not plumbing, control flow or the `-done` of an async pair."""
+    return ins.op not in NOT_LAUNCHED and not ins.op.endswith(("-done", "-update"))
+
+
+def launched(comps: dict[str, Computation]) -> dict[str, int]:
+    """{computation: runs per call of the entry} for the computations whose instructions the GPU
+    launches one by one: the entry, `while` bodies (x the recorded trip count), conditional
+    branches (each as if taken: an upper bound), `call`ed computations and async wrappers. A
+    fusion's body is one kernel, not several, and a reducer is part of its caller: neither is
+    listed. A loop condition runs only where XLA recorded no trip count (with one, XLA:GPU's
+    while thunk runs the body that many times without evaluating the condition)."""
+    times: dict[str, int] = defaultdict(int)
+    entry = next(c for c in comps.values() if c.is_entry)
+
+    def visit(name: str, n: int) -> None:
+        times[name] += n
+        for ins in comps[name].instrs:
+            for callee, runs in _launched_callees(ins):
+                if callee in comps:
+                    visit(callee, n * runs)
+
+    visit(entry.name, 1)
+    return dict(times)
+
+
+def _launched_callees(ins: Instr) -> list[tuple[str, int]]:
+    """(computation, runs per run of `ins`) for what `ins` runs instruction by instruction."""
+    if ins.op == "while":
+        found = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.text)
+        body = [(name, int(found.group(1)) if found else 1) for name in _body_of(ins)]
+        condition = re.findall(r"condition=%([\w.\-]+)", ins.text)
+        return body + ([] if found else [(name, 1) for name in condition])
+    if ins.op == "conditional":
+        return [(name, 1) for name in _callees(ins)]
+    if ins.op in ("call", "async-start"):
+        return [(name, 1) for name in re.findall(r"(?:to_apply|calls)=%([\w.\-]+)", ins.text)]
+    return []
+
+
+_FRAME_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def source_lines(text: str) -> dict[int, tuple[str, int]]:
+    """{stack_frame_id: (file, line)} from the tables newer XLA prints before the computations
+    (an instruction's `metadata={... stack_frame_id=N}`): the innermost frame, i.e. the Python
+    line that made the operation (jax leaves its own frames out)."""
+    tables: dict[str, dict[int, str]] = {name: {} for name in _FRAME_TABLES}
+    current = None
+    for line in text.splitlines():
+        if line in _FRAME_TABLES:
+            current = tables[line]
+            continue
+        row = re.match(r"^(\d+) (.*)$", line) if current is not None else None
+        if row is None:
+            current = None
+            continue
+        current[int(row.group(1))] = row.group(2)
+    files = {i: name.strip('"') for i, name in tables["FileNames"].items()}
+    locations = {}
+    for i, location in tables["FileLocations"].items():
+        file_id = re.search(r"file_name_id=(\d+)", location)
+        line_no = re.search(r"\bline=(\d+)", location)
+        if file_id and line_no:
+            locations[i] = (files.get(int(file_id.group(1)), "?"), int(line_no.group(1)))
+    out = {}
+    for i, frame in tables["StackFrames"].items():
+        location = re.search(r"file_location_id=(\d+)", frame)
+        if location and int(location.group(1)) in locations:
+            out[i] = locations[int(location.group(1))]
+    return out
+
+
+def source_of(ins: Instr, frames: dict[int, tuple[str, int]]) -> tuple[str, int] | None:
+    """(file, line) of the Python that made `ins`: its metadata's source_file/source_line, or
+    its stack frame in `frames` (`source_lines`); None where the metadata names neither."""
+    file = re.search(r'source_file="([^"]*)"', ins.text)
+    line = re.search(r"source_line=(\d+)", ins.text)
+    if file and line:
+        return file.group(1), int(line.group(1))
+    frame = re.search(r"stack_frame_id=(\d+)", ins.text)
+    return frames.get(int(frame.group(1))) if frame else None

@@ -29,6 +29,12 @@ It also shows the paper's mixed-precision formula (2 + 2 + K with K = 12) for re
 (the library calls it makes, e.g. cuDNN attention), the element types each collective moves,
 and `fits`: whether the compiled total stays within `targets.USABLE_FRACTION` of the device's
 memory. A config that does not fit exits with code 3.
+
+`--kernels` (with `--target h100`) prints instead the ruler's reading of that program
+(`jaxpar.ruler`): every kernel launch per step, grouped by kind and the Python line that made it,
+with its FLOPs, bytes, bound and estimated time, slowest first; the estimated step time, the
+launches per step, and the MFU that step time gives (`model_flops_per_step` over the time, the
+target's peak and its devices).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import sys
 import jax
 import numpy as np
 
-from jaxpar import cli, hlo
+from jaxpar import cli, hlo, ruler
 from jaxpar import metrics as metrics_lib
 from jaxpar import targets as targets_lib
 from jaxpar.config import ConfigError
@@ -215,10 +221,40 @@ def format_human(r: dict) -> str:
     return "\n".join(lines)
 
 
+def kernels_report(result: dict, text: str, target: targets_lib.Target) -> dict:
+    """The ruler's estimate for compiled HLO `text` of the step `result` (`report`) describes:
+    per-kernel rows, step time, launches, MFU; with the target and whether the step fits."""
+    costs = ruler.summary(text, ruler.RATES[target.name], result["model_flops_per_step"], target.count)
+    total = result["memory_per_device"]["total"]
+    return {"target": result["target"], "fits": result["fits"], "memory_per_device_total": total, **costs}
+
+
+def format_kernels(r: dict) -> str:
+    """`kernels_report` as a table: one line per (kind, source line), slowest first."""
+    t = r["target"]
+    lines = [
+        f"compiled for {t['count']} x {t['device']} (nothing ran); the ruler's estimate (jaxpar.ruler)",
+        f"step {r['step_seconds'] * 1e3:.2f} ms   kernel launches per step {r['launches']:,}   "
+        f"MFU {r['mfu']:.1%}   ({r['model_flops_per_step']:.3e} model FLOPs per step)",
+        "",
+        f"{'kind':<19} {'count':>6} {'GFLOP':>10} {'MB':>10} {'bound':<8} {'ms':>8}  source",
+    ]
+    for row in r["kernels"]:
+        mark = "" if row["costed"] else "  (not costed: bytes and declared FLOPs only)"
+        lines.append(
+            f"{row['kind']:<19} {row['count']:>6} {row['flops'] / 1e9:>10.2f} {row['bytes'] / 1e6:>10.2f} "
+            f"{row['bound']:<8} {row['seconds'] * 1e3:>8.3f}  {row['source']}{mark}"
+        )
+    if r["uncosted_kernels"]:
+        lines.append(f"\n{r['uncosted_kernels']} launches of kernels the ruler cannot see into")
+    return "\n".join(lines)
+
+
 USAGE = """usage: python -m jaxpar.inspect [CONFIG.yaml] [dotted.key=value ...] [--compare] [--human]
-                                   [--schedule] [--target NAME[:N]]
+                                   [--schedule] [--target NAME[:N] [--kernels]]
   --target h100:8   compile for 8 GPUs of that type without having them (gpu-compile extra);
-                    exit code 3 when the program does not fit"""
+                    exit code 3 when the program does not fit
+  --kernels         with --target h100: the ruler's per-kernel table, estimated step time and MFU"""
 
 
 def _split_flags(argv: list[str]) -> tuple[set[str], str | None, list[str]]:
@@ -235,10 +271,17 @@ def _split_flags(argv: list[str]) -> tuple[set[str], str | None, list[str]]:
             flags.add(arg)
         else:
             rest.append(arg)
-    unknown = flags - {"--compare", "--human", "--schedule", "--help"}
+    unknown = flags - {"--compare", "--human", "--schedule", "--kernels", "--help"}
     if unknown:
         raise ConfigError(
-            f"unknown flag(s) {sorted(unknown)}; known: --compare, --human, --schedule, --target NAME[:N]"
+            f"unknown flag(s) {sorted(unknown)}; known: --compare, --human, --schedule, --kernels, "
+            "--target NAME[:N]"
+        )
+    costable = target is not None and targets_lib.parse_target(target)[0] in ruler.RATES
+    if "--kernels" in flags and not costable:
+        raise ConfigError(
+            f"--kernels costs a GPU program: add --target with a GPU the ruler has rates for "
+            f"({', '.join(ruler.RATES)}), e.g. --target h100"
         )
     if target == "":
         raise ConfigError(
@@ -279,8 +322,13 @@ def _inspect(argv: list[str]) -> int:
         return 0
     # A ConfigError here is what the devices cannot run (model.fp8 on an older GPU).
     trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
-    result = report(trainer, compile_step(trainer), compare="--compare" in flags, target=target)
-    print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))
+    compiled = compile_step(trainer)
+    result = report(trainer, compiled, compare="--compare" in flags, target=target)
+    if "--kernels" in flags:
+        costs = kernels_report(result, compiled.as_text(), target)
+        print(format_kernels(costs) if "--human" in flags else json.dumps(costs, indent=2))
+    else:
+        print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))
     if target is not None and not result["fits"]:
         total, usable = result["memory_per_device"]["total"], target.usable_bytes
         print(

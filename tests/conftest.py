@@ -111,6 +111,10 @@ FILE_SECONDS = {
     "test_hlo.py": 20,
     "test_maxtext_compare.py": 5,
     "test_house.py": 1,
+    "test_ruler.py": 30,
+    "test_plan_failsafe.py": 13,
+    "test_hf_failsafe.py": 12,
+    "test_chat_failsafe.py": 6,
 }
 
 

@@ -280,3 +280,39 @@ def test_a_small_all_reduce_in_a_triton_fusion_counts_once_per_trip(sync):
     assert stats == {
         "all-reduce": {"count": trips, "bytes": trips * math.prod(shape) * F32, "dtypes": ["f32"]}
     }
+
+
+def test_source_lines_follow_an_instruction_to_its_python_line():
+    """The frame tables newer XLA prints before the computations: an instruction's
+    stack_frame_id -> its file location -> file name and line. Guards a line read from the
+    wrong table (a frame id taken for a location id) or an older metadata form ignored."""
+    text = "\n".join(
+        [
+            "HloModule m",
+            "",
+            "FileNames",
+            '1 "/src/a.py"',
+            '2 "/src/b.py"',
+            "",
+            "FunctionNames",
+            '1 "f"',
+            "",
+            "FileLocations",
+            "1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=1 end_column=2}",
+            "2 {file_name_id=2 function_name_id=1 line=20 end_line=20 column=1 end_column=2}",
+            "",
+            "StackFrames",
+            "1 {file_location_id=2 parent_frame_id=1}",
+            "2 {file_location_id=1 parent_frame_id=1}",
+            "",
+            "ENTRY %main (p: f32[4]) -> f32[4] {",
+            "  %p = f32[4]{0} parameter(0)",
+            '  %a = f32[4]{0} sine(%p), metadata={op_name="sin" stack_frame_id=1}',
+            '  ROOT %b = f32[4]{0} cosine(%a), metadata={source_file="/src/c.py" source_line=7}',
+            "}",
+        ]
+    )
+    frames = hlo.source_lines(text)
+    assert frames == {1: ("/src/b.py", 20), 2: ("/src/a.py", 10)}
+    (entry,) = hlo.parse(text).values()
+    assert [hlo.source_of(i, frames) for i in entry.instrs] == [None, ("/src/b.py", 20), ("/src/c.py", 7)]
