@@ -115,6 +115,7 @@ FILE_SECONDS = {
     "test_plan_failsafe.py": 13,
     "test_hf_failsafe.py": 12,
     "test_chat_failsafe.py": 6,
+    "test_gpu_check.py": 160,
 }
 
 
