@@ -878,13 +878,24 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
 
 
 def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:
-    """finetune.lora: a rank of 0 (off) or more, below the smaller side of every adapted matrix,
-    a positive alpha, a dropout in [0, 1) (none with a pipeline), targets named once each, none
-    of them MoE experts."""
+    """finetune.lora: a rank of 0 (off, and then no other finetune.lora setting) or more, below
+    the smaller side of every adapted matrix, a positive alpha, a dropout in [0, 1) (none with a
+    pipeline), targets named once each, none of them MoE experts."""
     lora, moe = cfg.finetune.lora, cfg.model.moe
     if lora.rank < 0:
         raise ConfigError(f"finetune.lora.rank={lora.rank}: use a positive rank (e.g. 8), or 0 for no LoRA")
     if lora.rank == 0:
+        set_alone = [
+            f"finetune.lora.{f.name}={getattr(lora, f.name)}"
+            for f in dataclasses.fields(lora)
+            if getattr(lora, f.name) != getattr(LoRAConfig(), f.name)
+        ]
+        if set_alone:  # adapter settings without adapters: the whole model would train, silently
+            raise ConfigError(
+                f"{', '.join(set_alone)} set, but finetune.lora.rank=0 means no LoRA (every weight "
+                "trains); set finetune.lora.rank (e.g. 8) to train adapters, or leave the other "
+                "finetune.lora settings unset"
+            )
         return
     if not (lora.alpha > 0 and math.isfinite(lora.alpha)):
         raise ConfigError(f"finetune.lora.alpha={lora.alpha}: use a positive, finite scale (e.g. 16)")

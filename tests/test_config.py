@@ -557,3 +557,14 @@ def test_gradients_are_reduced_in_the_compute_dtype_unless_set(overrides, reduce
     assert cfg.parallel.grad_reduce_dtype in (None, "bfloat16", "float32")
     assert config.reduce_dtype(cfg) == reduced
     assert config.precision_line(cfg).endswith(f"gradients reduced in {reduced} ({why})")
+
+
+@pytest.mark.parametrize(
+    "setting", ["finetune.lora.alpha=32", "finetune.lora.alpha=nan", "finetune.lora.targets=[]"]
+)
+def test_adapter_settings_without_a_rank_are_refused(setting):
+    """A finetune.lora setting with the default rank 0 (no LoRA) was ignored: the whole model
+    trained, and an alpha of NaN or no targets, refused with a rank, went unremarked."""
+    cfg = config.load_config(None, [setting])
+    with pytest.raises(ConfigError, match=r"set, but finetune.lora.rank=0 means no LoRA"):
+        config.validate(cfg, 8)
