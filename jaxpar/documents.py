@@ -431,6 +431,25 @@ def _jsonl_text(
 RECORD_KINDS = "a text in data.text_field, a 'messages' list, or a 'prompt' and a 'completion'"
 
 
+def _check_pair(prompt, completion, where: str) -> None:
+    """A prompt/completion pair that is not two strings must be two lists of messages: where one
+    field is a string or a list and the other neither, name the other (a pair of a string and a
+    list is refused naming both)."""
+    kinds = {key: type(value) for key, value in (("prompt", prompt), ("completion", completion))}
+    if set(kinds.values()) <= {list}:
+        return
+    bad = [key for key, kind in kinds.items() if kind not in (str, list)]
+    shown = ", ".join(
+        f"'{key}' is {json.dumps(value, default=repr)[:60]}"
+        for key, value in (("prompt", prompt), ("completion", completion))
+        if key in bad or not bad
+    )
+    raise ConfigError(
+        f"{where}: {shown}; a prompt/completion record takes two strings, or two lists of "
+        '{"role": ..., "content": ...} messages'
+    )
+
+
 def record_document(
     record: dict, where: str, field: str, skipped: Skipped | None = None, path: str | None = None
 ) -> chat.Record | None:
@@ -445,6 +464,7 @@ def record_document(
     elif "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         if not (isinstance(prompt, str) and isinstance(completion, str)):
+            _check_pair(prompt, completion, where)
             prompt = chat.check_messages(prompt, where, "prompt")
             completion = chat.check_messages(completion, where, "completion")
         document = chat.Record(prompt=prompt, completion=completion)

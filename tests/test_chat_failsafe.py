@@ -267,3 +267,26 @@ def test_ctrl_c_during_sample_is_one_line_and_exit_130(monkeypatch, capsys):
         pytest.fail("sample's main let a KeyboardInterrupt through")
     assert code == 130
     assert one_line(capsys.readouterr().err) == "interrupted"
+
+
+@pytest.mark.parametrize(
+    "record, named",
+    [
+        ({"prompt": "a", "completion": 5}, "'completion' is 5;"),
+        ({"prompt": None, "completion": "b"}, "'prompt' is null;"),
+        (
+            {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]},
+            "'prompt' is \"a\", 'completion' is",
+        ),
+    ],
+)
+def test_a_bad_prompt_completion_pair_names_the_bad_field(record, named):
+    """{"prompt": "a", "completion": 5} was refused naming the prompt ("'prompt' is "a", not a list
+    of messages"), which is fine; the message now names the field that is wrong and the two
+    forms a pair takes."""
+    from jaxpar.documents import record_document
+
+    with pytest.raises(ConfigError) as err:
+        record_document(record, "f.jsonl:3", "text")
+    assert str(err.value).startswith(f"f.jsonl:3: {named}"), str(err.value)
+    assert "two strings, or two lists of" in str(err.value)
