@@ -110,6 +110,7 @@ def staged_directory(out: str, command: str):
         os.makedirs(parent, exist_ok=True)
         built = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.writing-", dir=parent)
         yield built
+        _default_modes(built)
         _replace(built, out)
     except BaseException as e:
         failed = isinstance(e, Exception) and not isinstance(e, ConfigError) and os_error(e) is not None
@@ -118,6 +119,18 @@ def staged_directory(out: str, command: str):
         if not failed:
             raise
         raise write_failure(os_error(e), out, built, command) from None
+
+
+def _default_modes(directory: str) -> None:
+    """The modes a plain mkdir and open would have given `directory` and what is in it (0777 and
+    0666 less the umask): mkdtemp makes it 0700, and a writer's temporary file can leave 0600, so
+    the export would be unreadable to everyone else."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(directory):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
 def _remove(directory: str, settle: bool) -> None:

@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 
 import pytest
 
@@ -74,6 +75,12 @@ def test_a_second_export_into_its_own_previous_export_leaves_exactly_the_new_one
     assert os.listdir(tmp_path) == ["hf"]  # nothing left beside it
     tensors = hf_load.checkpoint_tensors(str(out))
     assert {info.file for info in tensors.values()} == {str(out / "model.safetensors")}
+    # Built in a temporary directory, the export was left 0700 with model.safetensors 0600:
+    # unreadable to every other user. It has the modes mkdir and open give.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~umask
+    assert {stat.S_IMODE(os.stat(out / f).st_mode) for f in os.listdir(out)} == {0o666 & ~umask}
 
 
 def _previous_model_export(tiny, out) -> None:
