@@ -11,9 +11,12 @@ or null for the random init of train.seed, and where that is a jaxpar run the ch
 that serves as the base). That step is pinned when the LoRA run starts -- the step `init_state`
 loaded, its newest intact one then -- and a resume takes it from the checkpoint it restores
 (`restore`); every later checkpoint records the pinned step (`record`), so the base run training
-on changes nothing. Restoring one (`restore`, `params_of`) loads that base the way init_from does
-and lays the adapters over it. The base must still be there, unchanged: a checkpoint holds no copy
-of it.
+on changes nothing. Beside that step a checkpoint records the base checkpoint's identity
+(`IDENTITY_KEY`: `checkpoint.params_identity`, a digest of its manifest's entries for the params),
+so that a base checkpoint saved again at that step (a base run started over) is refused rather than
+loaded; records written before the identity was recorded are read as before. Restoring one
+(`restore`, `params_of`) loads that base the way init_from does and lays the adapters over it. The
+base must still be there, unchanged: a checkpoint holds no copy of it.
 """
 
 from __future__ import annotations
@@ -24,21 +27,52 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import config as config_lib
-from jaxpar.checkpoint import Checkpointer, CheckpointNotFoundError, checkpoint_dir
+from jaxpar.checkpoint import Checkpointer, CheckpointNotFoundError, checkpoint_dir, params_identity
 from jaxpar.config import ConfigError
 from jaxpar.hf_load import is_hf_dir, load_hf_params
 from jaxpar.optim import make_optimizer
 
 BASE_KEY = "lora_base"  # in a LoRA checkpoint's data item: the base it was trained over
 
+IDENTITY_KEY = "checkpoint"  # beside a jaxpar base's step: `params_identity` of that checkpoint
+
 # The base of each LoRA run this process started or resumed (`init_state`, `restore`), by its
-# absolute run_dir: {"init_from": ..., "step": ...}, what `record` writes into its checkpoints.
-# `record` is handed the config alone, so the pin lives here rather than in the trainer.
+# absolute run_dir: {"init_from": ..., "step": ..., and for a jaxpar run's checkpoint
+# IDENTITY_KEY: ...}, what `record` writes into its checkpoints. `record` is handed the config
+# alone, so the pin lives here rather than in the trainer.
 _PINNED: dict[str, dict] = {}
 
 
-def _pin(cfg, init_from: str | None, step: int | None) -> None:
-    _PINNED[os.path.abspath(cfg.train.run_dir)] = {"init_from": init_from, "step": step}
+def _pin(cfg, init_from: str | None, step: int | None, identity: str | None = None) -> None:
+    pinned = {"init_from": init_from, "step": step}
+    if identity is not None:
+        pinned[IDENTITY_KEY] = identity
+    _PINNED[os.path.abspath(cfg.train.run_dir)] = pinned
+
+
+def _base_identity(init_from: str | None, step: int | None) -> str | None:
+    """`params_identity` of checkpoint `step` of the base run `init_from` (None without one)."""
+    if init_from is None or step is None:
+        return None
+    return params_identity(os.path.join(checkpoint_dir(init_from), str(step)))
+
+
+def _check_identity(init_from: str, step: int, identity: str | None) -> None:
+    """Refuses checkpoint `step` of the base run `init_from` when it is not the one whose
+    `params_identity` a LoRA checkpoint recorded (it was saved again since: another model).
+    A record without an identity (written before this was recorded) is taken as it is; a
+    checkpoint without a readable manifest is left to the restore, which names what is wrong."""
+    if identity is None:
+        return
+    now = _base_identity(init_from, step)
+    if now is not None and now != identity:
+        raise ConfigError(
+            f"checkpoint step {step} of the base run train.init_from={init_from} is not the one "
+            "these adapters were trained over: it was replaced (saved again, e.g. by a run with "
+            "train.resume=never, which moved the earlier run's files into its replaced-* "
+            "directory); a LoRA checkpoint holds no copy of its base: put that checkpoint back "
+            "in its place, or train new adapters over the base as it is now"
+        )
 
 
 def _check_run_base(path: str) -> None:
@@ -70,15 +104,20 @@ def load_weights(
         ckpt.close()
 
 
-def frozen_params(trainer, init_from: str | None, step: int | None = None) -> tuple[dict, int | None]:
+def frozen_params(
+    trainer, init_from: str | None, step: int | None = None, identity: str | None = None
+) -> tuple[dict, int | None]:
     """(frozen weights, base step) of a LoRA trainer on its shardings: those of `init_from` (a
-    run's checkpoint `step`, default its newest intact one, and that step), or without one the
-    random init of train.seed (the same every time; step None)."""
+    run's checkpoint `step`, default its newest intact one, and that step; refused when
+    `identity`, the checkpoint's `params_identity` a LoRA checkpoint recorded, no longer matches
+    it), or without one the random init of train.seed (the same every time; step None)."""
     lora = trainer.trainable
     if init_from is None:
         return lora.split(trainer.init()["params"])[1], None
     shapes = lora.split(trainer.state_shape["params"])[1]
     try:
+        if step is not None:
+            _check_identity(init_from, step, identity)
         return load_weights(
             trainer, init_from, shapes, lora.split(trainer.state_shardings["params"])[1], step
         )
@@ -95,15 +134,15 @@ def frozen_params(trainer, init_from: str | None, step: int | None = None) -> tu
 def init_state(trainer, path: str):
     """The train state at step 0 of a run started from train.init_from=`path`: its weights on
     the trainer's param shardings (cast to model.param_dtype), a fresh optimizer state; with
-    finetune.lora those weights are the frozen base, whose step is pinned for `record`, and the
-    adapters start fresh."""
+    finetune.lora those weights are the frozen base, whose step (and for a run's checkpoint its
+    `params_identity`) is pinned for `record`, and the adapters start fresh."""
     lora = trainer.trainable
     if lora is None:
         shapes, shardings = trainer.state_shape["params"], trainer.state_shardings["params"]
         params = load_weights(trainer, path, shapes, shardings)[0]
     else:
         frozen, step = frozen_params(trainer, path)
-        _pin(trainer.cfg, path, step)
+        _pin(trainer.cfg, path, step, _base_identity(path, step))
         params = lora.join(trainer.init_adapters(), frozen)
     optimizer = make_optimizer(trainer.cfg)
 
@@ -124,7 +163,8 @@ def record(cfg) -> dict:
     """What a checkpoint of this run notes beside its data position: for a LoRA run its base,
     {"init_from": train.init_from, "step": the base run's checkpoint step pinned when this run
     started or resumed (`init_state`, `restore`), or null for a Hugging Face directory or no
-    init_from}."""
+    init_from; with a step, IDENTITY_KEY: that checkpoint's `params_identity` where it was
+    pinned with one}."""
     if cfg.finetune.lora.rank == 0:
         return {}
     path = cfg.train.init_from
@@ -139,9 +179,10 @@ def record(cfg) -> dict:
     )
 
 
-def recorded_base(data_state: dict | None, cfg, where: str) -> tuple[str | None, int | None]:
-    """(init_from, step) of the base a LoRA checkpoint names (`record`), checked against the
-    run's train.init_from: overlaying adapters on another base would be a different model."""
+def recorded_base(data_state: dict | None, cfg, where: str) -> tuple[str | None, int | None, str | None]:
+    """(init_from, step, identity) of the base a LoRA checkpoint names (`record`; identity None
+    in a checkpoint written before it was recorded), checked against the run's
+    train.init_from: overlaying adapters on another base would be a different model."""
     if data_state is None or BASE_KEY not in data_state:
         raise ConfigError(f"{where} names no LoRA base; it was not written by a LoRA run")
     base = data_state[BASE_KEY]
@@ -151,7 +192,7 @@ def recorded_base(data_state: dict | None, cfg, where: str) -> tuple[str | None,
             f"{base['init_from'] or 'the random init of train.seed'}; resume with "
             f"train.init_from={base['init_from']}"
         )
-    return base["init_from"], base["step"]
+    return base["init_from"], base["step"], base.get(IDENTITY_KEY)
 
 
 def restore(trainer, ckpt: Checkpointer, step: int) -> tuple[dict, dict | None, int]:

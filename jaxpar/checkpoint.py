@@ -36,6 +36,7 @@ system path (not a gs:// URL).
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
 import os
@@ -144,6 +145,20 @@ def manifest_problem(step_dir: str, checksums: bool = True) -> str | None:
         if checksums and _crc32(path) != want["crc32"]:
             return f"{rel} does not match its checksum (garbled)"
     return None
+
+
+def params_identity(step_dir: str) -> str | None:
+    """A digest of what the manifest of the checkpoint in `step_dir` records for its params item
+    (each file's name, size and CRC-32): cheap to read, the same for as long as that checkpoint
+    is unchanged, and another one for a checkpoint saved again at that step (orbax names the
+    files anew, and other weights change their CRCs). None without a readable manifest."""
+    try:
+        with open(os.path.join(step_dir, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    params = {rel: entry for rel, entry in files.items() if rel.split(os.sep, 1)[0] == PARAMS_ITEM}
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # --- Shapes -----------------------------------------------------------------------------------

@@ -433,6 +433,12 @@ def _recorded_base(run_dir, step: int) -> dict:
         recorded.close()
 
 
+def _identity(base_dir, step: int) -> str:
+    from jaxpar.checkpoint import checkpoint_dir, params_identity
+
+    return params_identity(os.path.join(checkpoint_dir(str(base_dir)), str(step)))
+
+
 def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_path, monkeypatch):
     """Base: a run directory whose checkpoint 0 holds whole weights (as from-hf writes one). The
     base run trains on while the LoRA run starts (a checkpoint 3 right after the LoRA run loaded
@@ -465,11 +471,12 @@ def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_pa
     cfg = parity.tiny_config([*overrides, "train.steps=2", f"train.run_dir={tmp_path / 'run'}"])
     train(cfg, config_lib.validate(cfg, 8))
     monkeypatch.undo()
-    assert _recorded_base(tmp_path / "run", 2) == {"init_from": str(base_dir), "step": 0}
+    pinned = {"init_from": str(base_dir), "step": 0, base_lib.IDENTITY_KEY: _identity(base_dir, 0)}
+    assert _recorded_base(tmp_path / "run", 2) == pinned
     _save_base(base_dir, 5, jax.tree.map(lambda x: x + 2, weights))
     cfg = parity.tiny_config([*overrides, "train.steps=4", f"train.run_dir={tmp_path / 'run'}"])
     train(cfg, config_lib.validate(cfg, 8))  # resumes from step 2
-    assert _recorded_base(tmp_path / "run", 4) == {"init_from": str(base_dir), "step": 0}
+    assert _recorded_base(tmp_path / "run", 4) == pinned
     _, params, step = load_params(str(tmp_path / "run"), merge_lora=False)
     assert step == 4
     trainer = parity.trainer_on(LORA, {})
@@ -485,3 +492,47 @@ def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_pa
     )
     with pytest.raises(ConfigError, match="is a LoRA run"):
         train(again, config_lib.validate(again, 8))
+
+
+def test_a_lora_checkpoint_refuses_its_base_step_saved_again(tmp_path):
+    """The base run's checkpoint 0, the one a LoRA run trained over, is replaced by another
+    model saved at the same step (as a base run started over with train.resume=never does):
+    `load_params` (sample, to-hf) and a resume refuse it, naming the step and what would work,
+    instead of laying the adapters over the new weights. A record without the identity (a
+    checkpoint from before it was recorded) is read as before.
+
+    Guards the bug where a LoRA checkpoint named its base by (path, step) alone."""
+    from jaxpar import base as base_lib
+    from jaxpar.checkpoint import write_manifest
+    from jaxpar.export import load_params
+    from jaxpar.train import train
+
+    plain = parity.trainer_on([], {})
+    weights = jax.device_get(plain.init()["params"])
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    config_lib.dump_yaml(plain.cfg, str(base_dir / "config.yaml"))
+    _save_base(base_dir, 0, weights)
+    one = [f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES]
+    overrides = [*LORA, *one, "checkpoint.every=2", "checkpoint.keep=0", f"train.init_from={base_dir}"]
+    run = [*overrides, f"train.run_dir={tmp_path / 'run'}"]
+    cfg = parity.tiny_config([*run, "train.steps=2"])
+    train(cfg, config_lib.validate(cfg, 8))
+    shutil.move(base_dir / "checkpoints", base_dir / "replaced")  # the earlier run, set aside
+    _save_base(base_dir, 0, jax.tree.map(lambda x: x + 1, weights))
+    words = "checkpoint step 0 of the base run .* is not the one these adapters were trained over"
+    with pytest.raises(ConfigError, match=words) as err:
+        load_params(str(tmp_path / "run"))
+    assert "train new adapters" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    cfg = parity.tiny_config([*run, "train.steps=4"])
+    with pytest.raises(ConfigError, match=words):
+        train(cfg, config_lib.validate(cfg, 8))  # resumes from step 2
+    # A record without the identity, as written before it was recorded, loads the base at step 0.
+    data = tmp_path / "run" / "checkpoints" / "2" / "data" / "metadata"
+    saved = json.loads(data.read_text())
+    del saved["data"][base_lib.BASE_KEY][base_lib.IDENTITY_KEY]
+    data.write_text(json.dumps(saved))
+    write_manifest(str(data.parent.parent), 2)  # the edit is not damage
+    _, params, step = load_params(str(tmp_path / "run"), merge_lora=False)
+    frozen = _flat(parity.trainer_on(LORA, {}).trainable.split(params)[1])
+    assert step == 2 and all(frozen[k].tobytes() == (v + 1).tobytes() for k, v in _flat(weights).items())
