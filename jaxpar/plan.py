@@ -1284,7 +1284,11 @@ class Args:
 
 def parse_gpus(text: str) -> tuple[int, DeviceSpec]:
     count, sep, kind = text.lower().partition("x")
-    if not sep or not count.strip().isdigit() or int(count) < 1:
+    if sep and count.strip().isdigit() and int(count) < 1:
+        raise ConfigError(
+            f"--gpus {text!r}: the count must be at least 1, e.g. --gpus 8x{kind.strip() or 'h100'}"
+        )
+    if not sep or not count.strip().isdigit():
         raise ConfigError(
             f"--gpus {text!r}: write the count and the type, e.g. --gpus 64xh100 "
             f"(known types: {', '.join(DEVICES)})"

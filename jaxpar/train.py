@@ -654,9 +654,17 @@ def _read_device(metrics, t, step: int, ckpt) -> tuple[float, int]:
         raise NonFiniteLoss(
             f"{what} became non-finite at step {first_bad} (train.on_nan={t.on_nan}; seen at step "
             f"{step}, the first read of the device since; no later update reached the weights); "
-            f"the last good checkpoint is step {ckpt.latest_valid_step()} in {ckpt.directory}"
+            + _last_good(ckpt)
         )
     return loss, int(metrics["skipped_steps"])
+
+
+def _last_good(ckpt) -> str:
+    """Where a run stopped by a non-finite value can go back to: its newest intact checkpoint."""
+    step = ckpt.latest_valid_step()
+    if step is None:
+        return f"there is no checkpoint yet in {ckpt.directory} (checkpoint.every)"
+    return f"the last good checkpoint is step {step} in {ckpt.directory}"
 
 
 def _record(

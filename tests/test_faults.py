@@ -490,3 +490,16 @@ def test_documents_that_are_not_text_are_named_or_handled_as_data_errors_says(tm
     assert "data.errors=replace: 1 document(s) read with U+FFFD" in capsys.readouterr().err
     assert read("*", "skip") == ["fine text\n", "ok"]
     assert "data.errors=skip: 3 document(s) left out" in capsys.readouterr().err
+
+
+def test_a_non_finite_loss_before_any_checkpoint_says_there_is_none():
+    """A run that went non-finite before its first checkpoint said "the last good checkpoint is
+    step None"."""
+    from types import SimpleNamespace
+
+    from jaxpar.train import _last_good
+
+    none = SimpleNamespace(latest_valid_step=lambda: None, directory="/r/checkpoints")
+    some = SimpleNamespace(latest_valid_step=lambda: 4, directory="/r/checkpoints")
+    assert _last_good(none) == "there is no checkpoint yet in /r/checkpoints (checkpoint.every)"
+    assert _last_good(some) == "the last good checkpoint is step 4 in /r/checkpoints"

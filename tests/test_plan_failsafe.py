@@ -230,3 +230,14 @@ def test_lora_table_follows_the_models_adapters():
     shapes = sorted(x.shape for p, x in flat.items() if p[-1] in ("lora_a", "lora_b"))
     table = plan.lora_table(trainer.cfg.model, trainer.cfg.finetune.lora)
     assert sorted(shape for _, shape, _ in table) == shapes
+
+
+def test_a_gpu_count_of_zero_names_the_count():
+    """--gpus 0xh100 was answered "write the count and the type": the count was written, it is
+    the value that is wrong."""
+    from jaxpar.plan import parse_gpus
+
+    with pytest.raises(
+        ConfigError, match=r"--gpus '0xh100': the count must be at least 1, e.g. --gpus 8xh100"
+    ):
+        parse_gpus("0xh100")
