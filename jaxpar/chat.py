@@ -362,6 +362,10 @@ def _content_text(content, where: str) -> str:
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
             continue
+        if kind == "text":  # the right type, with a text that is not a string
+            raise ConfigError(
+                f"{where}: content part {j}'s 'text' is {_shown(part.get('text'), 40)}, not a string"
+            )
         what = f"of type {kind!r}" if isinstance(kind, str) else f"{_shown(part, 40)}"
         raise ConfigError(
             f"{where}: content part {j} is {what}; jaxpar reads text only, parts of the form "

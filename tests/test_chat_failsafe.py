@@ -75,8 +75,12 @@ def test_records_without_an_assistant_message_are_left_out_with_a_count(tmp_path
             {"role": "assistant", "content": [{"type": "image", "url": "x.png"}]},
             r"messages\[1\] \(assistant\): content part 0 is of type 'image'; jaxpar reads text only",
         ),
+        (
+            {"role": "assistant", "content": [{"type": "text", "text": 5}]},
+            r"messages\[1\] \(assistant\): content part 0's 'text' is 5, not a string",
+        ),
     ],
-    ids=["misspelt-role", "null-content", "no-content", "number-content", "image-part"],
+    ids=["misspelt-role", "null-content", "no-content", "number-content", "image-part", "number-text"],
 )
 def test_a_bad_message_is_one_line_naming_the_record_and_the_field(tmp_path, capsys, message, expected):
     """Bugs: a misspelt role left the conversation without targets, unsaid; a content that is a
