@@ -353,9 +353,21 @@ def chat_messages(args) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"--messages={args.messages} is neither JSON nor JSONL: {e}") from None
         messages = loaded.get("messages") if isinstance(loaded, dict) else loaded
+        where = f"--messages={args.messages}"
+        if (
+            isinstance(messages, list)
+            and len(messages) > 1
+            and all(isinstance(m, dict) and "messages" in m for m in messages)
+        ):
+            raise ConfigError(
+                f"{where} holds {len(messages)} conversations (records with 'messages'); give one: "
+                'a {"messages": [...]} object or a list of {"role": ..., "content": ...} messages'
+            )
         # Checked as training checks a record: roles, and contents that are text (a list of text
         # parts is read as their text).
-        messages = chat.check_messages(messages, f"--messages={args.messages}")
+        messages = chat.check_messages(messages, where)
+        if not messages:
+            raise ConfigError(f"{where} holds no messages; give the conversation to reply to")
     if args.chat is not None:
         messages.append({"role": "user", "content": args.chat})
     if args.system is not None:

@@ -294,3 +294,22 @@ def test_a_bad_prompt_completion_pair_names_the_bad_field(record, named):
         record_document(record, "f.jsonl:3", "text")
     assert str(err.value).startswith(f"f.jsonl:3: {named}"), str(err.value)
     assert "two strings, or two lists of" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("", "holds no messages"),
+        ("[]", "holds no messages"),
+        ('{"messages": [{"role": "user", "content": "a"}]}\n' * 2, "holds 2 conversations"),
+    ],
+    ids=["empty-file", "empty-list", "two-conversations"],
+)
+def test_sample_messages_that_are_not_one_conversation_are_refused(tmp_path, text, named):
+    """`sample --messages` of an empty file (or []) generated from the bare generation prompt,
+    unsaid; a chats.jsonl of several conversations was refused as "messages[0] has no role"."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(text)
+    args = argparse.Namespace(messages=str(path), chat=None, system=None)
+    with pytest.raises(ConfigError, match=named):
+        sample_lib.chat_messages(args)
