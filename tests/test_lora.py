@@ -439,6 +439,20 @@ def _identity(base_dir, step: int) -> str:
     return params_identity(os.path.join(checkpoint_dir(str(base_dir)), str(step)))
 
 
+def _base_run(tmp_path):
+    """(weights, directory, LoRA overrides over it): a base run directory whose checkpoint 0
+    holds the tiny model's initial weights, and the settings of a one-device LoRA run over it."""
+    plain = parity.trainer_on([], {})
+    weights = jax.device_get(plain.init()["params"])
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    config_lib.dump_yaml(plain.cfg, str(base_dir / "config.yaml"))
+    _save_base(base_dir, 0, weights)
+    one = [f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES]
+    overrides = [*LORA, *one, "checkpoint.every=2", "checkpoint.keep=0", f"train.init_from={base_dir}"]
+    return weights, base_dir, overrides
+
+
 def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_path, monkeypatch):
     """Base: a run directory whose checkpoint 0 holds whole weights (as from-hf writes one). The
     base run trains on while the LoRA run starts (a checkpoint 3 right after the LoRA run loaded
@@ -452,14 +466,7 @@ def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_pa
     from jaxpar.export import load_params
     from jaxpar.train import train
 
-    plain = parity.trainer_on([], {})
-    weights = jax.device_get(plain.init()["params"])
-    base_dir = tmp_path / "base"
-    base_dir.mkdir()
-    config_lib.dump_yaml(plain.cfg, str(base_dir / "config.yaml"))
-    _save_base(base_dir, 0, weights)
-    one = [f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES]
-    overrides = [*LORA, *one, "checkpoint.every=2", "checkpoint.keep=0", f"train.init_from={base_dir}"]
+    weights, base_dir, overrides = _base_run(tmp_path)
     start = base_lib.init_state
 
     def base_trains_on(trainer, path):
@@ -507,14 +514,7 @@ def test_a_lora_checkpoint_refuses_its_base_step_saved_again(tmp_path):
     from jaxpar.export import load_params
     from jaxpar.train import train
 
-    plain = parity.trainer_on([], {})
-    weights = jax.device_get(plain.init()["params"])
-    base_dir = tmp_path / "base"
-    base_dir.mkdir()
-    config_lib.dump_yaml(plain.cfg, str(base_dir / "config.yaml"))
-    _save_base(base_dir, 0, weights)
-    one = [f"mesh.{a}={MESH.get(a, 1)}" for a in config_lib.MESH_AXES]
-    overrides = [*LORA, *one, "checkpoint.every=2", "checkpoint.keep=0", f"train.init_from={base_dir}"]
+    weights, base_dir, overrides = _base_run(tmp_path)
     run = [*overrides, f"train.run_dir={tmp_path / 'run'}"]
     cfg = parity.tiny_config([*run, "train.steps=2"])
     train(cfg, config_lib.validate(cfg, 8))
