@@ -295,6 +295,7 @@ def run_benchmark(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -
                     "dtype",
                     "param_dtype",
                     "attention",
+                    "scan_layers",
                 )
             },
             "moe_experts": m.moe.num_experts,

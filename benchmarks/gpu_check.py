@@ -22,9 +22,8 @@ what finished; a piece that fails or times out costs only itself):
 5. `command_buffer`: XLA's command buffers (CUDA graphs) on GPT-2 batch 12: the arms in
    COMMAND_BUFFER_ARMS, each a bench child with `--xla-flag` (flags count only before the backend
    starts), beside `gpt2_b12` (the default settings, same child, no flag);
-   `scan_layers`: the A/B of `model.scan_layers=true|false` that issue 41 asks for slots in here
-   (SCAN_LAYERS) once that setting exists; until then the piece is recorded as skipped with
-   that reason, and nothing runs;
+   `scan_layers_scanned`, `scan_layers_unrolled`: the A/B of `model.scan_layers=true|false`
+   (SCAN_LAYERS), likewise;
 6. `profile`: a `jax.profiler` trace of GPT-2 batch-12 steps, read back from the .xplane.pb jax
    writes (`jax.profiler.ProfileData`) into a per-kernel time table, set beside the ruler's
    estimate (`jaxpar.ruler`) for the same compiled program, joined by HLO instruction name. XLA
@@ -75,11 +74,9 @@ COMMAND_BUFFER_ARMS = (
     ("off", "--xla_gpu_enable_command_buffer="),
     ("with_loops", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"),
 )
-# Where the scan_layers A/B slots in once `model.scan_layers` exists (issue 41, item 4): its arms,
-# (name, override) such as ("unrolled", "model.scan_layers=false"), each a bench child on GPT-2
-# batch 12 as the command-buffer arms are (see `sequence`). Until then None: recorded as skipped.
-SCAN_LAYERS: tuple[tuple[str, str], ...] | None = None
-SCAN_LAYERS_MISSING = "model.scan_layers does not exist yet (issue 41, item 4); nothing ran"
+# The layer loop's A/B (model.scan_layers): (arm, override), each a bench child on GPT-2 batch 12
+# as the command-buffer arms are (see `sequence`); both arms are named, whatever the preset's own.
+SCAN_LAYERS = (("scanned", "model.scan_layers=true"), ("unrolled", "model.scan_layers=false"))
 
 NANOGPT_PROBE = (
     "import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.cuda.is_available()}))"
@@ -347,9 +344,7 @@ def sequence(ctx: Context) -> list[tuple[str, object]]:
         pieces.append(
             (f"command_buffer_{arm}", bench_piece(ctx, gpt2[b12], f"gpt2-b{b12}-cb-{arm}", (flag,)))
         )
-    if SCAN_LAYERS is None:
-        pieces.append(("scan_layers", SCAN_LAYERS_MISSING))
-    for arm, override in SCAN_LAYERS or ():
+    for arm, override in SCAN_LAYERS:
         pieces.append((f"scan_layers_{arm}", bench_piece(ctx, (*gpt2[b12], override), f"gpt2-b{b12}-{arm}")))
     pieces.append(("profile", profile_piece(ctx, gpt2[b12])))
     return pieces
@@ -396,6 +391,7 @@ def summary(pieces: dict, plan: Plan) -> dict:
         "command_buffer_over_default_tokens_per_sec": {
             arm: ratio(f"command_buffer_{arm}", f"gpt2_b{b12}") for arm, _ in COMMAND_BUFFER_ARMS
         },
+        "unrolled_over_scanned_tokens_per_sec": ratio("scan_layers_unrolled", "scan_layers_scanned"),
         "goals": "issue 41: GPT-2 >= 1.15x nanoGPT's tokens/s on the same GPU; the 1B >= 55% MFU",
     }
 

@@ -140,6 +140,10 @@ class ModelConfig:
     # xla; models/attention.py (kernel_for) has the rule.
     attention: Attention = "auto"  # auto | xla | cudnn
     max_documents_per_row: int = 16  # cudnn: documents a packed row may hold (costs 4*B*N*T bytes each)
+    # true: the layers run in one lax.scan over their stacked weights (compile time flat in depth);
+    # false: unrolled, one copy of the block per layer in the program (no stacked residual buffers
+    # to save into and load from, no while loop; compiles longer). The weights are stacked either way.
+    scan_layers: bool = True  # true: one lax.scan over the layers | false: unrolled (see above)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (off by default)
 
     @property

@@ -16,10 +16,11 @@ GEMM efficiency or the overlap of collectives with compute.
 What a launch counts:
 
 - bytes of a fusion: its parameters and its root's outputs. A parameter used only through
-  dynamic-slices is charged the slices it reads (a layer's weights out of a stacked [L, ...]
-  array); a buffer updated in place by a dynamic-update-slice at the root is charged the update
-  only (a layer's residual written into the stacked buffer), not the whole buffer, and one
-  updated by a scatter the elements its updates touch, read and written;
+  slices or dynamic-slices is charged the slices it reads (a layer's weights out of a stacked
+  [L, ...] array, in a scanned or an unrolled layer loop); a buffer updated in place by a
+  dynamic-update-slice at the root is charged the update only (a layer's residual written into
+  the stacked buffer), not the whole buffer, and one updated by a scatter the elements its
+  updates touch, read and written;
 - FLOPs: 2 x output elements x contracted size for every dot (in a fusion, a Triton GEMM or a
   cuBLAS call); cuDNN attention 4*B*N*Tq*Tk*H, halved when causal, its backward 2.5 x that;
 - a copy reads and writes its operand; a collective moves `hlo.moved_bytes` over the NVLink
@@ -283,15 +284,16 @@ def _itemsize(shape: str) -> int:
 
 
 def _read_bytes(param: hlo.Instr, users: dict[str, list[hlo.Instr]], in_place: set[str]) -> int:
-    """Bytes a fusion reads of `param`: the slices where every use (through views) is a
-    dynamic-slice of it or the buffer of an in-place update or scatter, else the whole parameter."""
+    """Bytes a fusion reads of `param`: the slices where every use (through views) is a slice
+    or dynamic-slice of it or the buffer of an in-place update or scatter, else the whole
+    parameter."""
     whole = sum(hlo.shape_bytes(param.shape))
     itemsize = _itemsize(param.shape)
     read, pending = 0, [param.name]
     while pending:
         name = pending.pop()
         for user in users.get(name, []):
-            if user.op == "dynamic-slice" and user.operands[0] == name:
+            if user.op in ("dynamic-slice", "slice") and user.operands[0] == name:
                 read += _elements(user.shape) * itemsize
             elif user.op in _IN_PLACE and user.operands[0] == name and user.name in in_place:
                 continue

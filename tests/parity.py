@@ -58,6 +58,11 @@ SGD = [
     "optimizer.min_lr_ratio=1.0",
 ]
 
+# The two forms of the layer loop (model.scan_layers): every layout's parity test runs in both,
+# against the one reference, the single device's scanned run (test_model checks that on one device
+# the unrolled form trains exactly as the scanned one).
+LAYER_FORMS = {"scanned": [], "unrolled": ["model.scan_layers=false"]}
+
 
 def tiny_config(overrides: list[str] = ()) -> config_lib.Config:
     """configs/tiny.yaml with `overrides` (not validated)."""

@@ -1,13 +1,15 @@
 """Context parallelism (ring attention over `context`) trains the single-device model: the same
 first-step gradients and SGD losses (tests/parity.py), on rows of two documents each."""
 
+import functools
+
 import pytest
 
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
 from jaxpar.parallel.ring_attention import needed_shifts
-from tests.parity import assert_parity, parity_trainer, random_batches, run_parity, tiny_config
+from tests.parity import LAYER_FORMS, assert_parity, parity_trainer, random_batches, run_parity, tiny_config
 
 
 def run(mesh, extra=(), init=None, along=None):
@@ -30,8 +32,10 @@ def single_device():
         ({"context": 8}, ["parallel.context_layout=contiguous"], False),
     ],
 )
-def test_context_parallel_training_matches_single_device(mesh, extra, own_init, single_device):
+@pytest.mark.parametrize("form", LAYER_FORMS)
+def test_context_parallel_training_matches_single_device(mesh, extra, own_init, form, single_device):
     # own_init: the layout's born-sharded init; else the single-device one (one compile fewer).
+    extra = extra + LAYER_FORMS[form]
     got, r = run(mesh, extra, init=None if own_init else single_device.init, along=single_device)
     assert_parity(got, single_device)
     # K/V blocks travel the ring by collective-permute; nothing gathers the sequence.
@@ -57,13 +61,19 @@ GEMMA_STYLE = [  # Gemma 3's block: the first layer slides over 8 positions, the
 ]
 
 
-def test_sliding_window_layers_train_the_single_device_model_on_a_ring():
+@functools.cache
+def _gemma_style_reference():
+    return run({}, [*GEMMA_STYLE, "train.seq_len=64"])[0]
+
+
+@pytest.mark.parametrize("form", LAYER_FORMS)
+def test_sliding_window_layers_train_the_single_device_model_on_a_ring(form):
     """A sliding layer's ring (masked by the window, its unneeded hops left out: 64 positions in
     8 chunks of 8, a window of 8) and a global layer's full ring, chosen per layer inside the
-    layer scan, give the one-device gradients."""
+    layer loop, give the one-device gradients."""
     assert needed_shifts(64, 4, "zigzag", 8) == (0, 1, 3)  # the path taken: not every hop
     extra = [*GEMMA_STYLE, "train.seq_len=64"]
-    want = run({}, extra)[0]
-    got, r = run({"context": 4, "data": 2}, extra, init=want.init, along=want)
+    want = _gemma_style_reference()
+    got, r = run({"context": 4, "data": 2}, extra + LAYER_FORMS[form], init=want.init, along=want)
     assert_parity(got, want)
     assert r["collectives"]["collective-permute"]["count"] > 0

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from benchmarks.gpu_check import COMMAND_BUFFER_ARMS, kernel_table, trace_events
+from benchmarks.gpu_check import COMMAND_BUFFER_ARMS, SCAN_LAYERS, kernel_table, trace_events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ PIECES = [
     "plain_llama_b2",
     "llama_1b",
     *(f"command_buffer_{arm}" for arm, _ in COMMAND_BUFFER_ARMS),
-    "scan_layers",
+    *(f"scan_layers_{arm}" for arm, _ in SCAN_LAYERS),
     "profile",
 ]
 
@@ -96,12 +96,14 @@ def test_dry_run_writes_every_piece_or_why_not(tmp_path):
     assert result["step_ms"]["median"] > 0 and result["loss"]["first"] > 0
 
     # Skipped, each with its reason: no PyTorch with CUDA here (a dry run hides any GPU), no
-    # --plain-llama given, no model.scan_layers yet.
+    # --plain-llama given.
     reasons = {n: p["reason"] for n, p in pieces.items() if p["status"] == "skipped"}
-    assert set(reasons) == {"nanogpt_b2", "nanogpt_b4", "plain_llama_b2", "scan_layers"}
+    assert set(reasons) == {"nanogpt_b2", "nanogpt_b4", "plain_llama_b2"}
     assert "PyTorch" in reasons["nanogpt_b2"] or "nanoGPT" in reasons["nanogpt_b2"]
     assert "--plain-llama" in reasons["plain_llama_b2"]
-    assert "scan_layers" in reasons["scan_layers"]
+    for arm, override in SCAN_LAYERS:  # each arm ran the model it names
+        assert pieces[f"scan_layers_{arm}"]["result"]["model"]["scan_layers"] is (override.endswith("true"))
+    assert r["summary"]["unrolled_over_scanned_tokens_per_sec"] > 0
 
     profile = pieces["profile"]["result"]
     assert profile["trace"]["events_from"] == "host"  # a CPU trace: XLA's CPU runtime on the host

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from jaxpar.inspect import compile_step, report
-from tests.parity import assert_parity, parity_trainer, random_batches, relative_errors, run_parity
+from tests.parity import (
+    LAYER_FORMS,
+    assert_parity,
+    parity_trainer,
+    random_batches,
+    relative_errors,
+    run_parity,
+)
 
 # tensor=8 splits the heads: 8 query and 8 key/value heads of 4 dims (d_model 32).
 MODEL = ["model.n_heads=8", "model.n_kv_heads=8"]
@@ -55,17 +62,19 @@ def layouts():
 
 @pytest.fixture
 def layout(request, layouts, single_device):
-    """(parity run, inspect report) of a layout, computed once per module."""
-    name = request.param
-    if name not in layouts:
+    """(parity run, inspect report) of a layout, "name" or "name/form" (a form of LAYER_FORMS;
+    scanned when not named), computed once per module."""
+    name, _, form = request.param.partition("/")
+    key = (name, form or "scanned")
+    if key not in layouts:
         mesh, extra = LAYOUTS[name]
         init = None if name in OWN_INIT else single_device.init
-        trainer, compiled, run = _run(mesh, extra, init, along=single_device)
-        layouts[name] = (run, report(trainer, compiled))
-    return layouts[name]
+        trainer, compiled, run = _run(mesh, extra + LAYER_FORMS[key[1]], init, along=single_device)
+        layouts[key] = (run, report(trainer, compiled))
+    return layouts[key]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS), indirect=True)
+@pytest.mark.parametrize("layout", [f"{n}/{f}" for f in LAYER_FORMS for n in LAYOUTS], indirect=True)
 def test_layout_matches_single_device(layout, single_device):
     run, _ = layout
     assert_parity(run, single_device)

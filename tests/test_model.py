@@ -105,3 +105,23 @@ def test_every_parameter_has_logical_names_with_layers_axis():
     count = sum(x.size for x in jax.tree.leaves(shapes))
     norms = cfg.d_model * (2 * cfg.n_layers + 1)
     assert count == matmul_params(cfg) + cfg.vocab_size * cfg.d_model + norms
+
+
+def test_unrolled_layers_train_exactly_as_the_scanned_layers():
+    """model.scan_layers=false writes the layer loop out over the same stacked weights: on one
+    device the same gradients and updated state as the scan at every step (a layer given
+    another's weights, or the stacked gradient assembled in the wrong order, is off by O(1)
+    here: the layers' weights differ), and the compiled step keeps no loop over the layers
+    (the layers' forward and backward loops are what it removes)."""
+    from jaxpar.inspect import compile_step
+    from tests.parity import LAYER_FORMS, assert_parity, parity_trainer, random_batches, run_parity
+
+    runs, loops = {}, {}
+    for form, extra in LAYER_FORMS.items():
+        trainer = parity_trainer(["model.n_layers=3", *extra], {})
+        compiled = compile_step(trainer)
+        loops[form] = compiled.as_text().count(" while(")
+        init = runs["scanned"].init if runs else None
+        runs[form] = run_parity(trainer, compiled, random_batches(trainer.cfg), init, along=runs.get("scanned"))
+    assert_parity(runs["unrolled"], runs["scanned"], rtol=1e-6)
+    assert loops["scanned"] >= 2 and loops["unrolled"] == loops["scanned"] - 2, loops

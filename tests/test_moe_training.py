@@ -11,7 +11,7 @@ import pytest
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
-from tests.parity import assert_parity, parity_trainer, random_batches, run_parity, tiny_config
+from tests.parity import LAYER_FORMS, assert_parity, parity_trainer, random_batches, run_parity, tiny_config
 
 MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.every=2", "model.moe.shared_experts=1"]
 LAYOUTS = {
@@ -31,9 +31,10 @@ def single_device():
     return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
 
 
+@pytest.mark.parametrize("form", LAYER_FORMS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_expert_parallel_training_matches_single_device(layout, single_device):
-    trainer = parity_trainer(MOE, LAYOUTS[layout])
+def test_expert_parallel_training_matches_single_device(layout, form, single_device):
+    trainer = parity_trainer(MOE + LAYER_FORMS[form], LAYOUTS[layout])
     compiled = compile_step(trainer)
     got = run_parity(
         trainer,

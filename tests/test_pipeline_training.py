@@ -19,6 +19,7 @@ from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
 from tests.parity import (
+    LAYER_FORMS,
     TINY_YAML,
     assert_parity,
     parity_trainer,
@@ -81,9 +82,11 @@ def trainer_for(mesh, extra=()):
     return parity_trainer(PIPE + list(extra), mesh)
 
 
-def _compile(layout: str | None):
-    """(trainer, compiled step) for a layout of LAYOUTS, or None for one device."""
-    trainer = trainer_for(*LAYOUTS[layout]) if layout else trainer_for({})
+def _compile(layout: str | None, form: str = "scanned"):
+    """(trainer, compiled step) for a layout of LAYOUTS, or None for one device, with its layers
+    in `form` (LAYER_FORMS)."""
+    mesh, extra = LAYOUTS[layout] if layout else ({}, [])
+    trainer = trainer_for(mesh, list(extra) + LAYER_FORMS[form])
     return trainer, compile_step(trainer)
 
 
@@ -92,13 +95,14 @@ _shared = functools.cache(_compile)
 
 @pytest.fixture(scope="module")
 def single_device():
-    trainer, compiled = _shared(None)
+    trainer, compiled = _shared(None, "scanned")
     return run_parity(trainer, compiled, random_batches(trainer.cfg))
 
 
+@pytest.mark.parametrize("form", LAYER_FORMS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pipelined_training_matches_single_device(layout, single_device):
-    trainer, compiled = (_shared if layout in SHARED else _compile)(layout)
+def test_pipelined_training_matches_single_device(layout, form, single_device):
+    trainer, compiled = (_shared if layout in SHARED else _compile)(layout, form)
     got = run_parity(
         trainer,
         compiled,
@@ -140,8 +144,8 @@ def test_masked_targets_contribute_exactly_zero_gradient_with_pipeline_and_ring(
     batches, per leaf; and replacing every masked target by another token leaves every gradient
     leaf bit-identical, on the layout and on one device (a masked token contributes exactly 0; a
     mask read one position off, or applied after the normalisation only, changes them)."""
-    one, one_step = _shared(None)
-    ring, ring_step = _shared("pipe2_context2_fsdp2")
+    one, one_step = _shared(None, "scanned")
+    ring, ring_step = _shared("pipe2_context2_fsdp2", "scanned")
     batches = list(prompt_masked(random_batches(one.cfg)))
     kept = sum(float(b["loss_mask"].sum()) for b in batches) / sum(b["loss_mask"].size for b in batches)
     assert 0.3 < kept < 0.7, kept
@@ -280,10 +284,12 @@ def moe_single_device():
     return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
 
 
+@pytest.mark.parametrize("form", LAYER_FORMS)
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
-def test_pipelined_moe_training_matches_single_device(layout, moe_single_device):
+def test_pipelined_moe_training_matches_single_device(layout, form, moe_single_device):
     mesh, extra = MOE_LAYOUTS[layout]
-    trainer = trainer_for(mesh, MOE + [f"parallel.microbatches={MOE_MICROBATCHES}"] + extra)
+    schedule = [f"parallel.microbatches={MOE_MICROBATCHES}", *extra]
+    trainer = trainer_for(mesh, MOE + schedule + LAYER_FORMS[form])
     got = run_parity(
         trainer,
         compile_step(trainer),
@@ -310,16 +316,22 @@ GEMMA_STYLE = [
 ]
 
 
-def test_pipelined_sliding_window_layers_match_single_device():
+@functools.cache
+def _gemma_style_reference():
+    trainer = trainer_for({}, GEMMA_STYLE)
+    return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
+
+
+@pytest.mark.parametrize("form", LAYER_FORMS)
+def test_pipelined_sliding_window_layers_match_single_device(form):
     """Interleaved chunks of two layers (each the pattern's slide-then-global), with ring
     attention inside each stage: the one-device gradients and losses."""
-    want_trainer = trainer_for({}, GEMMA_STYLE)
-    want = run_parity(want_trainer, compile_step(want_trainer), random_batches(want_trainer.cfg))
+    want = _gemma_style_reference()
     schedule = [
         "parallel.pipeline_schedule=interleaved",
         "parallel.virtual_stages=2",
         "parallel.microbatches=2",
     ]
-    trainer = trainer_for({"pipe": 2, "context": 2, "data": 2}, GEMMA_STYLE + schedule)
+    trainer = trainer_for({"pipe": 2, "context": 2, "data": 2}, GEMMA_STYLE + schedule + LAYER_FORMS[form])
     got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), want.init, along=want)
     assert_parity(got, want)

@@ -122,6 +122,22 @@ def test_a_stacked_weight_read_a_layer_at_a_time_costs_a_layer():
     assert [k.bytes for k in per_trip if k.kind == "fusion" and k.bytes > 8] == [2 * layer + 4]
 
 
+def test_a_stacked_weight_read_by_an_unrolled_loop_costs_a_layer_per_layer():
+    """Guards the whole stacked [L, K, K] buffer charged for each static slice of it (the
+    unrolled layer loop's weights, model.scan_layers=false: L times too much)."""
+
+    def unrolled(x, ws):
+        for i in range(LAYERS):  # scaled by a number of x's, so that each layer's cast waits for x
+            w = ws[i] * jnp.mean(x.astype(jnp.float32))
+            x = jnp.tanh(x @ w.astype(jnp.bfloat16))
+        return x
+
+    found = ruler.kernels(h100_text(unrolled, ((M, K), jnp.bfloat16), ((LAYERS, K, K), jnp.float32)))
+    casts = [k for k in found if k.kind == "fusion" and "convert" in k.name]
+    # One per layer: its float32 slice read, a float32 scalar read, its bfloat16 copy written.
+    assert [k.bytes for k in casts] == [F32 * K * K + F32 + BF16 * K * K] * LAYERS, casts
+
+
 def test_a_stacked_output_written_a_layer_at_a_time_costs_a_layer():
     """Guards an in-place dynamic-update-slice charged the whole [L, ...] buffer it updates
     (read and written) instead of the update (the residuals a layer scan saves)."""

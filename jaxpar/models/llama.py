@@ -9,7 +9,8 @@ the step (`Layout.scope`). The model names no mesh axis and builds no sharding. 
 need the mesh itself and read it from JAX's mesh context, their axes from the rules in force:
 ring attention (when the model was built with a `context_layout`, i.e. mesh.context > 1) over
 the `seq` rule's axis, and the MoE all-to-all. Blocks are stacked
-along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth.
+along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth;
+`model.scan_layers: false` writes the same loop out, layer by layer, over the same stacked weights.
 
 Pieces, for callers that run the model in parts (the pipeline, jaxpar.parallel.pipeline):
 `embed(tokens)`, `run_blocks(layer_params, x, ...)` for any run of the stacked layers, and
@@ -432,12 +433,21 @@ def sliding_layers(cfg: ModelConfig, count: int | None = None):
 
 
 def scan_layers(
-    graphdef, layer_params, x, positions, segment_ids, remat: str = "none", sliding=None, noise=None
+    graphdef,
+    layer_params,
+    x,
+    positions,
+    segment_ids,
+    remat: str = "none",
+    sliding=None,
+    noise=None,
+    scan: bool = True,
 ):
     """Applies stacked layers (leaves [layers, ...], merged into `graphdef` one at a time) with a
-    lax.scan, rematerialised per `remat`; `sliding` (bool [layers], `sliding_layers`) tells each
-    layer whether its attention slides; `noise` (`lora.Noise`, LoRA dropout) reaches each scan
-    step with its index folded in. Returns (x, per-layer statistics stacked)."""
+    lax.scan (or, `scan` false, unrolled: `unrolled`), rematerialised per `remat`; `sliding`
+    (bool [layers], `sliding_layers`) tells each layer whether its attention slides; `noise`
+    (`lora.Noise`, LoRA dropout) reaches each layer with its index folded in. Returns (x,
+    per-layer statistics stacked)."""
 
     def one_layer(h, scanned):
         params, slides, index = scanned
@@ -449,7 +459,24 @@ def scan_layers(
     if remat != "none":
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat])
     index = None if noise is None else jnp.arange(jax.tree.leaves(layer_params)[0].shape[0])
+    if not scan:
+        return unrolled(one_layer, x, (layer_params, sliding, index))
     return jax.lax.scan(one_layer, x, (layer_params, sliding, index))
+
+
+def unrolled(body, carry, xs):
+    """`jax.lax.scan(body, carry, xs)` with the loop written out: one copy of `body` per slice
+    of xs (leaves [length, ...]; None leaves stay None). The slices come from one `lax.split`
+    per leaf, whose transpose is one concatenate: the stacked weights' gradient is assembled
+    once, not summed from a padded copy per layer. Returns (carry, body's outputs stacked)."""
+    leaves, treedef = jax.tree.flatten(xs)
+    length = leaves[0].shape[0]
+    pieces = [jax.lax.split(leaf, (1,) * length) for leaf in leaves]
+    outputs = []
+    for i in range(length):
+        carry, out = body(carry, treedef.unflatten([p[i].reshape(p[i].shape[1:]) for p in pieces]))
+        outputs.append(out)
+    return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outputs)
 
 
 def scan_layers_cached(graphdef, layer_params, x, positions, cache: KVCache, sliding=None):
@@ -558,8 +585,8 @@ class Transformer(nnx.Module):
         run of them). `noise`: LoRA dropout (`lora.Noise`; the whole stack only: the layers are
         numbered from 0). Returns (x, MoE statistics stacked over those layers, or {})."""
         sliding = sliding_layers(self.cfg, jax.tree.leaves(layer_params)[0].shape[0])
-        graphdef = nnx.graphdef(self.blocks)
-        return scan_layers(graphdef, layer_params, x, positions, segment_ids, self.remat, sliding, noise)
+        graphdef, remat, scan = nnx.graphdef(self.blocks), self.remat, self.cfg.scan_layers
+        return scan_layers(graphdef, layer_params, x, positions, segment_ids, remat, sliding, noise, scan)
 
     def apply_blocks(self, x, positions, segment_ids, noise=None):
         """Runs the stacked blocks; returns (x, MoE statistics stacked over layers, or {})."""
