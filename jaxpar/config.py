@@ -139,7 +139,10 @@ class ModelConfig:
     # auto: cudnn where its packed kernel runs (Hopper+ GPU, 16-bit, not pipelined, no ring), else
     # xla; models/attention.py (kernel_for) has the rule.
     attention: Attention = "auto"  # auto | xla | cudnn
-    max_documents_per_row: int = 16  # cudnn: documents a packed row may hold (costs 4*B*N*T bytes each)
+    # cudnn: the most documents a packed row may hold (a fuller row stops the run). Training runs
+    # each batch with the step compiled for its fullest row's slot bucket (1, 2, 4, ... up to this);
+    # a slot costs 4*B*N*T bytes of softmax statistics per layer.
+    max_documents_per_row: int = 16  # cudnn: documents a packed row may hold (see above)
     # true: the layers run in one lax.scan over their stacked weights (compile time flat in depth);
     # false: unrolled, one copy of the block per layer in the program (no stacked residual buffers
     # to save into and load from, no while loop; compiles longer). The weights are stacked either way.

@@ -35,6 +35,13 @@ memory. A config that does not fit exits with code 3.
 with its FLOPs, bytes, bound and estimated time, slowest first; the estimated step time, the
 launches per step, and the MFU that step time gives (`model_flops_per_step` over the time, the
 target's peak and its devices).
+
+`--documents K`: the data's rows hold K documents (the most of any row of a batch). Where cuDNN's
+packed attention runs, the training loop runs each batch with the step compiled for the slot
+bucket of its fullest row (`jaxpar.trainer.Trainer.step_for`); this compiles that step, and the
+ruler costs its empty slots for rows of K documents. Default with `--kernels`: 1 (random tokens,
+what the measured benchmark steps held); without it, `Trainer.step`, which describes
+model.max_documents_per_row slots (the largest program, whose memory a run may reach).
 """
 
 from __future__ import annotations
@@ -221,21 +228,37 @@ def format_human(r: dict) -> str:
     return "\n".join(lines)
 
 
-def kernels_report(result: dict, text: str, target: targets_lib.Target) -> dict:
-    """The ruler's estimate for compiled HLO `text` of the step `result` (`report`) describes:
-    per-kernel rows, step time, launches, MFU; with the target and whether the step fits."""
-    costs = ruler.summary(text, ruler.RATES[target.name], result["model_flops_per_step"], target.count)
-    total = result["memory_per_device"]["total"]
-    return {"target": result["target"], "fits": result["fits"], "memory_per_device_total": total, **costs}
+def kernels_report(
+    result: dict, text: str, target: targets_lib.Target, documents: int = 1, slots: int | None = None
+) -> dict:
+    """The ruler's estimate for compiled HLO `text` of the step `result` (`report`) describes,
+    on rows of `documents` documents (compiled for `slots` document slots; None: the step does
+    not depend on them): per-kernel rows, step time, launches, MFU; with the target and whether
+    the step fits."""
+    rates = ruler.RATES[target.name]
+    costs = ruler.summary(text, rates, result["model_flops_per_step"], target.count, documents)
+    return {
+        "target": result["target"],
+        "fits": result["fits"],
+        "memory_per_device_total": result["memory_per_device"]["total"],
+        "documents_per_row": documents,
+        "document_slots": slots,
+        **costs,
+    }
 
 
 def format_kernels(r: dict) -> str:
     """`kernels_report` as a table: one line per (kind, source line), slowest first."""
     t = r["target"]
+    slots = r.get("document_slots")
+    documents = r.get("documents_per_row", 1)
+    rows = f"rows of {documents} document{'s' if documents > 1 else ''}" + (
+        f", the step for {slots} document slot{'s' if slots > 1 else ''}" if slots else ""
+    )
     lines = [
         f"compiled for {t['count']} x {t['device']} (nothing ran); the ruler's estimate (jaxpar.ruler)",
         f"step {r['step_seconds'] * 1e3:.2f} ms   kernel launches per step {r['launches']:,}   "
-        f"MFU {r['mfu']:.1%}   ({r['model_flops_per_step']:.3e} model FLOPs per step)",
+        f"MFU {r['mfu']:.1%}   ({r['model_flops_per_step']:.3e} model FLOPs per step; {rows})",
         "",
         f"{'kind':<19} {'count':>6} {'GFLOP':>10} {'MB':>10} {'bound':<8} {'ms':>8}  source",
     ]
@@ -251,22 +274,30 @@ def format_kernels(r: dict) -> str:
 
 
 USAGE = """usage: python -m jaxpar.inspect [CONFIG.yaml] [dotted.key=value ...] [--compare] [--human]
-                                   [--schedule] [--target NAME[:N] [--kernels]]
+                                   [--schedule] [--target NAME[:N] [--kernels]] [--documents K]
   --target h100:8   compile for 8 GPUs of that type without having them (gpu-compile extra);
                     exit code 3 when the program does not fit
-  --kernels         with --target h100: the ruler's per-kernel table, estimated step time and MFU"""
+  --kernels         with --target h100: the ruler's per-kernel table, estimated step time and MFU
+  --documents K     the data's rows hold K documents: compile the step training runs for them
+                    (cuDNN attention: the slot bucket of K) and cost it so; 1 with --kernels"""
 
 
-def _split_flags(argv: list[str]) -> tuple[set[str], str | None, list[str]]:
-    flags, target, rest = set(), None, []
+# The flags that take a value: what the value is, and an example.
+VALUES = {"--target": ("a GPU type", "h100:8"), "--documents": ("a number of documents", "24")}
+
+
+def _split_flags(argv: list[str]) -> tuple[set[str], dict[str, str], list[str]]:
+    """(flags, the values of --target and --documents given, the config and its overrides)."""
+    flags, values, rest = set(), {}, []
     args = iter(argv)
     for arg in args:
-        if arg == "--target":
-            target = next(args, "")
-            if target.startswith("--"):  # `--target --human`: the type is missing
-                raise ConfigError(f"--target needs a GPU type before {target}, e.g. --target h100:8")
-        elif arg.startswith("--target="):
-            target = arg.split("=", 1)[1]
+        name = arg.split("=", 1)[0]
+        if name in VALUES:
+            value = arg.split("=", 1)[1] if "=" in arg else next(args, "")
+            if value.startswith("--"):  # `--target --human`: the value is missing
+                what, example = VALUES[name]
+                raise ConfigError(f"{name} needs {what} before {value}, e.g. {name} {example}")
+            values[name] = value
         elif arg.startswith("--"):
             flags.add(arg)
         else:
@@ -275,8 +306,9 @@ def _split_flags(argv: list[str]) -> tuple[set[str], str | None, list[str]]:
     if unknown:
         raise ConfigError(
             f"unknown flag(s) {sorted(unknown)}; known: --compare, --human, --schedule, --kernels, "
-            "--target NAME[:N]"
+            "--target NAME[:N], --documents K"
         )
+    target = values.get("--target")
     costable = target is not None and targets_lib.parse_target(target)[0] in ruler.RATES
     if "--kernels" in flags and not costable:
         raise ConfigError(
@@ -287,7 +319,31 @@ def _split_flags(argv: list[str]) -> tuple[set[str], str | None, list[str]]:
         raise ConfigError(
             f"--target needs a GPU type, e.g. --target h100:8; known: {', '.join(targets_lib.TARGETS)}"
         )
-    return flags, target, rest
+    return flags, values, rest
+
+
+def _documents(text: str | None, flags: set[str], trainer: Trainer) -> int | None:
+    """--documents K as a number of documents per row (with --kernels, 1 when not given; else
+    None: `Trainer.step`), or a ConfigError saying what would work."""
+    if text is None:
+        return 1 if "--kernels" in flags else None
+    seq, limit = trainer.cfg.train.seq_len, trainer.cfg.model.max_documents_per_row
+    try:
+        documents = int(text)
+    except ValueError:
+        documents = 0
+    if not 1 <= documents <= seq:
+        raise ConfigError(
+            f"--documents {text}: a row of train.seq_len={seq} tokens holds 1 to {seq} documents; "
+            "give a whole number in that range, e.g. --documents 24"
+        )
+    if trainer.bucketed and documents > limit:
+        raise ConfigError(
+            f"--documents {documents}: more than model.max_documents_per_row={limit}, which a run "
+            f"with cuDNN attention refuses; add model.max_documents_per_row={documents}, or give "
+            f"--documents {limit} or fewer"
+        )
+    return documents
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,10 +357,10 @@ def main(argv: list[str] | None = None) -> int:
 def _inspect(argv: list[str]) -> int:
     """The command's work: settings (for a --target's devices, before JAX starts), then the
     schedule (--schedule) or the compiled step's report."""
-    flags, target_text, rest = _split_flags(argv)
+    flags, values, rest = _split_flags(argv)
     target = None
-    if target_text is not None:  # before JAX starts: the plugin must not look for a driver
-        target = targets_lib.resolve(target_text)
+    if "--target" in values:  # before JAX starts: the plugin must not look for a driver
+        target = targets_lib.resolve(values["--target"])
         targets_lib.use_cpu_backend()
     cfg, sizes = load_and_validate(rest, num_devices=target and target.count)
     if "--schedule" in flags:  # the pipeline's static timeline; nothing compiles
@@ -322,10 +378,13 @@ def _inspect(argv: list[str]) -> int:
         return 0
     # A ConfigError here is what the devices cannot run (model.fp8 on an older GPU).
     trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
-    compiled = compile_step(trainer)
+    documents = _documents(values.get("--documents"), flags, trainer)
+    compiled = compile_step(trainer, documents)
     result = report(trainer, compiled, compare="--compare" in flags, target=target)
+    if documents is not None:  # what the program was compiled for
+        result.update(documents_per_row=documents, document_slots=trainer.bucket(documents))
     if "--kernels" in flags:
-        costs = kernels_report(result, compiled.as_text(), target)
+        costs = kernels_report(result, compiled.as_text(), target, documents, result["document_slots"])
         print(format_kernels(costs) if "--human" in flags else json.dumps(costs, indent=2))
     else:
         print(format_human(result) if "--human" in flags else json.dumps(result, indent=2))

@@ -7,8 +7,9 @@ trip (`jaxpar.hlo.launched`). Each launch costs
     max(FLOPs / attainable rate, bytes / attainable bandwidth) + a launch overhead
 
 plus, for cuDNN's packed (document-masked) attention backward, a cost per empty (row, document
-slot, head): it works through all `max_seg_per_batch` slots of every row whatever they hold, and
-the estimate assumes one document per row, as the measured benchmark batches had. This is
+slot, head): it works through all `max_seg_per_batch` slots of every row whatever they hold; the
+caller says how many documents the rows hold (`documents_per_row`, default one, as the measured
+benchmark batches had). This is
 roofline arithmetic with two constants fitted on measured H100 steps
 (`benchmarks/ruler_fit.py`, `benchmarks/RESULTS.md`); it knows nothing of L2 caches, per-shape
 GEMM efficiency or the overlap of collectives with compute.
@@ -391,11 +392,11 @@ def table(found: list[Kernel], rates: Rates) -> list[dict]:
     return sorted(out, key=lambda r: -r["seconds"])
 
 
-def summary(text: str, rates: Rates, model_flops: float, devices: int) -> dict:
-    """The estimate for one device's program of a step (all devices run it at once): step time,
-    launches per step, MFU (`model_flops` of the whole step over step time x peak x devices), and
-    the per-kernel table."""
-    found = estimate(text, rates)
+def summary(text: str, rates: Rates, model_flops: float, devices: int, documents_per_row: int = 1) -> dict:
+    """The estimate for one device's program of a step (all devices run it at once) on rows of
+    `documents_per_row` documents: step time, launches per step, MFU (`model_flops` of the whole
+    step over step time x peak x devices), and the per-kernel table."""
+    found = estimate(text, rates, documents_per_row)
     step = found.step_seconds(rates.launch, rates.empty_slot)
     rows = table(found.kernels, rates)
     return {

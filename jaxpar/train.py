@@ -321,11 +321,13 @@ def _data_iterator(dataset, data_state: dict | None, start: int):
     return data_lib.make_iterator(dataset[start:])
 
 
-def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> None:
-    """cuDNN's packed attention describes at most `limit` documents per row; a row with more
-    would come out NaN (jaxpar.models.attention). Say so, with the numbers, before the step."""
+def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> int:
+    """The most documents a row of the batch holds, over every process's rows (all processes
+    must run the step of the same slot bucket, `Trainer.step_for`, and all must stop together).
+    cuDNN's packed attention describes at most `limit` documents per row; refuse a batch with a
+    fuller row, with the numbers, before the step."""
     most = int(documents_per_row(segment_ids).max())
-    if jax.process_count() > 1:  # every process must stop, not only the one holding the row
+    if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         most = int(multihost_utils.process_allgather(np.int32(most)).max())
@@ -336,6 +338,7 @@ def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> 
             f"offsets; under data.packing=whole a row's padding counts as one); set "
             f"model.max_documents_per_row={most} or more, or model.attention=xla"
         )
+    return most
 
 
 def _keep_metrics_until(run_dir: str, step: int) -> None:
@@ -582,7 +585,8 @@ def _evaluate(trainer: Trainer, params, eval_data) -> float:
 
 class _StepClock:
     """Time per step over the window since the last logged step, with the first step (which holds
-    the compilation) and any evaluation or checkpoint save kept out: each is its own figure."""
+    the compilation), the compilation of a later slot bucket's step (`compiling`) and any
+    evaluation or checkpoint save kept out: each is its own figure."""
 
     def __init__(self):
         self.started = self.ended = time.perf_counter()
@@ -596,6 +600,19 @@ class _StepClock:
             jax.block_until_ready(metrics)
             now = time.perf_counter()
             self.compile_s, self.window_start, self.window_steps = now - self.started, now, 0
+
+    def compiling(self, fn, *args):
+        """fn(*args), a step whose program compiles in this call (a new slot bucket,
+        `Trainer.step_for`): after the first step, its time (the compilation: the step itself
+        runs asynchronously) counts as compile time, kept out of the step window."""
+        if self.compile_s is None:  # the first step: `stepped` times its compilation
+            return fn(*args)
+        start = time.perf_counter()
+        result = fn(*args)
+        spent = time.perf_counter() - start
+        self.window_start += spent
+        self.compile_s += spent
+        return result
 
     def timed(self, what: str, fn, *args):
         """Runs fn(*args) with its time kept out of the step window; returns (result, seconds)."""
@@ -748,9 +765,7 @@ def _loop(
         for run.step in range(start + 1, t.steps + 1):
             step, local = run.step, next(iterator)
             profiler.before(step)
-            if trainer.cfg.model.attention == "cudnn" and not trainer.layout.ring:
-                _check_documents_per_row(local["segment_ids"], cfg.model.max_documents_per_row, step)
-            state, metrics = trainer.step(state, trainer.shard_batch(local))
+            state, metrics = _step(trainer, clock, state, local, step)
             preemption.unsaved_steps += 1  # dispatched (a first step's compile is not counted)
             clock.stepped(metrics)
             profiler.after(step, metrics)
@@ -798,6 +813,21 @@ def _loop(
         if writer is not None:
             writer.close()
     return _summary(cfg, clock, run, start, devices, sizes, flops_tok)
+
+
+def _step(trainer: Trainer, clock: _StepClock, state, local: dict, step: int):
+    """Dispatches train step `step` on this process's rows `local`: where the step depends on
+    the documents per row (`Trainer.bucketed`), checked here first and run by the step of their
+    slot bucket, whose first call compiles it (that time is the clock's compile time)."""
+    if not trainer.bucketed:
+        return trainer.step(state, trainer.shard_batch(local))
+    most = _check_documents_per_row(local["segment_ids"], trainer.cfg.model.max_documents_per_row, step)
+    made = len(trainer.bucket_steps)
+    fn = trainer.step_for(most)
+    batch = trainer.shard_batch(local)
+    if len(trainer.bucket_steps) > made:
+        return clock.compiling(fn, state, batch)
+    return fn(state, batch)
 
 
 def _summary(cfg: Config, clock: _StepClock, run: _Outcome, start: int, devices, sizes, flops_tok) -> dict:

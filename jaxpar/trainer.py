@@ -4,7 +4,10 @@ the training loop (jaxpar.train), compiling without running (jaxpar.inspect, jax
 verification, benchmarks/bench.py) and reading a run's weights (jaxpar.export).
 
 The data path is one way: config -> mesh -> sharded state (born sharded, inside a jitted init)
--> jitted train step (state, batch) -> (state, metrics). This module imports no command line.
+-> jitted train step (state, batch) -> (state, metrics). Where cuDNN's packed attention runs, the
+training loop picks the step per batch instead (`Trainer.step_for`): one compiled for as many
+document slots as the batch's fullest row needs, rounded up to a bucket. This module imports no
+command line.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -30,7 +33,7 @@ from jaxpar.config import Config
 from jaxpar.models import Transformer
 from jaxpar.models import lora as lora_lib
 from jaxpar.models import objective as objective_lib
-from jaxpar.models.attention import kernel_for
+from jaxpar.models.attention import documents_checked, kernel_for, slot_bucket
 from jaxpar.models.loss import loss_chunks
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import pipeline as pipeline_lib
@@ -67,10 +70,41 @@ class Trainer:
     trainable: lora_lib.Trainable | None = None
     # finetune.lora: () -> the adapters at their initial values, born sharded (else None)
     init_adapters: Callable[[], Any] | None = None
+    # Where cuDNN's packed attention runs (model.attention cudnn, no ring): bucket k -> the train
+    # step jitted for batches whose rows the host checked to hold at most k documents (k document
+    # slots, no NaN poison; `attention.documents_checked`). None elsewhere: one step serves all.
+    checked_step: Callable[[int], Callable] | None = None
+    # The checked steps made so far, by bucket (`step_for`); each compiles at its first call.
+    bucket_steps: dict[int, Callable] = field(default_factory=dict)
 
     @property
     def mesh(self) -> Mesh:
         return self.layout.mesh
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether the step depends on the documents per row (`step_for`): cuDNN's packed
+        attention, whose cost grows with the document slots it describes."""
+        return self.checked_step is not None
+
+    def bucket(self, documents: int) -> int | None:
+        """The document slots of the step for rows of at most `documents` documents: the
+        smallest of `attention.slot_buckets(model.max_documents_per_row)` that holds them; None
+        where the step does not depend on them."""
+        return slot_bucket(documents, self.cfg.model.max_documents_per_row) if self.bucketed else None
+
+    def step_for(self, documents: int) -> Callable:
+        """The train step for a batch whose rows hold at most `documents` documents, counted on
+        the host over the whole batch (every process's rows: all must run the same program):
+        the step of its slot bucket, made on first use, where the step depends on it
+        (`bucketed`), else `step`. Only for batches so checked: a row with more documents than
+        the bucket would be attended wrongly, and not made NaN."""
+        bucket = self.bucket(documents)
+        if bucket is None:
+            return self.step
+        if bucket not in self.bucket_steps:
+            self.bucket_steps[bucket] = self.checked_step(bucket)
+        return self.bucket_steps[bucket]
 
     def stored(self, tree: dict) -> dict:
         """The part of a train-state-shaped tree (a state, its shapes or its shardings) that a
@@ -385,6 +419,18 @@ def _state_layout(layout: sharding_lib.Layout, optimizer, param_shape, logical, 
     return shardings, state_shape, state_shardings
 
 
+def _checked_step(parts: StepParts, jit_step: Callable, bucket: int) -> Callable:
+    """The train step, jitted by `jit_step`, for batches whose rows the host has checked to hold
+    at most `bucket` documents (`Trainer.step_for`): attention traced under
+    `attention.documents_checked(bucket)`, which the step enters as jax traces it."""
+
+    def step(state, batch):
+        with documents_checked(bucket):
+            return train_step(parts, state, batch)[:2]
+
+    return jit_step(step)
+
+
 def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
     """`build_trainer` on a built layout: which techniques run, and over which axes, is the
     layout's answer (`Layout.pipelined`, `ring`, `ring_size`, `row_axes`), so the step follows
@@ -427,6 +473,13 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
         return train_step(parts, state, batch)[:2]
 
     batch_sharding = layout.batch_sharding()
+    jit_step = functools.partial(
+        jax.jit,
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+    bucketed = cfg.model.attention == "cudnn" and not layout.ring
     return Trainer(
         cfg=cfg,
         layout=layout,
@@ -436,12 +489,7 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
         grad_shardings=shardings["grads"],
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
-        step=jax.jit(
-            step,
-            in_shardings=(state_shardings, batch_sharding),
-            out_shardings=(state_shardings, replicated),
-            donate_argnums=0,
-        ),
+        step=jit_step(step),
         step_with_grads=jax.jit(
             functools.partial(train_step, parts),
             in_shardings=(state_shardings, batch_sharding),
@@ -455,11 +503,15 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
         ),
         trainable=trainable,
         init_adapters=jax.jit(init_adapters, out_shardings=split(shardings["params"])) if lora else None,
+        checked_step=functools.partial(_checked_step, parts, jit_step) if bucketed else None,
     )
 
 
-def compile_step(trainer: Trainer):
-    """The train step lowered on abstract state and batch, and compiled (nothing runs)."""
+def compile_step(trainer: Trainer, documents: int | None = None):
+    """The train step lowered on abstract state and batch, and compiled (nothing runs): `step`,
+    or with `documents` the step the training loop runs on rows of at most that many documents
+    (`Trainer.step_for`)."""
+    step = trainer.step if documents is None else trainer.step_for(documents)
     with targets_lib.lowering_context(trainer.mesh):
-        lowered = trainer.step.lower(trainer.state_shape, trainer.batch_shape())
+        lowered = step.lower(trainer.state_shape, trainer.batch_shape())
     return lowered.compile()

@@ -16,6 +16,7 @@ from jaxpar.models.attention import (
     assume_compute_capability,
     attend,
     attention_mask,
+    documents_checked,
     documents_per_row,
     poison_overflow,
     segment_offsets,
@@ -360,3 +361,31 @@ def test_cudnn_matches_xla_on_a_gpu(packed):
         )
         out = np.asarray(out, np.float32)
         assert np.isnan(out[-1]).all() and np.isfinite(out[:-1]).all()
+
+
+@pytest.mark.skipif(not _gpus(), reason="needs a GPU (run with JAX_PLATFORMS=cuda,cpu)")
+@pytest.mark.parametrize("most", [1, 3, 4])
+def test_a_checked_bucket_matches_xla_on_a_gpu(most):
+    """The training loop's attention (`documents_checked(k)`: k slots, no poison; k = 1 the plain
+    causal call) on rows of at most `most` documents: cuDNN's output and gradients are XLA's."""
+    gpu = _gpus()[0]
+    rng = np.random.default_rng(most)
+    b, t, n, kv, h = 4, 256, 8, 2, 64
+    q, k, v, cot = (
+        jax.device_put(jnp.asarray(rng.standard_normal(s), jnp.bfloat16), gpu)
+        for s in [(b, t, n, h), (b, t, kv, h), (b, t, kv, h), (b, t, n, h)]
+    )
+    ids = jax.device_put(random_segment_ids(rng, b, t, most), gpu)
+    bucket = {1: 1, 3: 4, 4: 4}[most]
+
+    def run(impl):
+        def loss(q, k, v):
+            with documents_checked(bucket):
+                out = attend(q, k, v, ids, implementation=impl, max_segments=32)
+            return (out.astype(jnp.float32) * cot.astype(jnp.float32)).sum(), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return [np.asarray(a, np.float32) for a in (out, *grads)]
+
+    for got, want in zip(run("cudnn"), run("xla")):
+        np.testing.assert_allclose(got, want, atol=5e-2, rtol=5e-2)

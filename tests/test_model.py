@@ -122,6 +122,8 @@ def test_unrolled_layers_train_exactly_as_the_scanned_layers():
         compiled = compile_step(trainer)
         loops[form] = compiled.as_text().count(" while(")
         init = runs["scanned"].init if runs else None
-        runs[form] = run_parity(trainer, compiled, random_batches(trainer.cfg), init, along=runs.get("scanned"))
+        runs[form] = run_parity(
+            trainer, compiled, random_batches(trainer.cfg), init, along=runs.get("scanned")
+        )
     assert_parity(runs["unrolled"], runs["scanned"], rtol=1e-6)
     assert loops["scanned"] >= 2 and loops["unrolled"] == loops["scanned"] - 2, loops

@@ -262,11 +262,14 @@ def test_inspect_kernels_without_a_target_is_a_one_line_error(capsys):
     assert len(err.splitlines()) == 1 and "--target" in err
 
 
+# configs/tiny.yaml in bfloat16 with head_dim 64: cuDNN attention on an H100.
+TINY_H100 = ["model.dtype=bfloat16", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2"]
+
+
 def test_inspect_kernels_on_the_tiny_config_for_an_h100():
     """The command line end to end: the table's launches add up to the step's, its time is the
     step's, MFU is the model's FLOPs over that time, and cuDNN attention shows with its line."""
-    overrides = ["model.dtype=bfloat16", "model.d_model=128", "model.n_heads=2", "model.n_kv_heads=2"]
-    done = _inspect("configs/tiny.yaml", *overrides, "--target", "h100", "--kernels")
+    done = _inspect("configs/tiny.yaml", *TINY_H100, "--target", "h100", "--kernels")
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout)
     rows = r["kernels"]
@@ -278,3 +281,36 @@ def test_inspect_kernels_on_the_tiny_config_for_an_h100():
     attention = [row for row in rows if row["kind"] == "attention"]
     assert attention and attention[0]["source"].startswith("jaxpar/models/attention.py:")
     assert r["uncosted_kernels"] == 0
+    # Rows of one document by default: the training loop's one-slot step (the plain causal call).
+    assert (r["documents_per_row"], r["document_slots"]) == (1, 1)
+
+
+def test_inspect_kernels_costs_the_step_for_the_documents_given():
+    """`--documents 3` compiles the step the loop runs for rows of 3 documents (slot bucket 4 of
+    the default 16: guards the flag ignored, or the bucket one short) and costs its empty slots
+    for rows of 3, B x 1 x N: more than the one-document step, less than the 16-slot one."""
+    done = _inspect("configs/tiny.yaml", *TINY_H100, "--target", "h100", "--kernels", "--documents", "3")
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout)
+    assert (r["documents_per_row"], r["document_slots"]) == (3, 4)
+    (backward,) = [row for row in r["kernels"] if row["kind"] == "attention-backward"]
+    b, n, layers = 8, 2, 2  # configs/tiny.yaml's batch and layers, TINY_H100's heads
+    assert backward["count"] == layers
+    flops, moved = backward["flops"] / layers, backward["bytes"] / layers  # per launch
+    roofline = max(flops / RATES.attention_backward, moved / RATES.bandwidth) + RATES.launch
+    empty = b * (4 - 3) * n * RATES.empty_slot  # per launch: one empty slot per row and head
+    assert backward["seconds"] == pytest.approx(layers * (roofline + empty), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("17", "--documents 17: more than model.max_documents_per_row=16"),
+        ("0", "--documents 0: a row of train.seq_len=32 tokens holds 1 to 32 documents"),
+        ("many", "--documents many: a row of train.seq_len=32 tokens holds 1 to 32 documents"),
+    ],
+)
+def test_inspect_refuses_documents_no_run_would_hold(value, message):
+    done = _inspect("configs/tiny.yaml", *TINY_H100, "--target", "h100", "--kernels", f"--documents={value}")
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr

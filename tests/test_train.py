@@ -207,14 +207,47 @@ def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
 
 
 def test_automatic_loss_chunks_keep_float32_logits_within_256_mib():
+    """Where the device's memory is unknown (CPU devices): pieces of the vocabulary whose float32
+    logits stay within 256 MiB."""
     from jaxpar.models.loss import loss_chunks
 
     gpt2 = os.path.join(ROOT, "configs", "gpt2-124m.yaml")
     sizes = {a: 1 for a in config_lib.MESH_AXES}
     cfg = config_lib.load_config(gpt2)
-    # 12 x 1024 tokens x 50304 x 4 bytes = 2.47 GB: 9.2 x 256 MiB -> 16, the next divisor of 1024
-    assert loss_chunks(cfg, sizes) == 16
-    # tensor=2 with sequence parallelism halves the vocabulary per device, not the tokens too
+    # 12 x 1024 tokens x 50304 x 4 bytes = 2.47 GB: 9.2 x 256 MiB -> 12, the next divisor of 50304
+    assert loss_chunks(cfg, sizes) == 12
+    # tensor=2 with sequence parallelism halves the vocabulary per device, not the tokens too:
+    # 4.6 x 256 MiB -> 6, the next divisor of 25152
     sp = config_lib.load_config(gpt2, ["parallel.sequence_parallel=true"])
-    assert loss_chunks(sp, {**sizes, "tensor": 2}) == 8
+    assert loss_chunks(sp, {**sizes, "tensor": 2}) == 6
     assert loss_chunks(config_lib.load_config(gpt2, ["train.loss_chunks=4"]), sizes) == 4
+
+
+class _Device:
+    """A device as loss_chunks sees one: a GPU's allocator limit, or (compile-only) none to ask."""
+
+    def __init__(self, kind, bytes_limit=None):
+        self.device_kind, self.bytes_limit = kind, bytes_limit
+
+    def memory_stats(self):
+        if self.bytes_limit is None:
+            raise RuntimeError("compile-only device")
+        return {"bytes_limit": self.bytes_limit}
+
+
+def test_automatic_loss_chunks_follow_the_devices_memory():
+    """On one 80 GB H100 the presets' logits come whole (GPT-2 124M 2.5 GB, the 1B 8.4 GB): a
+    real one at JAX's default 75% (64 GB) and a compile-only one (its usable 90%). On a device
+    with 30 GB to use, the 1B's logits come in 2 pieces (4.2 GB each, within a sixth of it)."""
+    from jaxpar.models.loss import loss_chunks
+
+    sizes = {a: 1 for a in config_lib.MESH_AXES}
+    gpt2, llama = (
+        config_lib.load_config(os.path.join(ROOT, "configs", f"{n}.yaml")) for n in ("gpt2-124m", "llama-1b")
+    )
+    h100, compile_only = _Device("NVIDIA H100 80GB HBM3", 64 * 10**9), _Device("NVIDIA H100 80GB HBM3")
+    for device in (h100, compile_only):
+        assert loss_chunks(gpt2, sizes, device=device) == 1
+        assert loss_chunks(llama, sizes, device=device) == 1
+    assert loss_chunks(llama, sizes, device=_Device("smaller", 30 * 10**9)) == 2
+    assert loss_chunks(llama, sizes, device=_Device("unknown")) == 32  # 256 MiB

@@ -19,12 +19,23 @@ per row ([batch] lengths), not several documents. The packed form is reached thr
 The number of documents described per row, M = `max_segments`, is static, and it is not free:
 cuDNN treats every (row, document slot) as a sequence of length T, so the softmax statistics that
 the forward saves for the backward are float32 [B * M, N, T] -- 4*B*M*N*T bytes per layer, i.e.
-M times the statistics of a one-document call. M = T (which could never be exceeded) makes them
-4*B*N*T^2 bytes, as large as the dense float32 logits this path exists to avoid, so M stays small
-(`DEFAULT_MAX_SEGMENTS`) and a row with more documents than M is made loud instead of wrong: its
-attention output is NaN, so the loss is NaN (`train.on_nan` then stops or skips the step). Check
-batches on the host with `documents_per_row` to fail with a clear message before that, or pick M
-from the data (`documents_per_row(...).max()`; a few bucketed values mean a few compilations).
+M times the statistics of a one-document call -- and the packed backward works through every
+slot whatever it holds (on an H100 about 117 ns per empty row x slot x head, `jaxpar.ruler`, plus
+small kernels that prepare the offsets: GPT-2 124M took 53.3 ms a step at M = 32 and 47.0 ms at
+M = 1 on rows of one document). M = T (which could never be exceeded) would make the statistics
+4*B*N*T^2 bytes, as large as the dense float32 logits this path exists to avoid. So M is chosen
+per batch where the caller can check its rows:
+
+- checked (`documents_checked(k)` around tracing): the caller has counted every row's documents
+  on the host (`documents_per_row`) and promises at most k; the call describes k slots (k = 1 is
+  the plain causal call, no offsets) and makes no row NaN. The training loop does this: it compiles
+  one step per bucket of `slot_buckets` (1, 2, 4, ... up to model.max_documents_per_row) and
+  runs each batch with the smallest bucket that holds its fullest row (`jaxpar.trainer.Trainer.
+  step_for`), so a batch of one-document rows costs what plain causal attention costs;
+- unchecked (everything else: `Trainer.step`, the evaluation step, a model run on its own): M =
+  `max_segments`, and a row with more documents than M is made loud instead of wrong: its
+  attention output is NaN (`poison_overflow`, a select over every output, forward and backward),
+  so the loss is NaN (`train.on_nan` then stops or skips the step).
 
 Caller's constraints for "cudnn" (checked here where they can be):
 - q, k, v in bfloat16 or float16, layout [batch, seq, heads, head_dim]; k, v with K heads
@@ -40,6 +51,7 @@ Caller's constraints for "cudnn" (checked here where they can be):
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 
@@ -53,6 +65,10 @@ from jaxpar.sharding import constrain, current_scope, logical_to_spec
 # Documents described per row on the cuDNN path when the caller does not say. The softmax
 # statistics cost 4*B*M*N*T bytes per layer (for B=12, T=1024, N=12: 9.4 MB at M=16).
 DEFAULT_MAX_SEGMENTS = 16
+
+# Set (by `documents_checked`) while a caller that checked its batches on the host traces: the
+# most documents any row holds. None: unchecked.
+_CHECKED: contextvars.ContextVar[int | None] = contextvars.ContextVar("documents_checked", default=None)
 
 IMPLEMENTATIONS = ("xla", "cudnn")
 
@@ -114,6 +130,47 @@ def segment_offsets(segment_ids, max_segments: int):
     return offsets, lengths
 
 
+def slot_buckets(limit: int) -> tuple[int, ...]:
+    """The document-slot counts a checked caller compiles for, up to `limit` (model.
+    max_documents_per_row): the powers of two below it, then `limit` itself -- (1, 2, 4, 8, 16,
+    32) for 32, (1, 2, 4, 8, 16, 24) for 24. A batch runs with the smallest that holds its fullest
+    row (`slot_bucket`): at most twice the slots it needs, and at most log2(limit) + 1 programs."""
+    if limit < 1:
+        raise ValueError(f"the document-slot limit must be >= 1, got {limit}")
+    ladder = []
+    while (1 << len(ladder)) < limit:
+        ladder.append(1 << len(ladder))
+    return (*ladder, limit)
+
+
+def slot_bucket(documents: int, limit: int) -> int:
+    """The smallest of `slot_buckets(limit)` that is >= `documents` (the most documents a row of
+    the batch holds, `documents_per_row(...).max()`)."""
+    if not 1 <= documents <= limit:
+        raise ValueError(
+            f"a row of {documents} documents does not fit any slot bucket of 1..{limit} documents "
+            f"(model.max_documents_per_row={limit}); check batches with documents_per_row first"
+        )
+    return next(b for b in slot_buckets(limit) if b >= documents)
+
+
+@contextlib.contextmanager
+def documents_checked(most: int):
+    """Trace `attend` for batches whose every row holds at most `most` documents -- a promise the
+    caller keeps by counting them on the host (`documents_per_row`) before the batch reaches the
+    program. Inside, the cuDNN path describes `most` document slots per row whatever
+    `max_segments` it is given (one: the plain causal call) and leaves out `poison_overflow`,
+    whose case the check has ruled out. Read when `attend` is traced: enter it inside the
+    jitted function (jax.jit traces at its first call), one jitted function per value."""
+    if most < 1:
+        raise ValueError(f"documents_checked: a row holds at least 1 document, got {most}")
+    token = _CHECKED.set(most)
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
 # --- Attention ----------------------------------------------------------------------------------
 
 
@@ -167,7 +224,8 @@ def attend(
     q [B, T, N, H], k/v [B, T, K, H] (K divides N); segment_ids int [B, T], or None for one
     document per row. Returns [B, T, N, H] in q's dtype. `implementation`: "xla" (dense mask) or
     "cudnn" (packed flash attention, see the module doc); `max_segments` (cudnn only): documents
-    described per row, DEFAULT_MAX_SEGMENTS when None; rows holding more come out NaN. `scale`:
+    described per row, DEFAULT_MAX_SEGMENTS when None; rows holding more come out NaN -- unless
+    traced under `documents_checked(k)`, which describes k and poisons nothing. `scale`:
     of the logits, None for 1/sqrt(H). `window` (static): a query sees its `window` latest
     positions only, in the layers where `sliding` (a traced bool; None: every call) holds -- on
     cuDNN both forms are compiled and `lax.cond` picks one per layer."""
@@ -180,7 +238,9 @@ def attend(
         mask = _mask(q.shape[1], segment_ids, window, sliding)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask, implementation="xla")
     _check_cudnn(q, k)
+    checked = _CHECKED.get()
     max_segments = DEFAULT_MAX_SEGMENTS if max_segments is None else max_segments
+    max_segments = max_segments if checked is None else checked
 
     def cudnn(q, k, v, window):
         if segment_ids is None:
@@ -188,7 +248,7 @@ def attend(
             return jax.nn.dot_product_attention(
                 q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
             )
-        return _packed_cudnn(q, k, v, segment_ids, max_segments, scale, window)
+        return _packed_cudnn(q, k, v, segment_ids, max_segments, scale, window, poison=checked is None)
 
     if window is None or sliding is None:
         return cudnn(q, k, v, window)
@@ -197,7 +257,9 @@ def attend(
     )
 
 
-def _packed_cudnn(q, k, v, segment_ids, max_segments: int, scale=None, window=None):
+def _packed_cudnn(q, k, v, segment_ids, max_segments: int, scale=None, window=None, poison=True):
+    """cuDNN's packed call over `max_segments` document slots; `poison`: rows holding more
+    documents come out NaN (`poison_overflow`), else the caller has ruled them out."""
     fa = _fused()
     # jax turns token offsets into element offsets (x N * H) in int32, on each device's shard.
     b, t, n, h = _local_shape(q.shape, ("batch", "seq", "heads", None))
@@ -207,14 +269,7 @@ def _packed_cudnn(q, k, v, segment_ids, max_segments: int, scale=None, window=No
             f"one device, past the int32 offsets of cuDNN's packed attention; use "
             f"fewer rows per device"
         )
-    seq = q.shape[1]
-    max_segments = min(max_segments, seq)  # a row cannot hold more documents than tokens
-    offsets, lengths = segment_offsets(segment_ids, max_segments)
-    # The call's partitioner hands every operand to the per-device program with its own
-    # sharding, and jax there reads offsets/lengths as describing the local rows of q. They must
-    # therefore be split over batch exactly like q; say so rather than leave it to propagation.
-    offsets = constrain(offsets, ("batch", None))
-    lengths = constrain(lengths, ("batch", None))
+    max_segments = min(max_segments, q.shape[1])  # a row cannot hold more documents than tokens
     common = dict(
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
         mask_type=fa.MaskType.CAUSAL,
@@ -222,13 +277,20 @@ def _packed_cudnn(q, k, v, segment_ids, max_segments: int, scale=None, window=No
     )
     if max_segments == 1:
         # One slot means one document per row: jax's packed form needs M > 1, and a plain causal
-        # call is the same thing (rows with more documents are poisoned below).
+        # call is the same thing (unchecked rows with more documents are poisoned below).
         out = fa.dot_product_attention(q, k, v, **common)
     else:
+        offsets, lengths = segment_offsets(segment_ids, max_segments)
+        # The call's partitioner hands every operand to the per-device program with its own
+        # sharding, and jax there reads offsets/lengths as describing the local rows of q. They
+        # must therefore be split over batch exactly like q; say so rather than leave it to
+        # propagation.
+        offsets = constrain(offsets, ("batch", None))
+        lengths = constrain(lengths, ("batch", None))
         out = fa.dot_product_attention(
             q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets, **common
         )
-    return poison_overflow(out, segment_ids, max_segments)
+    return poison_overflow(out, segment_ids, max_segments) if poison else out
 
 
 def poison_overflow(out, segment_ids, max_segments: int):
