@@ -4,10 +4,11 @@ train step, or (with --target) print the memory of its compiled program for GPUs
 
 The config is loaded and validated exactly as `python -m jaxpar.train` does
 (`jaxpar.startup.load_and_validate`), the trainer is built (`build_trainer`) and its step is
-compiled once on abstract shapes (`jaxpar.trainer.compile_step`). Batches are random tokens made
-here with numpy, a fresh one per step, put on the devices before timing (no data pipeline, no
-grain). After W warm-up steps, N steps (default 20) are timed one by one, each ended by `block_until_ready`
-on the new state and the metrics, so every step time is one step's device time plus one host round trip.
+compiled once on abstract shapes (`jaxpar.trainer.compile_step`), as the training loop would run
+it on rows of one document. Batches are random tokens made here with numpy, one document a row, a
+fresh one per step, put on the devices before timing (no data pipeline, no grain). After W
+warm-up steps, N steps (default 20) are timed one by one, each ended by `block_until_ready` on the
+new state and the metrics, so every step time is one step's device time plus one host round trip.
 
 Reported (table on stdout, JSON in benchmarks/results/<config-stem>-<device>[-xN][-TAG].json):
 median / mean / min / max / p90 step time; tokens/s from the median; MFU from
@@ -259,7 +260,9 @@ def run_benchmark(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -
     t, m = cfg.train, cfg.model
     trainer = build_trainer(cfg, sizes)
     start = time.perf_counter()
-    compiled = compile_step(trainer)
+    # The step the training loop runs on these batches' rows, one document each (with cuDNN's
+    # packed attention: the one-slot bucket, `Trainer.step_for`).
+    compiled = compile_step(trainer, documents=1)
     compile_s = time.perf_counter() - start
     inspected = report(trainer, compiled)  # parameter count, per-device bytes, XLA FLOPs
 
@@ -299,6 +302,8 @@ def run_benchmark(cfg: Config, sizes: dict[str, int], steps: int, warmup: int) -
                 )
             },
             "moe_experts": m.moe.num_experts,
+            # the cuDNN packed step's document slots (one-document rows), None: not bucketed
+            "document_slots": trainer.bucket(1),
         },
         "parallel": dataclasses.asdict(cfg.parallel),
         "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
