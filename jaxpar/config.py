@@ -272,7 +272,7 @@ class TrainConfig:
     progress: bool = True  # a line per logged step on stderr (above a live bar on a terminal); false = quiet
     resume: str = "auto"  # auto (latest complete checkpoint in run_dir) | never | a step number
     on_nan: OnNaN = "stop"  # stop (error naming the step) | skip (drop that step's update)
-    loss_chunks: int = 0  # the loss computes logits for seq/loss_chunks positions at a time; 0 = auto
+    loss_chunks: int = 0  # the loss's logits in this many vocabulary pieces (at least); 0 = auto
     # Evaluation: the loss on the validation split of prepared shards (prepare --val-fraction),
     # without gradients, on the training mesh; the same batches every time, logged as eval_loss.
     eval_every: int = 0  # evaluate every n steps and at the last step (0 = never)
@@ -1246,13 +1246,10 @@ def _validate_sequence_splits(cfg: Config, sizes: dict[str, int]) -> None:
                 f"mesh.context={sizes['context']} and parallel.context_layout={p.context_layout} cuts "
                 f"the sequence into {pieces} chunks; try a multiple of {pieces}"
             )
-    seq_shards = sizes["context"] * (sizes["tensor"] if p.sequence_parallel else 1)
-    if t.loss_chunks < 0 or (
-        t.loss_chunks and (t.seq_len % t.loss_chunks or (t.seq_len // t.loss_chunks) % seq_shards)
-    ):
-        fits = [c for c in _divisors(t.seq_len) if (t.seq_len // c) % seq_shards == 0]
+    vocab_per_device = cfg.model.vocab_size // sizes["tensor"]
+    if not 0 <= t.loss_chunks <= vocab_per_device:
         raise ConfigError(
-            f"train.loss_chunks={t.loss_chunks} must divide train.seq_len={t.seq_len} into pieces "
-            f"that split evenly over the {seq_shards} devices holding the sequence; use 0 (auto) "
-            f"or one of {fits}"
+            f"train.loss_chunks={t.loss_chunks}: the loss cuts each device's {vocab_per_device} "
+            f"vocabulary columns (model.vocab_size={cfg.model.vocab_size} over mesh.tensor="
+            f"{sizes['tensor']}) into that many pieces; use 0 (auto) or 1 to {vocab_per_device}"
         )

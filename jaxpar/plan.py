@@ -26,7 +26,7 @@ Memory per device (`predict_memory`), in bytes, for jaxpar's own program:
   pipeline's stashed microbatches: the schedule's own buffer count), plus the working set of
   one layer's backward (its recomputed residuals and their gradients); LoRA adds each adapter's
   x A (`adapter_residuals`);
-- loss: the chunked cross-entropy's float32 logits of one chunk and their gradient (for a
+- loss: the chunked cross-entropy's float32 logits of one piece and their gradient (for a
   backend whose peak never holds them beside a layer's working set, `Backend.loss_beside_work`
   False, only what they need beyond it);
 - buffers: the model-dtype copies of the weights the matmuls read (ZeRO-3: one gathered layer
@@ -559,9 +559,10 @@ def _lowered(schedule):
     return pipeline_lib.lower_schedule(schedule)
 
 
-def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str, backend: str = "gpu") -> dict[str, float]:
+def predict_memory(cfg: Config, sizes: dict, kernel: str, backend: str = "gpu", memory=None) -> dict:
     """Predicted bytes per device of the compiled train step (module doc), by kind, as the
-    `backend`'s compiler ("gpu" or "cpu", `BACKENDS`) lays the program out."""
+    `backend`'s compiler ("gpu" or "cpu", `BACKENDS`) lays the program out; `memory`: what a
+    program may use on a device (None: unknown), for the loss's automatic pieces."""
     b = BACKENDS[backend]
     m, t, p = cfg.model, cfg.train, cfg.parallel
     pb, a = _BYTES[m.param_dtype], _BYTES[m.dtype]
@@ -598,11 +599,12 @@ def predict_memory(cfg: Config, sizes: dict[str, int], kernel: str, backend: str
         # However much is fused, the softmax's backward reads XLA attention's float32
         # probabilities whole: one [rows, heads, seq, seq] array is the floor.
         work = max(work, 4 * rows * s.heads * s.tokens * s.seq)
-    # The loss: one chunk of float32 logits and their gradient (jaxpar.models.loss.loss_chunks).
+    # The loss: a piece of float32 logits and their gradient (vocabulary pieces, models.loss.
+    # loss_chunks), 8 bytes a logit; whole on a GPU, 5 as compiled (llama-1b, tests/test_plan.py).
     from jaxpar.models.loss import loss_chunks
 
-    chunks = loss_chunks(cfg, sizes, rows=rows * dp)
-    logits = 2 * 4 * rows * (s.tokens // chunks) * s.vocab
+    chunks = loss_chunks(cfg, sizes, rows=rows * dp, memory=memory)
+    logits = (5 if chunks == 1 and backend == "gpu" else 8) * rows * s.tokens * s.vocab / chunks
     # A layer's working set and the loss chunk's logits are not alive at once: the loss runs
     # after the last layer's forward and before the first layer's backward, with every layer's
     # residuals kept. Where the backend's peak shows it (`Backend.loss_beside_work` False) the
@@ -645,15 +647,18 @@ def predict_memory_for(
     kernel: str | None = None,
     path: str | None = None,
     backend: str = "cpu",
+    known_memory: bool = True,
 ) -> dict[str, float]:
     """`predict_memory` of a config file + overrides on a mesh (unlisted axes 1), for the
     `backend`'s compiler: "cpu" (the emulated devices) or "gpu" (an H100, compiled or not);
-    the attention kernel, unless given, is the one the trainer picks there."""
+    the attention kernel, unless given, is the one the trainer picks there. `known_memory`
+    False: the loss's automatic pieces as on a device of unknown memory (256 MiB of logits)."""
     cfg = config_lib.load_config(path, list(overrides) + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES])
     sizes = config_lib.validate(cfg, math.prod(mesh.values()))
+    device = None if backend == "cpu" else DEVICES["h100"]
     if kernel is None:
-        kernel = attention_kernel(cfg, sizes, None if backend == "cpu" else DEVICES["h100"])
-    return predict_memory(cfg, sizes, kernel, backend)
+        kernel = attention_kernel(cfg, sizes, device)
+    return predict_memory(cfg, sizes, kernel, backend, device and known_memory and device.usable_bytes)
 
 
 def compiled_memory(
@@ -1025,7 +1030,7 @@ def enumerate_plans(cfg: Config, n: int, device: DeviceSpec, gpus_per_node: int)
             plan = Plan(
                 c,
                 sizes,
-                predict_memory(c, sizes, kernel),
+                predict_memory(c, sizes, kernel, memory=device.usable_bytes),
                 predict_time(c, sizes, device, gpus_per_node),
                 kernel,
                 crosses,

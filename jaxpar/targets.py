@@ -30,6 +30,21 @@ from jaxpar.mesh import cuda_plugin_folders
 USABLE_FRACTION = 0.9
 
 
+def device_memory(device) -> int | None:
+    """The bytes a program may use on `device`: a real GPU's allocator limit (`memory_stats`),
+    or for a compile-only device of a type jaxpar knows (GPUS) its usable share; None where
+    neither is known (CPU devices)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # compile-only devices have no runtime to ask
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    kind = getattr(device, "device_kind", None)
+    known = [gpu for gpu in GPUS.values() if gpu.description == kind and gpu.memory_bytes]
+    return known[0].usable_bytes if known else None
+
+
 def usable_bytes(memory_bytes: int) -> int:
     """The bytes of a device of `memory_bytes` that a program may use (USABLE_FRACTION)."""
     return int(memory_bytes * USABLE_FRACTION)

@@ -33,7 +33,8 @@ from jaxpar.config import Config
 from jaxpar.models import Transformer
 from jaxpar.models import lora as lora_lib
 from jaxpar.models import objective as objective_lib
-from jaxpar.models.attention import documents_checked, kernel_for, slot_bucket
+from jaxpar.models.attention import kernel_for, slot_bucket
+from jaxpar.models.llama import check_documents
 from jaxpar.models.loss import loss_chunks
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import pipeline as pipeline_lib
@@ -72,7 +73,7 @@ class Trainer:
     init_adapters: Callable[[], Any] | None = None
     # Where cuDNN's packed attention runs (model.attention cudnn, no ring): bucket k -> the train
     # step jitted for batches whose rows the host checked to hold at most k documents (k document
-    # slots, no NaN poison; `attention.documents_checked`). None elsewhere: one step serves all.
+    # slots, no NaN poison; `llama.check_documents`). None elsewhere: one step serves all.
     checked_step: Callable[[int], Callable] | None = None
     # The checked steps made so far, by bucket (`step_for`); each compiles at its first call.
     bucket_steps: dict[int, Callable] = field(default_factory=dict)
@@ -176,6 +177,12 @@ def accumulate(fn: Callable, params, batch: dict, microsteps: int):
     return total
 
 
+def _memory(layout: sharding_lib.Layout) -> int | None:
+    """The bytes a program may use on one of the layout's devices (None: unknown), which the
+    loss's automatic chunking reads (`loss.loss_chunks`)."""
+    return targets_lib.device_memory(layout.mesh.devices.flat[0])
+
+
 def summed_grads_fn(
     cfg: Config, layout: sharding_lib.Layout, abstract_model, trainable: lora_lib.Trainable | None = None
 ) -> Callable:
@@ -200,7 +207,7 @@ def summed_grads_fn(
             schedule=schedule,
             mesh=layout.mesh,
             axis_name=layout.pipe_axis,
-            loss_chunks=loss_chunks(cfg, layout.sizes, rows=rows),
+            loss_chunks=loss_chunks(cfg, layout.sizes, rows=rows, memory=_memory(layout)),
             # Axes over which parameters and gradients are whole: the pipeline splits rows over
             # them itself and sums once per pass.
             row_axes=layout.row_axes,
@@ -209,7 +216,9 @@ def summed_grads_fn(
             microstep = _adapter_part(microstep, trainable)
     else:
         objective = functools.partial(
-            objective_lib.objective, nnx.graphdef(abstract_model), chunks=loss_chunks(cfg, layout.sizes)
+            objective_lib.objective,
+            nnx.graphdef(abstract_model),
+            chunks=loss_chunks(cfg, layout.sizes, memory=_memory(layout)),
         )
         if trainable is None:
             microstep = jax.grad(objective, has_aux=True)
@@ -239,7 +248,9 @@ def summed_nll_fn(
         # empty and the program holds 19 dot ops, the train step 40.
         return lambda params, batch: summed_grads(params, batch)[1]
     objective = functools.partial(
-        objective_lib.objective, nnx.graphdef(abstract_model), chunks=loss_chunks(cfg, layout.sizes)
+        objective_lib.objective,
+        nnx.graphdef(abstract_model),
+        chunks=loss_chunks(cfg, layout.sizes, memory=_memory(layout)),
     )
 
     def nll_and_count(params, batch):
@@ -419,14 +430,16 @@ def _state_layout(layout: sharding_lib.Layout, optimizer, param_shape, logical, 
     return shardings, state_shape, state_shardings
 
 
-def _checked_step(parts: StepParts, jit_step: Callable, bucket: int) -> Callable:
+def _checked_step(parts: StepParts, context_layout: str | None, jit_step: Callable, bucket: int) -> Callable:
     """The train step, jitted by `jit_step`, for batches whose rows the host has checked to hold
-    at most `bucket` documents (`Trainer.step_for`): attention traced under
-    `attention.documents_checked(bucket)`, which the step enters as jax traces it."""
+    at most `bucket` documents (`Trainer.step_for`): the same step over a model whose attention
+    layers describe `bucket` document slots and poison nothing (`llama.check_documents`)."""
+    model = check_documents(nnx.eval_shape(lambda: _new_model(parts.cfg, context_layout)), bucket)
+    grads = summed_grads_fn(parts.cfg, parts.layout, model, parts.trainable)
+    checked = dataclasses.replace(parts, summed_grads=grads)
 
     def step(state, batch):
-        with documents_checked(bucket):
-            return train_step(parts, state, batch)[:2]
+        return train_step(checked, state, batch)[:2]
 
     return jit_step(step)
 
@@ -503,7 +516,7 @@ def trainer_for(cfg: Config, layout: sharding_lib.Layout) -> Trainer:
         ),
         trainable=trainable,
         init_adapters=jax.jit(init_adapters, out_shardings=split(shardings["params"])) if lora else None,
-        checked_step=functools.partial(_checked_step, parts, jit_step) if bucketed else None,
+        checked_step=functools.partial(_checked_step, parts, context_layout, jit_step) if bucketed else None,
     )
 
 

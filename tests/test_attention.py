@@ -16,7 +16,6 @@ from jaxpar.models.attention import (
     assume_compute_capability,
     attend,
     attention_mask,
-    documents_checked,
     documents_per_row,
     poison_overflow,
     segment_offsets,
@@ -366,7 +365,7 @@ def test_cudnn_matches_xla_on_a_gpu(packed):
 @pytest.mark.skipif(not _gpus(), reason="needs a GPU (run with JAX_PLATFORMS=cuda,cpu)")
 @pytest.mark.parametrize("most", [1, 3, 4])
 def test_a_checked_bucket_matches_xla_on_a_gpu(most):
-    """The training loop's attention (`documents_checked(k)`: k slots, no poison; k = 1 the plain
+    """The training loop's attention (checked for k documents: k slots, no poison; k = 1 the plain
     causal call) on rows of at most `most` documents: cuDNN's output and gradients are XLA's."""
     gpu = _gpus()[0]
     rng = np.random.default_rng(most)
@@ -380,8 +379,7 @@ def test_a_checked_bucket_matches_xla_on_a_gpu(most):
 
     def run(impl):
         def loss(q, k, v):
-            with documents_checked(bucket):
-                out = attend(q, k, v, ids, implementation=impl, max_segments=32)
+            out = attend(q, k, v, ids, implementation=impl, max_segments=bucket, checked=True)
             return (out.astype(jnp.float32) * cot.astype(jnp.float32)).sum(), out
 
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)

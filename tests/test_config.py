@@ -568,3 +568,12 @@ def test_adapter_settings_without_a_rank_are_refused(setting):
     cfg = config.load_config(None, [setting])
     with pytest.raises(ConfigError, match=r"set, but finetune.lora.rank=0 means no LoRA"):
         config.validate(cfg, 8)
+
+
+@pytest.mark.parametrize("chunks", [-1, 257])
+def test_loss_chunks_beyond_a_devices_vocabulary_columns_is_a_config_error(chunks):
+    """The loss cuts each device's vocabulary columns (512 over mesh.tensor=2: 256) into
+    train.loss_chunks pieces; a count past them, or negative, names the range that works."""
+    message = validation_error(f"train.loss_chunks={chunks}")
+    assert_names_all(message, (f"train.loss_chunks={chunks}", "256", "mesh.tensor=2", "1 to 256"))
+    config.validate(load("train.loss_chunks=256"), DEVICES)  # the last that works

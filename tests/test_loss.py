@@ -1,8 +1,8 @@
-"""jaxpar.models.loss: the chunked cross-entropy against a full-logits reference, sharded, and
-its memory footprint."""
+"""jaxpar.models.loss: the chunked cross-entropy against a full-logits reference, sharded, its
+structure (two GEMMs backward in one piece, no weight-sized accumulator in pieces, no collective
+per piece) and its memory footprint."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +11,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import hlo
 from jaxpar.mesh import make_mesh
-from jaxpar.models.loss import chunked_cross_entropy, pick_chunks
+from jaxpar.models.loss import chunked_cross_entropy, pick_chunks, vocab_pieces
 
 
 def reference_loss(h, weight, targets, mask, dtype):
@@ -36,7 +37,7 @@ def rel_err(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def make_inputs(batch=2, seq=8, embed=16, vocab=37, seed=0):
+def make_inputs(batch=2, seq=8, embed=16, vocab=36, seed=0):
     """Random inputs; vocab is not a power of two and about a third of the mask is zero."""
     rng = np.random.default_rng(seed)
     h = rng.standard_normal((batch, seq, embed), np.float32)
@@ -47,16 +48,34 @@ def make_inputs(batch=2, seq=8, embed=16, vocab=37, seed=0):
     return tuple(jnp.asarray(x) for x in (h, weight, targets, mask))
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 4])
-def test_float32_matches_full_logits(chunks):
-    # Any misalignment of the strided split between h, targets and mask changes which logit is
-    # picked for which token, and a dropped mask or count shows in the sums.
-    args = make_inputs()
+@pytest.mark.parametrize("chunks, vocab", [(1, 36), (2, 36), (4, 36), (5, 36), (4, 37)])
+def test_float32_matches_full_logits(chunks, vocab):
+    # Any misalignment of a piece's columns with their vocabulary ids changes which logit is
+    # picked for which token, and a dropped mask or count shows in the sums. 5 pieces of 36 are
+    # 6 (`vocab_pieces`); a prime vocabulary is cut into pieces of one column.
+    args = make_inputs(vocab=vocab)
     (want, want_count), (want_dh, want_dw) = loss_and_grads(reference_loss, *args, dtype=jnp.float32)
     (got, count), (dh, dw) = loss_and_grads(chunked_cross_entropy, *args, dtype=jnp.float32, chunks=chunks)
     assert got.dtype == jnp.float32 and dh.dtype == jnp.float32 and dw.dtype == jnp.float32
     assert float(count) == float(want_count)
     assert rel_err(got, want) <= 1e-6
+    assert rel_err(dh, want_dh) <= 1e-6
+    assert rel_err(dw, want_dw) <= 1e-6
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_the_cotangent_scales_both_gradients(chunks):
+    """The step differentiates the summed NLL (a cotangent of 1); anything else that uses the
+    loss (a mean, a weighted sum) hands it another. With one piece the forward's d_logits come
+    without it and the backward applies it to d_h and to the weight gradient's rows; in pieces
+    it multiplies the mask."""
+    args = make_inputs()
+
+    def scaled(loss_fn):
+        return lambda *a, **kw: (lambda total, count: (0.37 * total, count))(*loss_fn(*a, **kw))
+
+    _, (want_dh, want_dw) = loss_and_grads(scaled(reference_loss), *args, dtype=jnp.float32)
+    _, (dh, dw) = loss_and_grads(scaled(chunked_cross_entropy), *args, dtype=jnp.float32, chunks=chunks)
     assert rel_err(dh, want_dh) <= 1e-6
     assert rel_err(dw, want_dw) <= 1e-6
 
@@ -87,11 +106,14 @@ def test_bfloat16_matmul_matches_full_logits(chunks):
     assert rel_err(dw, exact_dw) <= 1.25 * rel_err(want_dw, exact_dw)
 
 
-def test_chunks_must_divide_seq():
-    args = make_inputs(seq=8)
-    for chunks in (3, 0, 16):
-        with pytest.raises(ValueError, match=f"chunks={chunks}.*8"):
-            chunked_cross_entropy(*args, dtype=jnp.float32, chunks=chunks)
+def test_chunks_must_be_positive():
+    with pytest.raises(ValueError, match="chunks=0 must be a positive"):
+        chunked_cross_entropy(*make_inputs(), dtype=jnp.float32, chunks=0)
+
+
+def test_vocab_pieces_are_the_next_divisor():
+    assert vocab_pieces(36, 1) == 1 and vocab_pieces(36, 4) == 4 and vocab_pieces(36, 5) == 6
+    assert vocab_pieces(37, 2) == 37 and vocab_pieces(36, 100) == 36
 
 
 def _sharded_inputs(mesh):
@@ -116,10 +138,11 @@ def project_mesh():
     return make_mesh({"pipe": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 2, "tensor": 2})
 
 
-@pytest.mark.parametrize("chunks", [4, 16])
+@pytest.mark.parametrize("chunks", [1, 4, 16])
 def test_sharded_matches_single_device(chunks):
-    # 16 chunks leave one token per row and chunk: fewer than the 2 context shards (correct, but
-    # GSPMD has to gather the inputs).
+    # Without the trainer's rules the loss does not know the vocabulary is split over tensor and
+    # cuts pieces of the whole vocabulary (correct, but GSPMD has to move them). 16 pieces of
+    # the 40 columns are 20, of two columns each.
     _check_sharded(project_mesh(), chunks)
 
 
@@ -140,10 +163,10 @@ def _under_the_trainers_rules(mesh):
     return loss_fn
 
 
-@pytest.mark.parametrize("chunks", [4, 16])
+@pytest.mark.parametrize("chunks", [1, 4, 16])
 def test_sharded_with_the_trainers_rules_matches_single_device(chunks):
-    # 16 chunks: one token per row and chunk, fewer than the 2 context shards, so the sequence
-    # is not cut into parts (the batch still is).
+    # The weight gradient's parts: 2 batch x 2 sequence; d_h's and the logsumexp's: 2 over
+    # tensor. 16 pieces of the 20 columns per device are 20 pieces of one column.
     mesh = project_mesh()
     args, sharded = _sharded_inputs(mesh)
     (want, _), (want_dh, want_dw) = loss_and_grads(reference_loss, *args, dtype=jnp.float32)
@@ -155,31 +178,95 @@ def test_sharded_with_the_trainers_rules_matches_single_device(chunks):
     assert rel_err(dw, want_dw) <= 1e-5
 
 
-@pytest.mark.parametrize("chunks", [4, 16])
+@pytest.mark.parametrize("chunks", [1, 4, 16])
 def test_sharded_explicit_axes(chunks):
-    """On a mesh with explicit axes too; 16 chunks take the branch that regathers the inputs."""
+    """On a mesh with explicit axes too, where the arrays' types say how they are split (the
+    parts and the vocabulary's split come from there)."""
     mesh = jax.make_mesh((2, 2, 2), ("data", "context", "tensor"), axis_types=(AxisType.Explicit,) * 3)
     _check_sharded(mesh, chunks)
 
 
-def test_strided_chunks_keep_every_device_busy():
-    """With seq / chunks a multiple of the context shards, the compiled step only sums partial
-    results (all-reduce): no device gathers another's hidden states. Cutting the sequence into
-    contiguous chunks instead puts each chunk on one context shard, and GSPMD gathers them."""
+def _collectives(text):
+    """[(op, how many times it runs per call)] of the compiled program's collectives."""
+    comps = hlo.parse(text)
+    times = hlo.multiplicities(comps)
+    kinds = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+    return [
+        (ins.op.removesuffix("-start"), times[comp.name])
+        for comp in comps.values()
+        for ins in comp.instrs
+        if ins.op.removesuffix("-start") in kinds
+    ]
+
+
+def test_pieces_are_cut_from_every_devices_vocabulary():
+    """Under the trainer's rules (data 2 x context 2 x tensor 2), 4 pieces: every device holds
+    its own columns of every piece, and what is summed over devices is summed once, after the
+    loops: the compiled step's only collectives are all-reduces, and none runs more than once
+    per call. Pieces cut from the whole vocabulary would sit on one tensor shard each (GSPMD
+    then moves them), and a per-piece sum over tensor of d_h or of the logsumexp, or over the
+    rows of the weight gradient, would run once per piece."""
     mesh = project_mesh()
     _, sharded = _sharded_inputs(mesh)
-    lowered = loss_and_grads.lower(chunked_cross_entropy, *sharded, dtype=jnp.float32, chunks=4)
-    hlo = lowered.compile().as_text()
-    moves = re.findall(r"\b(all-gather|all-to-all|collective-permute)(?:-start)?\(", hlo)
-    assert not moves, moves
-    assert "all-reduce" in hlo  # the vocab-sharded logsumexp, the gradient sums
+    fn = _under_the_trainers_rules(mesh)
+    found = _collectives(loss_and_grads.lower(fn, *sharded, dtype=jnp.float32, chunks=4).compile().as_text())
+    assert {op for op, _ in found} == {"all-reduce"}, found
+    assert max(times for _, times in found) == 1, found
+
+
+def _primitives(jaxpr, name):
+    """Every equation of primitive `name` in jaxpr and the jaxprs inside it (scan bodies, ...)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+                if hasattr(sub, "eqns"):
+                    found += _primitives(sub, name)
+    return found
+
+
+def test_one_piece_backward_is_two_gemms():
+    """chunks = 1: the head's forward GEMM and the backward's two (d_h and the weight
+    gradient); the logits are not recomputed (that made four). In 4 pieces: one in the
+    forward's loop, three in the backward's (the logits again, d_h, the weight gradient)."""
+    args = make_inputs()
+
+    def dots(chunks):
+        fn = functools.partial(loss_and_grads, chunked_cross_entropy, dtype=jnp.float32, chunks=chunks)
+        return _primitives(jax.make_jaxpr(fn)(*args).jaxpr, "dot_general")
+
+    assert len(dots(1)) == 3
+    assert len(dots(4)) == 4
+
+
+def test_pieces_keep_no_weight_sized_accumulator():
+    """In pieces, nothing the size of a piece of the weight gradient is added to from piece to
+    piece (read and rewritten by each): the loops accumulate the logsumexp and the target
+    logits ([batch, seq, tensor]) and d_h ([tensor, batch, seq, embed]); each piece's columns of
+    the weight gradient are a scan output, written once. (Before: a float32 [embed, vocab]
+    accumulator, read and rewritten by every chunk.) Tokens < vocab / pieces here, as in real
+    models, so d_h is the smaller."""
+    embed, vocab, pieces = 24, 360, 4
+    args = make_inputs(batch=2, seq=8, embed=embed, vocab=vocab)
+    fn = functools.partial(loss_and_grads, chunked_cross_entropy, dtype=jnp.float32, chunks=pieces)
+    scans = _primitives(jax.make_jaxpr(fn)(*args).jaxpr, "scan")
+    assert len(scans) == 2
+    body = [scan.params["jaxpr"].jaxpr for scan in scans]
+    adds = [
+        eqn.outvars[0].aval for op in ("add", "add_any") for jaxpr in body for eqn in _primitives(jaxpr, op)
+    ]
+    adds = [aval for aval in adds if jnp.issubdtype(aval.dtype, jnp.floating)]
+    assert [aval.shape for aval in adds if aval.ndim == 4] == [(1, 2, 8, embed)]  # d_h: the search sees it
+    assert max(aval.size for aval in adds) < embed * vocab / pieces, adds
 
 
 def test_chunked_gradient_does_not_hold_full_logits():
     """The temporary memory of the compiled gradient: the full version holds several float32
-    [batch, seq, vocab] buffers; with 8 checkpointed chunks, well under half of one. Dropping the
-    checkpoint (the scan then stores every chunk's softmax for the backward) or chunking nothing
-    would fail this."""
+    [batch, seq, vocab] buffers; in 8 pieces, well under half of one. Keeping each piece's
+    softmax for the backward (rather than recomputing it) or chunking nothing would fail this."""
     batch, seq, vocab, embed = 4, 512, 8192, 64
     shapes = (
         jax.ShapeDtypeStruct((batch, seq, embed), jnp.float32),
@@ -200,17 +287,15 @@ def test_chunked_gradient_does_not_hold_full_logits():
 
 
 def test_pick_chunks():
-    # 4 x 512 tokens x 8192 vocab in float32 = 64 MiB: 8 MiB needs 8 chunks, 24 MiB needs 4
-    # (3 would do but does not divide 512), the default 256 MiB needs 1.
-    assert pick_chunks(512, 4 * 512, 8192, budget_bytes=8 * 2**20) == 8
-    assert pick_chunks(512, 4 * 512, 8192, budget_bytes=24 * 2**20) == 4
-    assert pick_chunks(512, 4 * 512, 8192) == 1
-    # Sequence split over 4 context shards: seq / chunks must stay a multiple of 4.
-    assert pick_chunks(12, 100, 10**6, budget_bytes=1, seq_shards=4) == 3
-    # Nothing fits: the finest split.
-    assert pick_chunks(6, 6, 10**6, budget_bytes=1) == 6
-    result = pick_chunks(96, 2 * 96, 50_000, budget_bytes=2**20)
-    assert 96 % result == 0 and 2 * 96 * 50_000 * 4 / result <= 2**20
+    # 4 x 512 tokens x 8192 vocab in float32 = 64 MiB: 8 MiB needs 8 pieces, 24 MiB needs 4
+    # (3 would do but does not divide 8192), the default 256 MiB needs 1.
+    assert pick_chunks(4 * 512, 8192, budget_bytes=8 * 2**20) == 8
+    assert pick_chunks(4 * 512, 8192, budget_bytes=24 * 2**20) == 4
+    assert pick_chunks(4 * 512, 8192) == 1
+    # Nothing fits: one column per piece.
+    assert pick_chunks(6, 10**6, budget_bytes=1) == 10**6
+    result = pick_chunks(2 * 96, 50_000, budget_bytes=2**20)
+    assert 50_000 % result == 0 and 2 * 96 * 50_000 * 4 / result <= 2**20
 
 
 # --- The trainer's loss in chunks, on layouts that shard the output weight -------------------
@@ -271,3 +356,39 @@ def test_the_parity_check_fails_on_a_gradient_one_part_in_ten_thousand_off(
     grads[step]["embedding"] = grads[step]["embedding"] * (1 + 1e-4)
     with pytest.raises(AssertionError, match=f"step {step + 1}: 1 of .* gradient leaves differ"):
         assert_parity(Run(grads, got.history, got.starts, got.ends), unchunked_reference)
+
+
+# --- The trainer's loss in pieces on layouts that split the vocabulary or the sequence ---------
+#
+# tiny.yaml's 264 columns: over tensor 8, 33 per device, so 4 pieces are 11 of 3 columns (each
+# device cutting its own); with tensor 2 and a sequence over context (ring attention) or over
+# tensor (sequence parallelism, gathered for the loss), 4 pieces of 33. Untied: the head's own
+# gradient is the loss's weight gradient.
+
+HEADS8 = ["model.n_heads=8", "model.n_kv_heads=8"]  # tensor 8 splits the heads
+PIECEWISE = {
+    "tensor8": ({"tensor": 8}, []),
+    "data2_context2_tensor2": ({"data": 2, "context": 2, "tensor": 2}, []),
+    "data4_tensor2_sp": ({"data": 4, "tensor": 2}, ["parallel.sequence_parallel=true"]),
+}
+
+
+@pytest.fixture(scope="module")
+def unchunked_untied():
+    from jaxpar.inspect import compile_step
+    from tests.parity import parity_trainer, random_batches, run_parity
+
+    trainer = parity_trainer(HEADS8 + ["train.loss_chunks=1"], {})
+    return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
+
+
+@pytest.mark.parametrize("layout", list(PIECEWISE))
+def test_loss_in_pieces_matches_one_device_unchunked(layout, unchunked_untied):
+    from jaxpar.inspect import compile_step
+    from tests.parity import assert_parity, parity_trainer, random_batches, run_parity
+
+    mesh, extra = PIECEWISE[layout]
+    want = unchunked_untied
+    trainer = parity_trainer(HEADS8 + extra + ["train.loss_chunks=4"], mesh)
+    got = run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg), want.init, along=want)
+    assert_parity(got, want)

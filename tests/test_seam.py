@@ -98,6 +98,9 @@ def test_pipelined_head_computes_like_the_unpipelined_one():
         for line in text.splitlines():
             if "dot_general" in line and "264" in line:
                 operands = re.search(r": \((.*)\) ->", line).group(1)
+                if re.search(r"tensor<\d+x\d+x[a-z]+\d*>$", operands):
+                    continue  # the loss's sum of the weight gradient's parts (a contraction with
+                    # [batch parts, seq parts] ones), which a program whose rows are whole lacks
                 # drop the rows (a microbatch in one, the batch in the other)
                 kinds.add(re.sub(r"tensor<\d+x", "tensor<Bx", operands))
         return kinds

@@ -11,7 +11,6 @@ keeps the poison."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect as pyinspect
 import types
 
@@ -25,7 +24,7 @@ from jaxpar import targets as targets_lib
 from jaxpar import train as train_lib
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.models import attention
-from jaxpar.models.attention import attend, documents_checked, slot_bucket, slot_buckets
+from jaxpar.models.attention import attend, slot_bucket, slot_buckets
 from jaxpar.trainer import build_trainer, compile_step
 from tests.test_attention import random_segment_ids
 
@@ -228,31 +227,29 @@ def _qkv(batch, seq=64, heads=4, kv_heads=2, head_dim=16):
 
 
 def _traced(checked: int | None, q, k, v, ids) -> str:
-    """The jaxpr of the cuDNN path, traced under documents_checked(checked) (None: unchecked)."""
+    """The jaxpr of the cuDNN path, checked for `checked` documents per row (None: unchecked, 32
+    slots)."""
 
     def run(q, k, v, ids):
-        with documents_checked(checked) if checked else contextlib.nullcontext():
-            return attend(q, k, v, ids, implementation="cudnn", max_segments=32)
+        return attend(q, k, v, ids, implementation="cudnn", max_segments=checked or 32, checked=bool(checked))
 
     return str(jax.make_jaxpr(run)(q, k, v, ids))
 
 
 def test_a_bucket_describes_every_document_of_its_rows_and_poisons_nothing(fake_cudnn):
-    """Under documents_checked(k) the call describes k slots whatever max_segments says (guards
-    the override ignored: 32 slots) and leaves out the poison; the attention is the XLA path's
-    where every row fits (a bucket one short would move a document's tokens out of it)."""
+    """Checked for k documents, the call describes k slots and leaves out the poison; the
+    attention is the XLA path's where every row fits (a bucket one short would move a document's
+    tokens out of it)."""
     ids = np.concatenate([random_segment_ids(np.random.default_rng(1), 5, 64, 4), _rows(4, seq=64)])
     q, k, v = _qkv(len(ids))
     want = np.asarray(attend(q, k, v, jnp.asarray(ids), implementation="xla"), np.float32)
-    with documents_checked(4):
-        got = attend(q, k, v, jnp.asarray(ids), implementation="cudnn", max_segments=32)
+    got = attend(q, k, v, jnp.asarray(ids), implementation="cudnn", max_segments=4, checked=True)
     assert fake_cudnn.slots == [4]
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2)
     assert "nan" not in _traced(4, q, k, v, ids) and "nan" in _traced(None, q, k, v, ids)  # the poison
     assert fake_cudnn.slots == [4, 4, 32]
     one = _rows(1, 1, 1, seq=64)
-    with documents_checked(1):
-        got = attend(*_qkv(3), jnp.asarray(one), implementation="cudnn", max_segments=32)
+    got = attend(*_qkv(3), jnp.asarray(one), implementation="cudnn", max_segments=1, checked=True)
     assert fake_cudnn.slots[-1] is None  # one slot: the plain causal call
     want = attend(*_qkv(3), jnp.asarray(one), implementation="xla")
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
@@ -268,10 +265,6 @@ def test_unchecked_rows_beyond_the_slots_come_out_nan(fake_cudnn):
     assert np.isnan(got[2]).all() and np.isfinite(got[[0, 1, 3]]).all()
     want = np.asarray(attend(q, k, v, jnp.asarray(ids), implementation="xla"), np.float32)
     np.testing.assert_allclose(got[[0, 1, 3]], want[[0, 1, 3]], atol=2e-2)
-    with documents_checked(2):  # the context is left: unchecked again
-        pass
-    attend(q, k, v, jnp.asarray(ids), implementation="cudnn", max_segments=3)
-    assert fake_cudnn.slots == [3, 3]
 
 
 # --- The H100 programs, compiled here -------------------------------------------------------------

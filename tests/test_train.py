@@ -210,6 +210,10 @@ def test_automatic_loss_chunks_keep_float32_logits_within_256_mib():
     """Where the device's memory is unknown (CPU devices): pieces of the vocabulary whose float32
     logits stay within 256 MiB."""
     from jaxpar.models.loss import loss_chunks
+    from jaxpar.targets import device_memory
+
+    def chunks(cfg, device):
+        return loss_chunks(cfg, sizes, memory=device_memory(device))
 
     gpt2 = os.path.join(ROOT, "configs", "gpt2-124m.yaml")
     sizes = {a: 1 for a in config_lib.MESH_AXES}
@@ -224,7 +228,7 @@ def test_automatic_loss_chunks_keep_float32_logits_within_256_mib():
 
 
 class _Device:
-    """A device as loss_chunks sees one: a GPU's allocator limit, or (compile-only) none to ask."""
+    """A device as targets.device_memory sees one: a GPU's allocator limit, or (compile-only) none to ask."""
 
     def __init__(self, kind, bytes_limit=None):
         self.device_kind, self.bytes_limit = kind, bytes_limit
@@ -240,6 +244,10 @@ def test_automatic_loss_chunks_follow_the_devices_memory():
     real one at JAX's default 75% (64 GB) and a compile-only one (its usable 90%). On a device
     with 30 GB to use, the 1B's logits come in 2 pieces (4.2 GB each, within a sixth of it)."""
     from jaxpar.models.loss import loss_chunks
+    from jaxpar.targets import device_memory
+
+    def chunks(cfg, device):
+        return loss_chunks(cfg, sizes, memory=device_memory(device))
 
     sizes = {a: 1 for a in config_lib.MESH_AXES}
     gpt2, llama = (
@@ -247,7 +255,6 @@ def test_automatic_loss_chunks_follow_the_devices_memory():
     )
     h100, compile_only = _Device("NVIDIA H100 80GB HBM3", 64 * 10**9), _Device("NVIDIA H100 80GB HBM3")
     for device in (h100, compile_only):
-        assert loss_chunks(gpt2, sizes, device=device) == 1
-        assert loss_chunks(llama, sizes, device=device) == 1
-    assert loss_chunks(llama, sizes, device=_Device("smaller", 30 * 10**9)) == 2
-    assert loss_chunks(llama, sizes, device=_Device("unknown")) == 32  # 256 MiB
+        assert chunks(gpt2, device) == 1 and chunks(llama, device) == 1
+    assert chunks(llama, _Device("smaller", 30 * 10**9)) == 2
+    assert chunks(llama, _Device("unknown")) == 32  # 256 MiB

@@ -26,9 +26,9 @@ M = 1 on rows of one document). M = T (which could never be exceeded) would make
 4*B*N*T^2 bytes, as large as the dense float32 logits this path exists to avoid. So M is chosen
 per batch where the caller can check its rows:
 
-- checked (`documents_checked(k)` around tracing): the caller has counted every row's documents
-  on the host (`documents_per_row`) and promises at most k; the call describes k slots (k = 1 is
-  the plain causal call, no offsets) and makes no row NaN. The training loop does this: it compiles
+- checked (`attend(..., max_segments=k, checked=True)`): the caller has counted every row's
+  documents on the host (`documents_per_row`) and promises at most k; the call describes k slots
+  (k = 1 is the plain causal call, no offsets) and makes no row NaN. The training loop does this: it compiles
   one step per bucket of `slot_buckets` (1, 2, 4, ... up to model.max_documents_per_row) and
   runs each batch with the smallest bucket that holds its fullest row (`jaxpar.trainer.Trainer.
   step_for`), so a batch of one-document rows costs what plain causal attention costs;
@@ -51,7 +51,6 @@ Caller's constraints for "cudnn" (checked here where they can be):
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
 
@@ -65,10 +64,6 @@ from jaxpar.sharding import constrain, current_scope, logical_to_spec
 # Documents described per row on the cuDNN path when the caller does not say. The softmax
 # statistics cost 4*B*M*N*T bytes per layer (for B=12, T=1024, N=12: 9.4 MB at M=16).
 DEFAULT_MAX_SEGMENTS = 16
-
-# Set (by `documents_checked`) while a caller that checked its batches on the host traces: the
-# most documents any row holds. None: unchecked.
-_CHECKED: contextvars.ContextVar[int | None] = contextvars.ContextVar("documents_checked", default=None)
 
 IMPLEMENTATIONS = ("xla", "cudnn")
 
@@ -154,23 +149,6 @@ def slot_bucket(documents: int, limit: int) -> int:
     return next(b for b in slot_buckets(limit) if b >= documents)
 
 
-@contextlib.contextmanager
-def documents_checked(most: int):
-    """Trace `attend` for batches whose every row holds at most `most` documents -- a promise the
-    caller keeps by counting them on the host (`documents_per_row`) before the batch reaches the
-    program. Inside, the cuDNN path describes `most` document slots per row whatever
-    `max_segments` it is given (one: the plain causal call) and leaves out `poison_overflow`,
-    whose case the check has ruled out. Read when `attend` is traced: enter it inside the
-    jitted function (jax.jit traces at its first call), one jitted function per value."""
-    if most < 1:
-        raise ValueError(f"documents_checked: a row holds at least 1 document, got {most}")
-    token = _CHECKED.set(most)
-    try:
-        yield
-    finally:
-        _CHECKED.reset(token)
-
-
 # --- Attention ----------------------------------------------------------------------------------
 
 
@@ -217,7 +195,17 @@ def _mask(seq, segment_ids, window, sliding):
 
 
 def attend(
-    q, k, v, segment_ids, *, implementation: str, max_segments=None, scale=None, window=None, sliding=None
+    q,
+    k,
+    v,
+    segment_ids,
+    *,
+    implementation: str,
+    max_segments=None,
+    checked: bool = False,
+    scale=None,
+    window=None,
+    sliding=None,
 ):
     """Causal attention of each token to the earlier tokens of its own document.
 
@@ -225,7 +213,8 @@ def attend(
     document per row. Returns [B, T, N, H] in q's dtype. `implementation`: "xla" (dense mask) or
     "cudnn" (packed flash attention, see the module doc); `max_segments` (cudnn only): documents
     described per row, DEFAULT_MAX_SEGMENTS when None; rows holding more come out NaN -- unless
-    traced under `documents_checked(k)`, which describes k and poisons nothing. `scale`:
+    `checked`: the caller counted every row's documents on the host and none holds more, so
+    nothing is poisoned (the training loop's slot buckets). `scale`:
     of the logits, None for 1/sqrt(H). `window` (static): a query sees its `window` latest
     positions only, in the layers where `sliding` (a traced bool; None: every call) holds -- on
     cuDNN both forms are compiled and `lax.cond` picks one per layer."""
@@ -238,9 +227,7 @@ def attend(
         mask = _mask(q.shape[1], segment_ids, window, sliding)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask, implementation="xla")
     _check_cudnn(q, k)
-    checked = _CHECKED.get()
     max_segments = DEFAULT_MAX_SEGMENTS if max_segments is None else max_segments
-    max_segments = max_segments if checked is None else checked
 
     def cudnn(q, k, v, window):
         if segment_ids is None:
@@ -248,7 +235,7 @@ def attend(
             return jax.nn.dot_product_attention(
                 q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
             )
-        return _packed_cudnn(q, k, v, segment_ids, max_segments, scale, window, poison=checked is None)
+        return _packed_cudnn(q, k, v, segment_ids, max_segments, scale, window, poison=not checked)
 
     if window is None or sliding is None:
         return cudnn(q, k, v, window)

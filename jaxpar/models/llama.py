@@ -209,6 +209,9 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.context_layout = context_layout
         self.grad_dtype = grad_dtype  # the weight gradients' dtype (`jaxpar.fp8.einsum`)
+        # cuDNN's packed attention: the document slots per row of batches the host counted
+        # (`check_documents`); None: model.max_documents_per_row, overflowing rows made NaN.
+        self.document_slots = None
         e, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_width
         self.wq = _param(rngs, (e, n, h), ("embed", "heads", "head_dim"), cfg)
         self.wk = _param(rngs, (e, k, h), ("embed", "kv_heads", "head_dim"), cfg)
@@ -258,14 +261,15 @@ class Attention(nnx.Module):
                 q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
             out = self._ring(q, k, v, segment_ids, window, sliding)
         else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
-            kernel = attention_kernel(cfg)
+            kernel, slots = attention_kernel(cfg), self.document_slots
             out = attend(
                 q,
                 k,
                 v,
                 segment_ids,
                 implementation=kernel,
-                max_segments=cfg.max_documents_per_row,
+                max_segments=slots or cfg.max_documents_per_row,
+                checked=slots is not None,
                 scale=scale,
                 window=window,
                 sliding=sliding if window is not None else None,
@@ -405,6 +409,17 @@ class BlockGroup(nnx.Module):
             keys.append(layer.k)
             values.append(layer.v)
         return x, KVCache(jnp.stack(keys), jnp.stack(values), layer.length)
+
+
+def check_documents(model: nnx.Module, slots: int) -> nnx.Module:
+    """`model` (e.g. an abstract one, for its graphdef) with every attention layer describing
+    `slots` document slots per row and making no row NaN: for batches whose rows the host counted
+    to hold at most `slots` documents (the training loop's slot buckets, `jaxpar.trainer.Trainer.
+    step_for`). Only cuDNN's packed attention reads it; the weights are the same."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Attention):
+            node.document_slots = slots
+    return model
 
 
 def scan_unit(

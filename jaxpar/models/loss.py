@@ -4,19 +4,53 @@ The plain head computes logits = h @ W for every token at once: a float32 [batch
 array that, with a large vocabulary, is often the biggest activation of the whole train step,
 and autodiff keeps it (or the softmax made from it) alive until the backward pass.
 
-`chunked_cross_entropy` instead walks over the tokens in `chunks` pieces with `jax.lax.scan`,
-forward and backward, keeping nothing per piece for the backward but its inputs (the hidden
-states, targets and mask, which exist anyway): the backward recomputes each piece's logits. At
-any moment only one piece's float32 logits (and their gradient) are alive: [batch, seq / chunks,
-vocab] instead of [batch, seq, vocab]. The price is one more head matmul per token.
+`chunked_cross_entropy` writes the forward and the backward out (a custom VJP), in one of two
+ways:
+
+- One piece (chunks = 1): the forward computes the logits once (one GEMM, float32 out), their
+  logsumexp and the loss (two reads of the float32 logits), and d_logits = (softmax - onehot) *
+  mask, the gradient of the loss with respect to the logits, rounded to the matmul dtype (a
+  third read, fused with taking the target's logit). It keeps d_logits ([batch, seq, vocab],
+  bfloat16 for a bfloat16 model) for the backward; the float32 logits die in the forward. The
+  backward is two GEMMs, d_h = d_logits @ W^T and the weight gradient h^T @ d_logits, the
+  cotangent applied to d_h's float32 product and to h's rows (a [tokens, embed] pass, not a
+  vocab-wide one). Memory: float32 logits and d_logits at once, 6 bytes a logit in bfloat16.
+- `chunks` > 1 pieces of the vocabulary (for logits that would not fit): the forward walks the
+  pieces with `jax.lax.scan` (one GEMM and two reads of the piece's float32 logits each),
+  combining each piece's logsumexp into a running one, and keeps only the per-token logsumexp
+  ([batch, seq] float32) for the backward. The backward walks the pieces again: it recomputes
+  each piece's logits (the one extra head GEMM of this way), takes softmax - onehot of them
+  against the saved logsumexp, adds the piece's share of d_h into a float32 [batch, seq, embed]
+  accumulator, and writes the piece's columns of the weight gradient once, as a scan output.
+  No [embed, vocab] buffer is read and rewritten per piece; the accumulator of d_h is (tokens
+  per device x embed, much less than embed x vocab whenever a device holds fewer tokens than
+  the vocabulary has columns). One piece's float32 logits are alive at a time, [batch, seq,
+  vocab / pieces]. Besides the pieces' work: one copy of the weight into the pieces' order
+  (model dtype, [pieces, embed, tensor, vocab / (tensor * pieces)]) and one of the weight
+  gradient back (grad dtype), per step.
+
+Where the vocabulary is split over devices (the `tensor` axis), each device's own columns are
+cut into the pieces (`_vocab_pieces`), so every device works on every piece; a piece's
+logsumexp and d_h are partial over each device's columns, kept apart per device (a dim over
+`tensor`) until one combination after the loop: no collective per piece. The sequence is not
+cut: hidden states split over `context` stay so, and over `tensor` (sequence parallelism) they
+are gathered once, before the loop.
+
+Measured with the ruler (`python -m jaxpar.inspect CONFIG --target h100 --kernels`, one H100,
+jax 0.12.0.1): the loss's kernels of GPT-2 124M (12 x 1024 tokens) take 7.0 ms in one piece and
+9.2 ms in 12; of Llama-3.2-1B (8 x 2048 tokens) 45.8 ms in one piece and 60.9 ms in 32. Chunking
+the tokens instead, with a float32 [embed, vocab] weight gradient read and rewritten by every
+chunk and the logits recomputed even in one chunk, they took 13.2 ms (GPT-2, 16 chunks) and
+83.0 ms (the 1B, 32 chunks).
 
 The output weight is the other large thing here. The loss casts it to the model dtype and
-gathers it whole (over the data-like axes, under ZeRO-3) once per step, before the chunk loop;
-its gradient is summed over the pieces in float32 on each device and reduced across devices
-once, after the loop, in parallel.grad_reduce_dtype. Left to autodiff through a checkpointed
-scan, every piece gathered the weight forward, again to recompute and again backward, and
-reduce-scattered a whole float32 weight gradient (16 chunks of Llama-3.2-1B on 8 H100s: 48
-gathers and 16 reduce-scatters of the 128256 x 2048 weight per step).
+gathers it whole (over the data-like axes, under ZeRO-3) once per step, before the loop; its
+gradient's partial sums are kept per device holding a part of the token rows, written in
+parallel.grad_reduce_dtype by the GEMMs, and reduced across devices once, after the loop.
+Left to autodiff through a checkpointed scan, every piece gathered the weight forward, again
+to recompute and again backward, and reduce-scattered a whole float32 weight gradient (16
+chunks of Llama-3.2-1B on 8 H100s: 48 gathers and 16 reduce-scatters of the 128256 x 2048
+weight per step).
 """
 
 from __future__ import annotations
@@ -34,34 +68,11 @@ from jaxpar.config import Config
 from jaxpar.sharding import _free_auto_axes, constrain, current_scope
 
 FLOAT32_BYTES = 4
-
-
-def _strided_chunks(x, chunks: int):
-    """[batch, seq, ...] -> [chunks, batch, seq / chunks, ...], token t going to chunk t % chunks.
-
-    Under context parallelism the sequence axis is cut into contiguous blocks, one per device.
-    Contiguous chunks would line up with those blocks: each chunk would sit on one device, and
-    scanning over them means either the other devices idle or (what GSPMD actually compiles)
-    every device all-gathers the hidden states first. With a stride, the row index t // chunks
-    keeps the order of the blocks, so each device holds its own slice of every chunk (when
-    seq / chunks is a multiple of the number of blocks), every device works on every step of
-    the scan, and the only collectives left are the sums over a sharded vocab.
-    """
-    batch, seq = x.shape[:2]
-    x = jnp.moveaxis(x.reshape(batch, seq // chunks, chunks, *x.shape[2:]), 2, 0)
-    # On a mesh with explicit axes, the reshape carries the sequence sharding onto the chunk axis
-    # when seq / chunks is not a multiple of the number of sequence shards; scan needs that axis
-    # whole, so gather it (slower, still correct). Auto-axis (GSPMD) meshes report no spec here.
-    sharding = jax.typeof(x).sharding
-    if sharding.spec and sharding.spec[0] is not None:
-        x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(None, *sharding.spec[1:])))
-    return x
-
-
-def _unstrided(x):
-    """The inverse of `_strided_chunks`: [chunks, batch, seq / chunks, ...] -> [batch, seq, ...]."""
-    chunks, batch, rows = x.shape[:3]
-    return jnp.moveaxis(x, 0, 2).reshape(batch, rows * chunks, *x.shape[3:])
+# The float32 logits of one piece, where the device's memory is not known (CPU devices).
+DEFAULT_BUDGET = 256 * 2**20
+# Where it is known: whole float32 logits up to this share of the memory a program may use are
+# computed in one piece (which, at its peak, also holds their gradient in the matmul dtype).
+LOGITS_SHARE = 1 / 6
 
 
 def chunked_cross_entropy(h, weight, targets, mask, *, dtype, chunks: int, grad_dtype=None):
@@ -73,39 +84,53 @@ def chunked_cross_entropy(h, weight, targets, mask, *, dtype, chunks: int, grad_
     targets: int [batch, seq] next-token ids. mask: float [batch, seq] per-token weights (not
         differentiated: its cotangent is zero).
     dtype: the matmul operand dtype (the model dtype, e.g. bfloat16).
-    chunks: how many pieces the sequence is split into; must divide seq. 1 means one piece (the
-        whole sequence at once, still through the same code path).
-    grad_dtype: the dtype the weight gradient is reduced across devices in
+    chunks: how many pieces the vocabulary (each device's share of it) is cut into, at least:
+        the smallest divisor of the vocabulary per device not below `chunks` (`vocab_pieces`).
+        1: the whole logits at once, and no recomputation (module docstring).
+    grad_dtype: the dtype the weight gradient's GEMMs write and its cross-device sum moves
         (parallel.grad_reduce_dtype; None: float32), then cast to the weight's.
 
     Returns (sum over tokens of mask * nll, float32 scalar; sum(mask)): the summed next-token
     negative log-likelihood of logits = h.astype(dtype) @ weight.astype(dtype), accumulated in
     float32, as a log_softmax over all the logits at once would give it.
 
-    The weight is cast to `dtype` and gathered whole (over the data-like axes; vocab stays split
-    over `tensor`) once, before the chunk loop, and kept for the backward. The backward is
-    written out (`_summed_nll_bwd`): each chunk's logits are recomputed, the gradient of the
-    logits is rounded to `dtype`, and both gradient GEMMs take `dtype` operands with float32
-    accumulation. The weight gradient is summed over the chunks in float32 on each device, for
-    its own rows, and reduced across devices once, after the loop: under ZeRO-3 one all-gather
-    and one reduce-scatter of the weight per step, whatever the number of chunks.
+    Both gradient GEMMs take `dtype` operands (the gradient of the logits rounded to `dtype`)
+    with float32 accumulation. The weight gradient is reduced across devices once, after the
+    loop: under ZeRO-3 one all-gather and one reduce-scatter of the weight per step, whatever
+    the number of pieces.
     """
     batch, seq, _ = h.shape
-    if chunks < 1 or seq % chunks:
-        raise ValueError(f"chunks={chunks} must be a positive divisor of the sequence length {seq}")
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be a positive number of vocabulary pieces")
     if targets.shape != (batch, seq) or mask.shape != (batch, seq):
         raise ValueError(
             f"targets {targets.shape} and mask {mask.shape} must be [batch, seq] = {(batch, seq)}"
         )
+    vocab = weight.shape[1]
+    tensor = _shards(weight, 1, "vocab")
+    tensor = tensor if vocab % tensor == 0 else 1
     # The weight gradient's partial sums are kept apart per device holding a part of the rows:
     # [batch parts, seq parts, embed, vocab], each device one [embed, vocab] slice.
     parts = tuple(
         n if size % n == 0 else 1
-        for n, size in ((_axis_shards("batch"), batch), (_axis_shards("seq"), seq // chunks))
+        for n, size in ((_shards(h, 0, "batch"), batch), (_shards(h, 1, "seq"), seq))
     )
+    pieces = vocab_pieces(vocab // tensor, chunks)
     grad_dtype = jnp.dtype(grad_dtype or jnp.float32)
-    total = _summed_nll(h, weight, targets, mask, jnp.dtype(dtype), chunks, parts, grad_dtype)
+    layout = (pieces, tensor, parts)
+    total = _summed_nll(h, weight, targets, mask, jnp.dtype(dtype), layout, grad_dtype)
     return total, jnp.sum(mask)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def vocab_pieces(vocab_per_device: int, chunks: int) -> int:
+    """The pieces `chunked_cross_entropy` cuts each device's vocabulary into for `chunks`: the
+    smallest divisor of vocab_per_device not below chunks (all of it when chunks exceeds it)."""
+    return next((d for d in _divisors(vocab_per_device) if d >= chunks), vocab_per_device)
 
 
 def _axis_shards(name: str) -> int:
@@ -119,19 +144,21 @@ def _axis_shards(name: str) -> int:
     return math.prod(mesh.shape[axis] for axis in rules.get(name, ()) if axis in free)
 
 
-def _token_nll(logits, targets):
-    """logsumexp(logits) - logits[target] per token, float32 [batch, seq]. The target logit is
-    taken by comparing a vocabulary iota with the target rather than by a gather: elementwise
-    operations and reductions over vocab only, which GSPMD partitions directly when vocab is
-    sharded over `tensor` (a cross-device sum of partial results, no gathering of logits)."""
-    vocab_ids = jax.lax.broadcasted_iota(targets.dtype, logits.shape, 2)
-    target_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
-    return jax.nn.logsumexp(logits, axis=-1) - target_logit
+def _spec(x, dim: int):
+    """The mesh axes dim `dim` of x's type is split over (None when not, or not typed)."""
+    spec = jax.typeof(x).sharding.spec
+    return spec[dim] if dim < len(spec) else None
 
 
-def _logits(h_c, w):
-    """[batch, s, embed] x [embed, vocab] in w's dtype, accumulated in float32."""
-    return jnp.einsum("bse,ev->bsv", h_c.astype(w.dtype), w, preferred_element_type=jnp.float32)
+def _shards(x, dim: int, name: str) -> int:
+    """How many devices split dim `dim` of x: from x's type on a mesh with Explicit axes, else
+    those of logical axis `name` under the current rules (`_axis_shards`)."""
+    mesh = _typed_mesh(x)
+    if mesh is None:
+        return _axis_shards(name)
+    axes = _spec(x, dim)
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def _typed_mesh(x):
@@ -143,6 +170,14 @@ def _typed_mesh(x):
     return mesh
 
 
+def _reshape(x, shape, spec):
+    """x.reshape(shape); on a mesh with Explicit axes, which asks where a split or merged
+    sharded dim goes, laid out as `spec` (the sharding on a split dim's major part)."""
+    if _typed_mesh(x) is None:
+        return x.reshape(shape)
+    return jax.lax.reshape(x, shape, out_sharding=NamedSharding(_typed_mesh(x), spec))
+
+
 def _typed_out(x, spec) -> dict:
     """`out_sharding` for a contraction over sharded dims where JAX asks for it (x's mesh has
     Explicit axes); {} on other meshes, where GSPMD places the result."""
@@ -150,147 +185,257 @@ def _typed_out(x, spec) -> dict:
     return {} if mesh is None else {"out_sharding": NamedSharding(mesh, spec)}
 
 
+def _laid_out(x, names, like, spec):
+    """x constrained by logical `names` (Auto axes), or on a mesh with Explicit axes (that of
+    `like`'s type) resharded to `spec`: a loop carry must come out of the loop body as it went
+    in."""
+    mesh = _typed_mesh(like)
+    if mesh is None:
+        return constrain(x, names)
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+def _vocab_pieces(w, pieces: int, tensor: int):
+    """[embed, vocab] -> [pieces, embed, tensor, vocab / (tensor * pieces)]: each of the `tensor`
+    devices' contiguous vocabulary cut into `pieces` contiguous runs, piece c holding run c of
+    every device. Vocabulary id of [c, :, t, j]: (t * pieces + c) * (vocab / (tensor * pieces))
+    + j. With one piece, a reshape without a copy."""
+    embed, vocab = w.shape
+    shape = (embed, tensor, pieces, vocab // (tensor * pieces))
+    return jnp.moveaxis(_reshape(w, shape, P(_spec(w, 0), _spec(w, 1), None, None)), 2, 0)
+
+
+def _from_pieces(x):
+    """The inverse of `_vocab_pieces` on the leading and two last dims: [pieces, ..., tensor,
+    run] -> [..., vocab]."""
+    x = jnp.moveaxis(x, 0, -2)
+    spec = P(*(_spec(x, i) for i in range(x.ndim - 3)), _spec(x, x.ndim - 3))
+    return _reshape(x, (*x.shape[:-3], math.prod(x.shape[-3:])), spec)
+
+
+def _onehot(logits_shape, targets, piece, pieces: int):
+    """bool [batch, s, tensor, run]: which column of piece `piece` (`_vocab_pieces`) is each
+    token's target. An iota compared with the target, not a gather: elementwise operations
+    that GSPMD partitions directly where the vocabulary is split."""
+    run = logits_shape[-1]
+    t = jax.lax.broadcasted_iota(targets.dtype, logits_shape, 2)
+    j = jax.lax.broadcasted_iota(targets.dtype, logits_shape, 3)
+    return (t * pieces + piece) * run + j == targets[..., None, None]
+
+
+def _logits(x, w_c):
+    """[batch, s, embed] x [embed, tensor, run] in w's dtype, accumulated in float32."""
+    return jnp.einsum("bse,etv->bstv", x, w_c, preferred_element_type=jnp.float32)
+
+
+def _lse(logits, axes):
+    return jax.nn.logsumexp(logits, axis=axes)
+
+
+def _run_lse_and_target(logits, onehot):
+    """(logsumexp, the target's logit) of [batch, s, tensor, run] logits over the run (the last
+    dim): two reads of the logits, the max and the target's logit taken by one variadic
+    reduction (as two, XLA:GPU read the logits for each), the sum of exponentials by another."""
+    hit = jnp.where(onehot, logits, 0.0)
+    start = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype))
+    top, target = jax.lax.reduce(
+        (logits, hit), start, lambda a, b: (jnp.maximum(a[0], b[0]), a[1] + b[1]), (3,)
+    )
+    return top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=3)), target
+
+
+def _d_logits(logits, lse, onehot, scale, dtype):
+    """(softmax - onehot) * scale per token, from the logits and their logsumexp, in `dtype`."""
+    p = jnp.exp(logits - lse[..., None, None])
+    d = ((p - onehot) * scale[..., None, None]).astype(dtype)
+    return constrain(d, ("batch", "seq", "vocab", None))
+
+
 def _split_rows(x, parts: tuple[int, int]):
     """[batch, s, ...] -> [batch parts, batch / parts, seq parts, s / parts, ...]."""
     (nb, ns), (batch, s) = parts, x.shape[:2]
-    return x.reshape(nb, batch // nb, ns, s // ns, *x.shape[2:])
+    spec = P(_spec(x, 0), None, _spec(x, 1), None, *(_spec(x, i) for i in range(2, x.ndim)))
+    return _reshape(x, (nb, batch // nb, ns, s // ns, *x.shape[2:]), spec)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _summed_nll(h, weight, targets, mask, dtype, chunks, parts, grad_dtype):
-    return _summed_nll_fwd(h, weight, targets, mask, dtype, chunks, parts, grad_dtype)[0]
+def _weight_grad(x, d, parts, grad_dtype):
+    """x^T @ d per part of the token rows, written in grad_dtype: [batch parts, seq parts,
+    embed, tensor, run], each device its own part (no cross-device sum)."""
+    rows, d_rows = _split_rows(x, parts), _split_rows(d, parts)
+    spec = P(_spec(rows, 0), _spec(rows, 2), None, _spec(d_rows, 4), None)
+    grad = jnp.einsum(
+        "mbnse,mbnstv->mnetv", rows, d_rows, preferred_element_type=grad_dtype, **_typed_out(x, spec)
+    )
+    names = ("batch" if parts[0] > 1 else None, "seq" if parts[1] > 1 else None, None, "vocab", None)
+    return constrain(grad, names)
 
 
-def _summed_nll_fwd(h, weight, targets, mask, dtype, chunks, parts, grad_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _summed_nll(h, weight, targets, mask, dtype, layout, grad_dtype):
+    return _summed_nll_fwd(h, weight, targets, mask, dtype, layout, grad_dtype)[0]
+
+
+def _summed_nll_fwd(h, weight, targets, mask, dtype, layout, grad_dtype):
+    pieces, tensor, _ = layout
     # The output weight in `dtype`, whole over the data-like axes (vocab stays split over
     # `tensor`): under ZeRO-3 this is the step's one all-gather of it; the backward reuses it.
     w = constrain(jax.lax.optimization_barrier(weight.astype(dtype)), (None, "vocab"))
+    w = constrain(_vocab_pieces(w, pieces, tensor), (None, None, "vocab", None))
+    # The rows in `dtype`, the sequence split over `seq`'s axes only (under sequence
+    # parallelism h's is split over `tensor` too, which splits the vocabulary here): gathered
+    # once, here, not per piece.
+    x = constrain(h.astype(dtype), ("batch", "seq", None))
+    if pieces == 1:
+        logits = _logits(x, w[0])
+        onehot = _onehot(logits.shape, targets, 0, 1)
+        lse = _lse(logits, (2, 3))
+        nll = lse - jnp.sum(jnp.where(onehot, logits, 0.0), axis=(2, 3))
+        kept = _d_logits(logits, lse, onehot, mask, dtype)  # the backward's d_logits, without g
+    else:
+        kept, target = _piecewise_lse(x, w, targets, pieces)
+        nll = kept - target  # kept: the per-token logsumexp
+    total = jnp.sum(nll * mask)
+    # The loss value feeds only the step's metrics, and XLA:GPU's scheduler ran its (chunked)
+    # forward last, after the layers' backward, keeping `w` alive through it (Llama-3.2-1B, 8
+    # H100s: 0.5 GB). The barrier makes the backward's use of `w` and `kept` wait for the loss.
+    total, w, kept = jax.lax.optimization_barrier((total, w, kept))
+    return total, (x, w, kept, targets, mask, jnp.zeros((), weight.dtype), jnp.zeros((), h.dtype))
 
-    def step(total, piece):
-        h_c, targets_c, mask_c = piece
-        return total + jnp.sum(_token_nll(_logits(h_c, w), targets_c) * mask_c), None
 
-    pieces = tuple(_strided_chunks(x, chunks) for x in (h, targets, mask))
-    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), pieces)
-    # The loss value feeds only the step's metrics, and XLA:GPU's scheduler ran this loop last,
-    # after the layers' backward, keeping `w` alive through it (Llama-3.2-1B, 8 H100s: 0.5 GB).
-    # The barrier makes the backward's use of `w` wait for the loop.
-    total, w = jax.lax.optimization_barrier((total, w))
-    return total, (h, w, targets, mask, jnp.zeros((), weight.dtype))
+def _piecewise_lse(x, w, targets, pieces: int):
+    """The forward over the vocabulary's pieces: (logsumexp of each token's logits, its target's
+    logit), float32 [batch, seq]. Both are kept per device of the vocabulary's split inside the
+    loop ([batch, seq, tensor]: each device its own columns' logsumexp, combined with a running
+    one) and summed over devices once after it: no cross-device sum per piece."""
+    batch, seq, _ = x.shape
+
+    def step(carry, piece):
+        lse, target = carry
+        w_c, c = piece
+        logits = _logits(x, w_c)
+        lse_c, target_c = _run_lse_and_target(logits, _onehot(logits.shape, targets, c, pieces))
+        return (jnp.logaddexp(lse, lse_c), target + target_c), None
+
+    zeros = jnp.zeros((batch, seq, w.shape[2]), jnp.float32)
+    zeros = _laid_out(zeros, ("batch", "seq", "vocab"), x, P(_spec(x, 0), _spec(x, 1), _spec(w, 2)))
+    (lse, target), _ = jax.lax.scan(step, (zeros - jnp.inf, zeros), (w, jnp.arange(pieces)))
+    return jax.nn.logsumexp(lse, axis=2), jnp.sum(target, axis=2)
 
 
-def _summed_nll_bwd(dtype, chunks, parts, grad_dtype, residuals, g):
-    """Per chunk: the logits again, d nll / d logits = softmax - onehot (times the mask and g),
-    rounded to `dtype`; d/dh and the weight gradient from GEMMs on `dtype` operands accumulated
-    in float32. The weight gradient is summed over chunks in float32 per part of the token rows
-    (`parts`: the devices the batch and sequence are split over), so no device needs another's
-    partial sums inside the loop; the one sum over parts after it is the weight gradient's one
-    reduce-scatter (or all-reduce, where the gradient is kept whole), in `grad_dtype`."""
-    h, w, targets, mask, weight_zero = residuals
-
-    def step(grad_parts, piece):
-        h_c, targets_c, mask_c = piece
-        logits = _logits(h_c, w)
-        onehot = jax.lax.broadcasted_iota(targets_c.dtype, logits.shape, 2) == targets_c[..., None]
-        d_logits = (jax.nn.softmax(logits, axis=-1) - onehot) * (g * mask_c)[..., None]
-        d_logits = constrain(d_logits.astype(w.dtype), ("batch", "seq", "vocab"))
-        d_h = jnp.einsum(
-            "bsv,ev->bse",
-            d_logits,
-            w,
-            preferred_element_type=jnp.float32,
-            **_typed_out(h_c, jax.typeof(h_c).sharding.spec),
+def _summed_nll_bwd(dtype, layout, grad_dtype, residuals, g):
+    """d/dh and the weight gradient: from the forward's d_logits (one piece), or per piece of
+    the vocabulary from its recomputed logits (`_piecewise_grads`). The weight gradient's
+    partial sums over the token rows are kept per part (`parts`: the devices the batch and
+    sequence are split over); the one sum over parts after the loop is its one reduce-scatter
+    (or all-reduce, where the gradient is kept whole), in `grad_dtype`."""
+    pieces, tensor, parts = layout
+    x, w, kept, targets, mask, weight_zero, h_zero = residuals
+    if pieces == 1:
+        # g scales d_h's float32 product and the rows of the weight gradient's GEMM (a
+        # [tokens, embed] pass; d_logits, vocab wide, is read by the GEMMs alone).
+        d_h = g * jnp.einsum(
+            "bstv,etv->bse", kept, w[0], preferred_element_type=jnp.float32, **_typed_out(x, _spec3(x))
         )
-        rows, d_rows = _split_rows(h_c.astype(w.dtype), parts), _split_rows(d_logits, parts)
-        vocab_spec = P(None, None, None, *jax.typeof(d_logits).sharding.spec[2:])
-        grad_parts = grad_parts + jnp.einsum(
-            "mbnse,mbnsv->mnev",
-            rows,
-            d_rows,
-            preferred_element_type=jnp.float32,
-            **_typed_out(h_c, vocab_spec),
-        )
-        return grad_parts, d_h.astype(h.dtype)
-
-    pieces = tuple(_strided_chunks(x, chunks) for x in (h, targets, mask))
-    names = ("batch" if parts[0] > 1 else None, "seq" if parts[1] > 1 else None, None, "vocab")
-    zeros = constrain(jnp.zeros(parts + w.shape, jnp.float32), names)
-    grad_parts, d_h = jax.lax.scan(step, zeros, pieces)
-    d_h = _unstrided(d_h)
-    if _typed_mesh(h) is not None:  # a type that carries a sharding must come back as it came
-        d_h = jax.sharding.reshard(d_h, jax.typeof(h).sharding)
-    # The sum over parts as a contraction with ones that writes `grad_dtype`, so that the
-    # cross-device sum it becomes moves that dtype. Not jnp.sum: it adds bfloat16 in float32
-    # and rounds after (a float32 reduce-scatter); nor a bfloat16 lax.reduce, which stopped
-    # XLA:CPU's compiler with a failed check in a pipelined layout (jax 0.12.0.1).
-    ones = jnp.ones(parts, grad_dtype)
-    d_weight = jnp.einsum(
-        "mnev,mn->ev",
-        grad_parts.astype(grad_dtype),
-        ones,
-        preferred_element_type=grad_dtype,
-        **_typed_out(h, P(*jax.typeof(grad_parts).sharding.spec[2:])),
-    ).astype(weight_zero.dtype)
+        rows = (x.astype(jnp.float32) * g).astype(x.dtype)
+        grad_pieces = _weight_grad(rows, kept, parts, grad_dtype)[None]
+    else:
+        d_h, grad_pieces = _piecewise_grads(x, w, kept, targets, mask * g, layout, grad_dtype)
+    d_h = d_h.astype(h_zero.dtype)
+    if _typed_mesh(x) is not None:  # a type that carries a sharding must come back as it came
+        d_h = jax.sharding.reshard(d_h, jax.typeof(x).sharding)
+    d_weight = _sum_parts(_from_pieces(grad_pieces), parts, grad_dtype, x).astype(weight_zero.dtype)
     # The layers' backward (which takes d_h) waits for the weight gradient's reduction: left to
-    # itself, XLA:GPU's scheduler reduced it after them, keeping the float32 partial sums alive
-    # through the whole backward (1B, 8 H100s: temp 9.34 GB without the two barriers, 8.42 with).
+    # itself, XLA:GPU's scheduler reduced it after them, keeping the partial sums alive through
+    # the whole backward (1B, 8 H100s: temp 9.34 GB without the two barriers, 8.42 with).
     d_h, d_weight = jax.lax.optimization_barrier((d_h, d_weight))
     return d_h, d_weight, None, None
+
+
+def _spec3(x):
+    """x's [batch, seq, embed] layout as a PartitionSpec (Nones where not typed)."""
+    return P(_spec(x, 0), _spec(x, 1), _spec(x, 2))
+
+
+def _piecewise_grads(x, w, lse, targets, scale, layout, grad_dtype):
+    """The backward over the vocabulary's pieces: (d/dh float32 [batch, seq, embed], the weight
+    gradient per piece [pieces, batch parts, seq parts, embed, tensor, run] in grad_dtype).
+    scale: mask * g per token. Each piece's d_h is kept per device of the vocabulary's split
+    (a leading [tensor] dim) and summed after the loop: no cross-device sum per piece."""
+    pieces, tensor, parts = layout
+    batch, seq, embed = x.shape
+
+    def step(d_h, piece):
+        w_c, c = piece
+        logits = _logits(x, w_c)
+        d = _d_logits(logits, lse, _onehot(logits.shape, targets, c, pieces), scale, x.dtype)
+        spec = P(_spec(w_c, 1), *_spec3(x))
+        d_h = d_h + jnp.einsum(
+            "bstv,etv->tbse", d, w_c, preferred_element_type=jnp.float32, **_typed_out(x, spec)
+        )
+        return d_h, _weight_grad(x, d, parts, grad_dtype)
+
+    zeros = jnp.zeros((tensor, batch, seq, embed), jnp.float32)
+    zeros = _laid_out(zeros, ("vocab", "batch", "seq", None), x, P(_spec(w, 2), *_spec3(x)))
+    d_h, grad_pieces = jax.lax.scan(step, zeros, (w, jnp.arange(pieces)))
+    return jnp.sum(d_h, axis=0), grad_pieces
+
+
+def _sum_parts(grad_parts, parts, grad_dtype, x):
+    """[batch parts, seq parts, embed, vocab] -> [embed, vocab], in grad_dtype. The sum as a
+    contraction with ones that writes `grad_dtype`, so that the cross-device sum it becomes
+    moves that dtype. Not jnp.sum: it adds bfloat16 in float32 and rounds after (a float32
+    reduce-scatter); nor a bfloat16 lax.reduce, which stopped XLA:CPU's compiler with a failed
+    check in a pipelined layout (jax 0.12.0.1)."""
+    if parts == (1, 1):
+        return grad_parts[0, 0]
+    return jnp.einsum(
+        "mnev,mn->ev",
+        grad_parts,
+        jnp.ones(parts, grad_dtype),
+        preferred_element_type=grad_dtype,
+        **_typed_out(x, P(None, _spec(grad_parts, 3))),
+    )
 
 
 _summed_nll.defvjp(_summed_nll_fwd, _summed_nll_bwd)
 
 
-def pick_chunks(
-    seq: int,
-    tokens_per_device: int,
-    vocab_per_device: int,
-    budget_bytes: int = 256 * 2**20,
-    seq_shards: int = 1,
-) -> int:
-    """The smallest number of chunks for `chunked_cross_entropy` whose per-chunk float32 logits
-    fit in `budget_bytes` on one device.
+def pick_chunks(tokens_per_device: int, vocab_per_device: int, budget_bytes: int = DEFAULT_BUDGET) -> int:
+    """The fewest pieces of the vocabulary for `chunked_cross_entropy` whose per-piece float32
+    logits fit in `budget_bytes` on one device: a divisor of vocab_per_device.
 
-    seq: the (global) sequence length; the result always divides it.
     tokens_per_device: batch * seq tokens that one device holds (after data/fsdp/context splits).
     vocab_per_device: vocabulary columns per device (vocab / tensor when vocab is sharded).
-    seq_shards: how many devices split the sequence axis of h (context, times tensor with
-        sequence parallelism); the count is
-        chosen so that seq / chunks stays a multiple of it, keeping each chunk evenly split.
 
-    One chunk's logits take tokens_per_device / chunks * vocab_per_device * 4 bytes; the backward
-    briefly holds about as much again for their gradient, so the budget is the size of one copy.
-    If no divisor fits, the finest valid split is returned.
+    One piece's logits take tokens_per_device * vocab_per_device / pieces * 4 bytes; the
+    backward briefly holds their gradient beside them (in the matmul dtype), so the budget is
+    the size of one copy. If no divisor fits, one column per piece.
     """
-    if seq < 1 or seq % seq_shards:
-        raise ValueError(f"seq={seq} must be a positive multiple of seq_shards={seq_shards}")
     full = tokens_per_device * vocab_per_device * FLOAT32_BYTES
-    small = [d for d in range(1, math.isqrt(seq) + 1) if seq % d == 0]
-    divisors = sorted(set(small + [seq // d for d in small]))
-    valid = [c for c in divisors if (seq // c) % seq_shards == 0]
-    for c in valid:
-        if full / c <= budget_bytes:
-            return c
-    return valid[-1]
+    return next((c for c in _divisors(vocab_per_device) if full / c <= budget_bytes), vocab_per_device)
 
 
-def loss_chunks(cfg: Config, sizes: dict[str, int], rows: int | None = None) -> int:
-    """train.loss_chunks, or (0 = auto) the fewest sequence chunks whose float32 logits stay
-    within 256 MiB per device (`pick_chunks`) on a mesh of `sizes`. `rows`: the batch rows the
-    loss sees at once (a pipeline microbatch), default the whole batch."""
+def loss_chunks(
+    cfg: Config, sizes: dict[str, int], rows: int | None = None, memory: int | None = None
+) -> int:
+    """train.loss_chunks, or (0 = auto) the fewest vocabulary pieces whose float32 logits fit a
+    budget (`pick_chunks`) on a mesh of `sizes`: LOGITS_SHARE of `memory`, the bytes a program
+    may use on one device (`jaxpar.targets.device_memory`), else (unknown: CPU devices) 256 MiB.
+    `rows`: the batch rows the loss sees at once (a pipeline microbatch), default the whole
+    batch. On one 80 GB H100 the presets' logits come whole: GPT-2 124M (12 x 1024 tokens,
+    2.5 GB) and Llama-3.2-1B (8 x 2048 tokens, 8.4 GB)."""
     t = cfg.train
     if t.loss_chunks:
         return t.loss_chunks
     # The hidden states' sequence is split over context (and tensor with sequence parallelism),
-    # the output weight's vocabulary over tensor; one axis cannot split both dims of the logits,
-    # so a device holds at least tokens / context by vocab / tensor of them.
-    seq_shards = sizes["context"] * (sizes["tensor"] if cfg.parallel.sequence_parallel else 1)
+    # the output weight's vocabulary over tensor; one axis cannot split both dims of the logits
+    # (the loss gathers the sequence over tensor), so a device holds tokens / context by
+    # vocab / tensor of them.
     rows = (rows or t.batch_size // cfg.parallel.grad_accum) // (
         sizes["data"] * sizes["fsdp"] * sizes["expert"]
     )
     return pick_chunks(
-        t.seq_len,
         max(rows, 1) * t.seq_len // sizes["context"],
         cfg.model.vocab_size // sizes["tensor"],
-        seq_shards=seq_shards,
+        DEFAULT_BUDGET if memory is None else int(memory * LOGITS_SHARE),
     )
