@@ -1253,6 +1253,11 @@ def format_human(result: dict) -> str:
                 f"    verified: predicted {mem['total'] / GIB:.2f} GiB, compiled "
                 f"{c / GIB:.2f} GiB ({mem['total'] / c - 1:+.1%})"
             )
+        if "compiled_step_time_s" in pl:
+            lines.append(
+                f"    the ruler on the compiled program: step {pl['compiled_step_time_s']:.3f} s, "
+                f"MFU {pl['compiled_mfu']:.1%} (predicted {pl['step_time_s']:.3f} s)"
+            )
     for w in result.get("warnings", []):
         lines.append("warning: " + w)
     return "\n".join(lines)
@@ -1493,6 +1498,18 @@ def plan_main(args: Args) -> tuple[dict, int]:
     return result, 0
 
 
+def _ruler_time(entry: dict, text: str, device: DeviceSpec, count: int) -> None:
+    """The ruler's step time and MFU for the compiled program (optimized HLO `text`), beside the
+    planner's own, where the ruler has rates for the device (`jaxpar.ruler.RATES`)."""
+    from jaxpar import ruler
+
+    if device.key not in ruler.RATES:
+        return
+    flops = entry["mfu"] * entry["step_time_s"] * count * device.bf16_flops  # the model's, per step
+    costs = ruler.summary(text, ruler.RATES[device.key], flops, count)
+    entry["compiled_step_time_s"], entry["compiled_mfu"] = costs["step_seconds"], costs["mfu"]
+
+
 def verify(result: dict, chosen: list[Plan], args: Args, device: DeviceSpec) -> None:
     """Compiles the top `args.verify` plans for the target; adds the compiled total to each and
     drops (with a warning) those whose compiled program does not fit."""
@@ -1506,7 +1523,9 @@ def verify(result: dict, chosen: list[Plan], args: Args, device: DeviceSpec) -> 
             kept.append(entry)
             continue
         trainer = build_trainer(plan.cfg, plan.sizes, devices=targets_lib.devices(target))
-        mem = compile_step(trainer).memory_analysis()
+        compiled = compile_step(trainer, documents=1)  # what the loop runs on one-document rows
+        _ruler_time(entry, compiled.as_text(), device, args.count)
+        mem = compiled.memory_analysis()
         total = int(
             mem.argument_size_in_bytes
             + mem.output_size_in_bytes

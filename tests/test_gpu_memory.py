@@ -61,3 +61,22 @@ def test_a_model_too_big_for_one_h100_exits_3(capsys):
     assert main([*big, "--target", "h100"]) == 3
     out, err = capsys.readouterr()
     assert '"fits": false' in out and "does not fit" in err and "GiB" in err
+
+
+def test_plan_verify_costs_the_compiled_program_with_the_ruler(capsys):
+    """`plan --verify 1` compiles the best plan for the target and sets the ruler's step time
+    and MFU of that program beside the planner's prediction (a plan whose numbers came from
+    nowhere would not match the ruler's reading of the same text)."""
+    import json
+
+    from jaxpar import plan, ruler
+
+    assert plan.main(["configs/tiny.yaml", "--gpus", "8xh100", "--top", "1", "--verify", "1"]) == 0
+    (best,) = json.loads(capsys.readouterr().out)["plans"]
+    assert best["compiled_memory_per_device"] > 0
+    assert best["compiled_step_time_s"] > 0 and 0 < best["compiled_mfu"] < 1
+    # The same program's model FLOPs over the ruler's step: the MFU is consistent with its time.
+    flops = best["mfu"] * best["step_time_s"] * 8 * ruler.RATES["h100"].peak_flops
+    assert best["compiled_mfu"] == pytest.approx(
+        flops / (best["compiled_step_time_s"] * 8 * ruler.RATES["h100"].peak_flops), rel=1e-2
+    )
