@@ -647,18 +647,16 @@ def predict_memory_for(
     kernel: str | None = None,
     path: str | None = None,
     backend: str = "cpu",
-    known_memory: bool = True,
 ) -> dict[str, float]:
     """`predict_memory` of a config file + overrides on a mesh (unlisted axes 1), for the
     `backend`'s compiler: "cpu" (the emulated devices) or "gpu" (an H100, compiled or not);
-    the attention kernel, unless given, is the one the trainer picks there. `known_memory`
-    False: the loss's automatic pieces as on a device of unknown memory (256 MiB of logits)."""
+    the attention kernel, unless given, is the one the trainer picks there."""
     cfg = config_lib.load_config(path, list(overrides) + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES])
     sizes = config_lib.validate(cfg, math.prod(mesh.values()))
     device = None if backend == "cpu" else DEVICES["h100"]
     if kernel is None:
         kernel = attention_kernel(cfg, sizes, device)
-    return predict_memory(cfg, sizes, kernel, backend, device and known_memory and device.usable_bytes)
+    return predict_memory(cfg, sizes, kernel, backend, device and device.usable_bytes)
 
 
 def compiled_memory(

@@ -71,9 +71,10 @@ def _h100() -> Rates:
         attention_backward=400e12,
         link_bandwidth=gpu.nvlink_bandwidth,
         # Fitted by least squares (relative error) on 12 steps measured on one H100, 2026-11-22
-        # and 2026-11-27: benchmarks/ruler_fit.py, benchmarks/RESULTS.md (fit of 2026-12-02).
-        launch=3.23e-6,
-        empty_slot=117e-9,
+        # and 2026-11-27: benchmarks/ruler_fit.py, benchmarks/RESULTS.md (second fit of
+        # 2026-12-02, static slices charged their slice).
+        launch=4.42e-6,
+        empty_slot=105e-9,
     )
 
 
