@@ -125,5 +125,7 @@ def test_unrolled_layers_train_exactly_as_the_scanned_layers():
         runs[form] = run_parity(
             trainer, compiled, random_batches(trainer.cfg), init, along=runs.get("scanned")
         )
-    assert_parity(runs["unrolled"], runs["scanned"], rtol=1e-6)
+    # The parity tolerance (tests/parity.py): the two programs fuse differently, so on another
+    # x86-64 machine their float32 sums may be ordered differently (0.0 apart here, jax 0.12.0.1).
+    assert_parity(runs["unrolled"], runs["scanned"])
     assert loops["scanned"] >= 2 and loops["unrolled"] == loops["scanned"] - 2, loops
