@@ -3,8 +3,8 @@
 train step, or (with --target) print the memory of its compiled program for GPUs not present.
 
 The config is loaded and validated exactly as `python -m jaxpar.train` does
-(`jaxpar.startup.load_and_validate`), the trainer is built (`build_trainer`) and its step is
-compiled once on abstract shapes (`jaxpar.trainer.compile_step`), as the training loop would run
+(`jaxpar.run.startup.load_and_validate`), the trainer is built (`build_trainer`) and its step is
+compiled once on abstract shapes (`jaxpar.training.trainer.compile_step`), as the training loop would run
 it on rows of one document. Batches are random tokens made here with numpy, one document a row, a
 fresh one per step, put on the devices before timing (no data pipeline, no grain). After W
 warm-up steps, N steps (default 20) are timed one by one, each ended by `block_until_ready` on the
@@ -12,8 +12,8 @@ new state and the metrics, so every step time is one step's device time plus one
 
 Reported (table on stdout, JSON in benchmarks/results/<config-stem>-<device>[-xN][-TAG].json):
 median / mean / min / max / p90 step time; tokens/s from the median; MFU from
-`jaxpar.metrics.flops_per_token` (6·N_matmul + 12·L·d·T, PaLM appendix B / nanoGPT)
-and the device's peak bf16 FLOP/s (null where jaxpar.metrics has no peak: CPUs); compile and
+`jaxpar.training.metrics.flops_per_token` (6·N_matmul + 12·L·d·T, PaLM appendix B / nanoGPT)
+and the device's peak bf16 FLOP/s (null where jaxpar.training.metrics has no peak: CPUs); compile and
 init seconds; peak device memory from `device.memory_stats()` (null on CPU); the compiled
 program's memory analysis and XLA's FLOP count (`jaxpar.inspect.report`); device kind and count,
 software versions, and the XLA flags in force (XLA_FLAGS before this script, plus --xla-flag).
@@ -43,11 +43,11 @@ import jax
 import numpy as np
 
 from jaxpar import cli
-from jaxpar import metrics as metrics_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.inspect import report
-from jaxpar.startup import load_and_validate
-from jaxpar.trainer import BATCH_KEYS, Trainer, build_trainer, compile_step
+from jaxpar.run.startup import load_and_validate
+from jaxpar.training import metrics as metrics_lib
+from jaxpar.training.trainer import BATCH_KEYS, Trainer, build_trainer, compile_step
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_STEPS = 20
@@ -466,8 +466,8 @@ TARGET_PRESETS = [
 
 
 def target_memory(config_and_overrides: list[str], target) -> dict:
-    """Compile the train step for `target` (a jaxpar.targets.Target) and summarise it."""
-    from jaxpar import targets as targets_lib
+    """Compile the train step for `target` (a jaxpar.compiled.targets.Target) and summarise it."""
+    from jaxpar.compiled import targets as targets_lib
 
     cfg, sizes = load_and_validate(config_and_overrides, num_devices=target.count)
     trainer = build_trainer(cfg, sizes, devices=targets_lib.devices(target))
@@ -485,7 +485,7 @@ def target_memory(config_and_overrides: list[str], target) -> dict:
 
 
 def target_table(args) -> int:
-    from jaxpar import targets as targets_lib
+    from jaxpar.compiled import targets as targets_lib
 
     base = targets_lib.resolve(args.target)
     targets_lib.use_cpu_backend()

@@ -91,8 +91,8 @@ def kind(question: str) -> str:
 
 def load(run_dir: str, step: int):
     """The model of the checkpoint of `step`, the run's tokenizer and chat template."""
-    from jaxpar import data as data_lib
-    from jaxpar.documents import make_tokenizer
+    from jaxpar.corpus import data as data_lib
+    from jaxpar.corpus.documents import make_tokenizer
     from jaxpar.sample import load_model
 
     cfg, model, _ = load_model(run_dir, step)

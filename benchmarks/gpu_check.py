@@ -26,7 +26,7 @@ what finished; a piece that fails or times out costs only itself):
    (SCAN_LAYERS), likewise;
 6. `profile`: a `jax.profiler` trace of GPT-2 batch-12 steps, read back from the .xplane.pb jax
    writes (`jax.profiler.ProfileData`) into a per-kernel time table, set beside the ruler's
-   estimate (`jaxpar.ruler`) for the same compiled program, joined by HLO instruction name. XLA
+   estimate (`jaxpar.compiled.ruler`) for the same compiled program, joined by HLO instruction name. XLA
    runs a step op by op while a profiler is active (command buffers are off unless
    --xla_enable_command_buffers_during_profiling), so the table shows every launch.
 
@@ -622,8 +622,8 @@ def kernel_table(events: list[dict], module: str, steps: int) -> dict:
 
 def ruler_rates(kind: str):
     """(rates key, Rates, note) for a device kind: the ruler's own where it has them, else the H100's."""
-    from jaxpar import ruler
-    from jaxpar.targets import GPUS
+    from jaxpar.compiled import ruler
+    from jaxpar.compiled.targets import GPUS
 
     for key, rates in ruler.RATES.items():
         if GPUS[key].description == kind:
@@ -634,7 +634,7 @@ def ruler_rates(kind: str):
 def ruler_side(text: str, kind: str, model_flops: float, devices: int) -> tuple[dict, dict]:
     """The ruler's estimate of compiled GPU HLO `text` (`ruler.summary`, its table cut to the
     slowest rows) and {instruction name: (kind, source)} of its launches, for the join."""
-    from jaxpar import ruler
+    from jaxpar.compiled import ruler
 
     key, rates, note = ruler_rates(kind)
     costs = ruler.summary(text, rates, model_flops, devices)
@@ -698,9 +698,9 @@ def _ruler_program(words: list[str], compiled, platform_name: str) -> tuple[str,
     run) the same config compiled here for one H100, which needs the gpu-compile extra."""
     if platform_name in ("gpu", "cuda"):
         return compiled.as_text(), "the program that ran"
-    from jaxpar import targets as targets_lib
-    from jaxpar.startup import load_and_validate
-    from jaxpar.trainer import build_trainer, compile_step
+    from jaxpar.compiled import targets as targets_lib
+    from jaxpar.run.startup import load_and_validate
+    from jaxpar.training.trainer import build_trainer, compile_step
 
     target = targets_lib.resolve("h100")
     cfg, sizes = load_and_validate(words, num_devices=target.count)
@@ -711,8 +711,8 @@ def _ruler_program(words: list[str], compiled, platform_name: str) -> tuple[str,
 
 def run_profile(words: list[str], steps: int, warmup: int, trace_dir: Path) -> dict:
     from jaxpar.inspect import report
-    from jaxpar.startup import load_and_validate
-    from jaxpar.trainer import build_trainer, compile_step
+    from jaxpar.run.startup import load_and_validate
+    from jaxpar.training.trainer import build_trainer, compile_step
 
     cfg, sizes = load_and_validate(words)
     trainer = build_trainer(cfg, sizes)

@@ -5,14 +5,14 @@ token shards (`python -m jaxpar.data prepare`) and the loader that training read
 1. A JSONL corpus of --corpus-mb MiB is written into a temporary directory: this interpreter's
    standard library `.py` files, one document each, repeated until the size is reached (real text,
    no download).
-2. Preparation, timed as `jaxpar.shards.prepare` reports it (tokens written / seconds, hashing the
+2. Preparation, timed as `jaxpar.corpus.shards.prepare` reports it (tokens written / seconds, hashing the
    input included): the whole corpus with the byte tokenizer (tokens = bytes, uint16 shards of
    64 Mi tokens), and the first --bpe-mb MiB of it with a 4096-entry byte-level BPE trained here
    on 4 MiB of it (the tokenizers library's batch encoding, on every core).
-3. The loader: the batches of one process (`jaxpar.data.batch_dataset` over
-   `jaxpar.shards.PreparedSequences` of the byte shards: shuffled windows, packing fields, this
+3. The loader: the batches of one process (`jaxpar.corpus.data.batch_dataset` over
+   `jaxpar.corpus.shards.PreparedSequences` of the byte shards: shuffled windows, packing fields, this
    process's rows), read through grain's iterator as `python -m jaxpar.train` reads them
-   (`jaxpar.data.iter_dataset`: workers 0), and with grain's worker processes on top
+   (`jaxpar.corpus.data.iter_dataset`: workers 0), and with grain's worker processes on top
    (`mp_prefetch`, workers 1 and 2). After 20 warm-up batches (worker start-up included),
    --steps batches are timed; tokens/s = batches x rows x seq_len / seconds, the best of
    --repeats runs (the machine may be shared). Two shapes: seq 1024 x 12 rows
@@ -77,7 +77,7 @@ def default_json_path(cpu: str) -> Path:
 
 def write_corpus(path: Path, megabytes: int) -> int:
     """JSONL of stdlib files (one document each), repeated up to `megabytes` MiB; returns bytes."""
-    from jaxpar.data import stdlib_files
+    from jaxpar.corpus.data import stdlib_files
 
     texts = [Path(p).read_bytes().decode("utf-8", errors="replace") for p in stdlib_files()]
     lines = [json.dumps({"text": t}) + "\n" for t in texts]
@@ -93,7 +93,7 @@ def write_corpus(path: Path, megabytes: int) -> int:
 
 
 def timed_prepare(sources: list[str], out: str, tokenizer: str) -> dict:
-    from jaxpar import shards
+    from jaxpar.corpus import shards
 
     messages = []
     start = time.perf_counter()
@@ -120,7 +120,7 @@ def timed_prepare(sources: list[str], out: str, tokenizer: str) -> dict:
 def sample_rate(directory: str, seq_len: int, rows: int, count: int = 4000) -> float:
     """Tokens/s of PreparedSequences' batched reads alone (`rows` random sequences a call, as the
     loader asks for them), after one pass over the same sequences."""
-    from jaxpar.shards import PreparedSequences
+    from jaxpar.corpus.shards import PreparedSequences
 
     source = PreparedSequences(directory, "byte", seq_len)
     indices = np.random.default_rng(0).integers(0, len(source), count).tolist()
@@ -137,8 +137,8 @@ def loader_rate(directory: str, seq_len: int, rows: int, steps: int, workers: in
     """Tokens/s of one process's batches through grain's iterator (with `workers` processes)."""
     import grain
 
-    from jaxpar.data import batch_dataset, iter_dataset
-    from jaxpar.shards import PreparedSequences
+    from jaxpar.corpus.data import batch_dataset, iter_dataset
+    from jaxpar.corpus.shards import PreparedSequences
 
     dataset = iter_dataset(
         batch_dataset(PreparedSequences(directory, "byte", seq_len), global_batch=rows, seed=0)
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags
             flags.FLAGS.mark_as_parsed()
-    from jaxpar.data import train_tokenizer
+    from jaxpar.corpus.data import train_tokenizer
 
     root = Path(args.keep or tempfile.mkdtemp(prefix="jaxpar-loader-bench-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,13 @@ per step on 8 H100s: `1b-fsdp8` (the default; FSDP, ZeRO-3), `tp8` (tensor paral
 Two processes. MaxText's step is compiled by `benchmarks/maxtext_step.py` under MaxText's own
 Python (`--maxtext-python`), which writes the compiled HLO text and XLA's memory analysis to a
 temporary folder; jaxpar's step is compiled here, as `python -m jaxpar.inspect --target h100:8`
-does. Both use the CUDA plugin's H100 description (`jaxpar.targets`), the same XLA_FLAGS (yours,
+does. Both use the CUDA plugin's H100 description (`jaxpar.compiled.targets`), the same XLA_FLAGS (yours,
 plus `--xla_gpu_autotune_level=0` unless you set a level: nothing can be timed without a GPU, and
 tests/conftest.py records that level 0 compiles the same program) and the same jax. Both programs
-are then counted here by `jaxpar.hlo` (`collectives`: calls and bytes per kind; `multiplicities`:
+are then counted here by `jaxpar.compiled.hlo` (`collectives`: calls and bytes per kind; `multiplicities`:
 while-loop trip counts) and by `program_summary` below, which splits those bytes by element type,
 adds ring wire bytes and counts matmul FLOPs, and checks that its per-kind totals are
-`jaxpar.hlo.collectives`'s.
+`jaxpar.compiled.hlo.collectives`'s.
 
 This script installs nothing. MaxText's environment, as built for the figures in
 benchmarks/RESULTS.md (Python 3.12; jax must be the version jaxpar's environment has; MaxText's
@@ -58,7 +58,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxpar import hlo
+from jaxpar.compiled import hlo
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_SCRIPT = Path(__file__).resolve().parent / "maxtext_step.py"
@@ -163,7 +163,7 @@ def group_size(ins: hlo.Instr, devices: int) -> int:
 
 def ring_factor(kind: str, n: int) -> float:
     """What a ring over `n` devices sends per device, as a multiple of hlo's counted bytes (see
-    jaxpar/hlo.py): an all-reduce is a reduce-scatter and an all-gather."""
+    jaxpar/compiled/hlo.py): an all-reduce is a reduce-scatter and an all-gather."""
     if kind == "collective-permute":
         return 1.0
     share = (n - 1) / n if n > 1 else 0.0
@@ -189,13 +189,13 @@ def _buffers(ins: hlo.Instr, shapes: dict[str, str]) -> list[tuple[str, int]]:
     else:
         out = [a for name in ins.operands for a in _arrays(shapes[name])][: len(counted)]
     if [b for _, b in out] != counted:
-        raise RuntimeError(f"{ins.op} %{ins.name}: buffers disagree with jaxpar.hlo.moved_bytes")
+        raise RuntimeError(f"{ins.op} %{ins.name}: buffers disagree with jaxpar.compiled.hlo.moved_bytes")
     return out
 
 
 def collective_calls(text: str, devices: int):
     """(kind, times per step, [(dtype, bytes)], group size) for each collective of compiled HLO
-    `text`, kinds as `jaxpar.hlo.collectives` reports them (an XLA:CPU all-reduce feeding only
+    `text`, kinds as `jaxpar.compiled.hlo.collectives` reports them (an XLA:CPU all-reduce feeding only
     slices is a reduce-scatter; a tuple all-reduce of both sorts reports its dtype as "mixed")."""
     comps = hlo.parse(text)
     times = hlo.multiplicities(comps)
@@ -272,7 +272,7 @@ def program_summary(text: str, memory: dict[str, int], devices: int) -> dict:
     for kind, entry in kinds.items():
         entry["by_dtype"] = dict(sorted(entry["by_dtype"].items(), key=lambda kv: -kv[1]))
         if (entry["calls"], entry["bytes"]) != (counted[kind]["count"], counted[kind]["bytes"]):
-            raise RuntimeError(f"{kind}: the breakdown disagrees with jaxpar.hlo.collectives")
+            raise RuntimeError(f"{kind}: the breakdown disagrees with jaxpar.compiled.hlo.collectives")
     flops = matmul_flops(text)
     total = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     return {
@@ -407,8 +407,8 @@ def compile_maxtext(python: str, settings: list[str], target, folder: Path) -> t
 
 def compile_jaxpar(cfg, sizes: dict[str, int], target) -> tuple[str, dict]:
     """(HLO text, memory analysis) of jaxpar's step for `target`'s devices, as inspect compiles it."""
-    from jaxpar import targets as targets_lib
-    from jaxpar.trainer import build_trainer, compile_step
+    from jaxpar.compiled import targets as targets_lib
+    from jaxpar.training.trainer import build_trainer, compile_step
 
     compiled = compile_step(build_trainer(cfg, sizes, devices=targets_lib.devices(target)))
     mem = compiled.memory_analysis()
@@ -429,8 +429,8 @@ def _commit() -> str:
 
 def compare(name: str, python: str) -> dict:
     """Both programs of workload `name`, compiled (MaxText's first, then jaxpar's) and counted."""
-    from jaxpar import targets as targets_lib
-    from jaxpar.startup import load_and_validate
+    from jaxpar.compiled import targets as targets_lib
+    from jaxpar.run.startup import load_and_validate
 
     os.environ["XLA_FLAGS"] = _xla_flags()  # before this process's backend starts
     target = targets_lib.resolve(TARGET)
@@ -477,7 +477,7 @@ def _run(args) -> int:
         result = results[name] = compare(name, python)
         print(f"\n{result['description']}; {result['target']}")
         print(f"jaxpar {result['jaxpar_commit']}, MaxText 0.2.5, jax {result['jax']}, {result['when']}")
-        print("GB = 1e9 bytes, counted by jaxpar/hlo.py (all-gather: result; reduce-scatter: input)")
+        print("GB = 1e9 bytes, counted by jaxpar/compiled/hlo.py (all-gather: result; reduce-scatter: input)")
         print(format_table(result["summary"]))
         if args.json:  # {workload: result}, rewritten after each
             Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

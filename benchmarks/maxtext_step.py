@@ -4,7 +4,7 @@
 
 `benchmarks/maxtext_compare.py` runs this in the environment where `maxtext` is installed (it
 imports nothing of jaxpar, which is not installed there). SPEC_FILE is the GpuTargetConfigProto
-text of the GPU (the CUDA plugin's own description, as `jaxpar.targets.resolve` finds it),
+text of the GPU (the CUDA plugin's own description, as `jaxpar.compiled.targets.resolve` finds it),
 DEVICES how many of them (one host: at most 8); the key=value settings go to MaxText's
 `pyconfig` on top of its packaged `configs/base.yml`.
 

@@ -1,10 +1,10 @@
 """`python -m benchmarks.plan_fit [--check]`: fits the planner's step-time constants to the "fit"
-results of `jaxpar.published` and checks the fitted model against the "check" results.
+results of `jaxpar.planning.published` and checks the fitted model against the "check" results.
 
 The fit: least squares on log(predicted / measured step time) over the fitted results, by a grid
 search refined three times around its best point (deterministic, no dependencies). It prints the
-constants to write into `jaxpar.plan.FITTED`, the band its residuals support
-(`jaxpar.plan.step_time_band`), and a table of every result: measured and predicted tokens/s per
+constants to write into `jaxpar.planning.plan.FITTED`, the band its residuals support
+(`jaxpar.planning.plan.step_time_band`), and a table of every result: measured and predicted tokens/s per
 GPU, the residual, and whether a checked result falls inside the band. `--check` skips the fit
 and prints the table for the constants in `jaxpar.plan` (seconds instead of a minute).
 """
@@ -16,7 +16,7 @@ import math
 import sys
 
 from jaxpar import config as config_lib
-from jaxpar import plan, published
+from jaxpar.planning import plan, published
 
 # Llama-3-8B at seq 8192 on 16 H100s (2 nodes of 8), 2 sequences per GPU as torchtitan runs it.
 LLAMA3_8B_16 = [f"model.{k}={v}" for k, v in published.LLAMA31_8B.items()] + [

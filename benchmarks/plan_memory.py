@@ -1,5 +1,5 @@
 """`python -m benchmarks.plan_memory [--compile] [--only NAME ...] [--target h100]`: the
-planner's predicted memory per device (`jaxpar.plan.predict_memory`) against XLA's compiled
+planner's predicted memory per device (`jaxpar.planning.plan.predict_memory`) against XLA's compiled
 total for the layouts of `benchmarks/plan_layouts.py` and the pipelined ones of `EXTRA` below,
 on 8 emulated CPU devices (or, with `--target h100`, for 8 H100s compiled without a GPU). The
 prediction is for the backend that compiled (`plan.BACKENDS`: "cpu" or "gpu") with the attention
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default=None, help="e.g. h100: compile for 8 of them")
     args = parser.parse_args(argv)
     if args.target:
-        from jaxpar import targets as targets_lib
+        from jaxpar.compiled import targets as targets_lib
 
         target = targets_lib.resolve(f"{args.target}:8")
         targets_lib.use_cpu_backend()
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     if target is None:
         jax.config.update("jax_num_cpu_devices", 8)
     from benchmarks.plan_layouts import MODEL
-    from jaxpar import plan
+    from jaxpar.planning import plan
 
     cache_path = RESULTS / f"plan_memory-{args.target or 'cpu'}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}

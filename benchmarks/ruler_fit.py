@@ -1,7 +1,7 @@
 """`python -m benchmarks.ruler_fit --plain PLAIN.py [--cache DIR] [--out JSON]`: checks the ruler
-(`jaxpar.ruler`) against twelve train steps measured on one H100, and fits its two constants.
+(`jaxpar.compiled.ruler`) against twelve train steps measured on one H100, and fits its two constants.
 
-Each program is compiled here, on a machine without a GPU, for one H100 (`jaxpar.targets`), one
+Each program is compiled here, on a machine without a GPU, for one H100 (`jaxpar.compiled.targets`), one
 at a time in a child process with a time limit (the presets' compiles take minutes and GBs):
 
 - nine jaxpar steps: `configs/gpt2-124m.yaml` and `configs/llama-1b.yaml` with the settings of
@@ -82,10 +82,10 @@ FAMILIES = ("gpt2-124m", "llama-1b", "plain")
 
 def _jaxpar_text(row: Row) -> tuple[str, float]:
     """(compiled HLO, model FLOPs per step) of a jaxpar row, as `inspect --target h100` compiles."""
-    from jaxpar import metrics
-    from jaxpar import targets as targets_lib
+    from jaxpar.compiled import targets as targets_lib
     from jaxpar.config import load_config, validate
-    from jaxpar.trainer import build_trainer, compile_step
+    from jaxpar.training import metrics
+    from jaxpar.training.trainer import build_trainer, compile_step
 
     cfg = load_config(row.source, list(row.settings))
     target = targets_lib.resolve("h100")
@@ -97,7 +97,7 @@ def _jaxpar_text(row: Row) -> tuple[str, float]:
 
 def _plain_text(row: Row, script: str) -> tuple[str, None]:
     """The plain program's compiled HLO (its model FLOPs are not computed here)."""
-    from jaxpar import targets as targets_lib
+    from jaxpar.compiled import targets as targets_lib
 
     source = open(script).read()
     if row.xla_attention:
@@ -116,7 +116,7 @@ def _plain_text(row: Row, script: str) -> tuple[str, None]:
 
 def read_row(row: Row, script: str | None) -> dict:
     """The ruler's reading of one row's compiled program (run in a child process)."""
-    from jaxpar import ruler
+    from jaxpar.compiled import ruler
 
     started = time.time()
     text, flops = _plain_text(row, script) if row.source == "plain" else _jaxpar_text(row)
@@ -203,7 +203,7 @@ def _ordered_pairs(names: list[str], measured: dict, estimated: dict) -> tuple[i
 
 def analyse(found: dict[str, dict]) -> dict:
     """The fit, its errors and leave-one-out errors, and every row's estimate."""
-    from jaxpar import ruler
+    from jaxpar.compiled import ruler
 
     names = [r.name for r in MEASURED]
     points = [(found[r.name], r.measured_ms / 1e3) for r in MEASURED]
@@ -246,7 +246,7 @@ def analyse(found: dict[str, dict]) -> dict:
 def _presets(found: dict[str, dict], constants) -> list[dict]:
     """The presets as shipped (one document per row, as measured; and rows holding 24 documents,
     the same program) and compiled with model.max_documents_per_row=24, by the fitted constants."""
-    from jaxpar import ruler
+    from jaxpar.compiled import ruler
 
     peak = ruler.RATES["h100"].peak_flops  # MFU's denominator
     out = []
@@ -276,7 +276,8 @@ def report(result: dict) -> str:
         f"per kernel, {result['empty_slot_s'] * 1e9:.1f} ns per empty (row, document slot, head)",
         f"rms error {result['rms_error']:.1%} (worst {result['worst_error']:.1%}); leave-one-out rms "
         f"{result['leave_one_out_rms_error']:.1%} (worst {result['leave_one_out_worst_error']:.1%})",
-        f"with the table's constants (jaxpar.ruler.RATES): rms {result['rms_error_table_constants']:.1%}; "
+        "with the table's constants (jaxpar.compiled.ruler.RATES): "
+        f"rms {result['rms_error_table_constants']:.1%}; "
         f"same-family pairs in the measured order: {result['pairs_in_measured_order'][0]} of "
         f"{result['pairs_in_measured_order'][1]}",
         "",

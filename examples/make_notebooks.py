@@ -174,7 +174,7 @@ QUICKSTART = [
         import tempfile
 
         from jaxpar import config as config_lib
-        from jaxpar.train import format_summary, train
+        from jaxpar.run.train import format_summary, train
 
         STEPS = 4 if SMALL else 60
         run_dir = os.path.join(tempfile.mkdtemp(prefix="jaxpar-"), "quickstart")
@@ -250,7 +250,7 @@ QUICKSTART = [
     code("""
         import logging
 
-        from jaxpar.data import make_tokenizer
+        from jaxpar.corpus.data import make_tokenizer
         from jaxpar.sample import generate, load_model
 
         logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on read-only restores
@@ -292,7 +292,7 @@ DATA_FSDP_TENSOR = [
         from jaxpar import config as config_lib
         from jaxpar.config import MESH_AXES
         from jaxpar.inspect import compile_step, report, zero_formula
-        from jaxpar.train import build_trainer
+        from jaxpar.run.train import build_trainer
 
         TINY = ["model.vocab_size=264", "model.d_model=64", "model.n_layers=2", "model.n_heads=8",
                 "model.n_kv_heads=8", "model.d_ff=128", "model.dtype=float32",
@@ -408,7 +408,7 @@ DATA_FSDP_TENSOR = [
 
         Per train step: how many collectives of each kind the compiled program runs (one inside
         the scan over layers counts once per layer) and the bytes they move per device, read
-        from the HLO by `jaxpar.hlo`. What to look for:
+        from the HLO by `jaxpar.compiled.hlo`. What to look for:
 
         - DP all-reduces the gradients: about one copy of the parameters.
         - ZeRO-1 all-reduces them too, updates only its eighth of the parameters (it holds
@@ -423,13 +423,13 @@ DATA_FSDP_TENSOR = [
           reduce-scatters (and a few all-to-alls XLA chooses for resharding), and all-reduces
           the gradients over the 4-way data axis.
 
-        On CPU, XLA writes a reduce-scatter as an all-reduce followed by a slice; `jaxpar.hlo`
+        On CPU, XLA writes a reduce-scatter as an all-reduce followed by a slice; `jaxpar.compiled.hlo`
         counts it as the reduce-scatter a GPU or TPU compiler makes of it.
     """),
     code("""
         from IPython.display import Markdown, display
 
-        from jaxpar.hlo import KINDS
+        from jaxpar.compiled.hlo import KINDS
 
         rows = ["| layout | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
         for name, r in reports.items():
@@ -569,10 +569,10 @@ PIPELINE = [
         import math
 
         from jaxpar import config as config_lib
-        from jaxpar import data as data_lib
+        from jaxpar.corpus import data as data_lib
         from jaxpar.config import MESH_AXES
         from jaxpar.inspect import compile_step, report
-        from jaxpar.train import build_trainer, make_data
+        from jaxpar.run.train import build_trainer, make_data
 
         STEPS = 3 if SMALL else 10
         TINY = ["model.vocab_size=264", "model.d_model=32", "model.n_layers=4", "model.n_heads=4",
@@ -903,10 +903,10 @@ EXPERTS = [
     """),
     code("""
         from jaxpar import config as config_lib
-        from jaxpar import data as data_lib
+        from jaxpar.corpus import data as data_lib
         from jaxpar.config import MESH_AXES
         from jaxpar.inspect import compile_step, report
-        from jaxpar.train import build_trainer, make_data
+        from jaxpar.run.train import build_trainer, make_data
 
         STEPS = 3 if SMALL else 20
         overrides = [
@@ -993,7 +993,7 @@ CHAT_FINETUNE = [
         model learns to stop; system and user text, and the role headers, are only context.
     """),
     code("""
-        from jaxpar import chat
+        from jaxpar.corpus import chat
 
         template = chat.load_template("simple", "byte")
         print(template.render(train_rows[0][:3], add_generation_prompt=False))
@@ -1026,7 +1026,7 @@ CHAT_FINETUNE = [
         from flax import nnx
 
         from jaxpar import config as config_lib
-        from jaxpar.documents import ByteTokenizer
+        from jaxpar.corpus.documents import ByteTokenizer
         from jaxpar.models.llama import Transformer
         from jaxpar.sample import chat_reply
 
@@ -1061,7 +1061,7 @@ CHAT_FINETUNE = [
         assistant` is the default; `data.train_on=all` would train on every token.
     """),
     code("""
-        from jaxpar.train import format_summary, train
+        from jaxpar.run.train import format_summary, train
 
         cfg.mesh = config_lib.fit_default_mesh(jax.device_count())  # 2 x 2 x 2 on 8 devices
         summary = train(cfg, config_lib.validate(cfg, jax.device_count()))

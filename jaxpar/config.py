@@ -16,11 +16,11 @@ when the processes start (`jaxpar.mesh.start_distributed`), what only the data s
 tokenizer's vocabulary against model.vocab_size, a corpus shorter than one sequence, malformed
 JSONL, documents per packed row for cuDNN attention, prepared shards that differ from their
 manifest) when the trainer reads it, a resume step whose checkpoint is unusable or whose data
-differs from the run's record when the run directory is opened (`jaxpar.rundir`),
+differs from the run's record when the run directory is opened (`jaxpar.run.rundir`),
 `train.init_from`'s model directory when it is read (`jaxpar.convert`), and `model.fp8` against
-the devices' compute capability when the trainer is built (`jaxpar.trainer`). A CPU run that will
+the devices' compute capability when the trainer is built (`jaxpar.training.trainer`). A CPU run that will
 not fit in the host's memory is refused before compiling too, but as its own error (exit code 3,
-`jaxpar.host`), not a ConfigError.
+`jaxpar.planning.host`), not a ConfigError.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ DataFormat = Literal["auto", "text", "jsonl", "parquet"]
 DataErrors = Literal["strict", "replace", "skip"]
 TrainOn = Literal["assistant", "all"]
 Packing = Literal["wrap", "whole"]
-CHAT_TEMPLATES = ("simple",)  # jaxpar's own chat templates: jaxpar/templates/<name>.jinja
+CHAT_TEMPLATES = ("simple",)  # jaxpar's own chat templates: jaxpar/corpus/templates/<name>.jinja
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
 RopeScaling = Literal["none", "llama3", "linear"]
@@ -219,13 +219,13 @@ class DataConfig:
     text_field: str = "text"  # the JSONL field (Parquet column) that holds a document
     tokenizer: str = "byte"  # byte | path to a Hugging Face tokenizer.json
     # Records without data.text_field: conversations {"messages": [{role, content}, ...]} rendered
-    # with a chat template, and {"prompt": ..., "completion": ...} pairs (jaxpar.chat). assistant:
+    # with a chat template, and {"prompt": ..., "completion": ...} pairs (jaxpar.corpus.chat). assistant:
     # only the assistant replies (with their end-of-turn marker) and completions are targets;
     # all: every token is, as for plain text. Plain text documents are all targets either way.
     train_on: TrainOn = "assistant"  # assistant | all (see above)
     # The chat template of conversations: null = the tokenizer's own (chat_template.jinja or
     # tokenizer_config.json beside its tokenizer.json) | a .jinja file | simple (jaxpar's own,
-    # jaxpar/templates/simple.jinja, e.g. for the byte tokenizer, which has none). Never chosen
+    # jaxpar/corpus/templates/simple.jinja, e.g. for the byte tokenizer, which has none). Never chosen
     # silently: a conversation source without a template is an error.
     chat_template: str | None = None  # null | FILE.jinja | simple (see above)
     # How documents become rows of train.seq_len + 1 tokens. wrap: one stream cut every seq_len
@@ -282,7 +282,7 @@ class TrainConfig:
     profile_steps: list[int] | None = None  # [first, last] steps to trace (see above)
     # Start from existing weights: a run directory (its newest intact checkpoint's params) or a
     # Hugging Face model directory (python -m jaxpar.convert), or a Hub model id ORG/NAME (its
-    # default branch, through huggingface_hub's cache: jaxpar.hub; the run records the snapshot's
+    # default branch, through huggingface_hub's cache: jaxpar.hf.hub; the run records the snapshot's
     # directory); the model's shape and tokenizer come from there, the optimizer state is fresh and
     # the run starts at step 0. Ignored on resume.
     init_from: str | None = None  # a run directory, a Hugging Face model directory or Hub id (see above)
@@ -294,7 +294,7 @@ class LoRAConfig:
     y = x W + (alpha / rank) * x A B, A [in, rank], B [rank, out]; B starts at zero, so
     step 0 computes the base model. Only A and B train: the base weights get no gradient and no
     optimizer state (jaxpar/models/lora.py), and checkpoints hold the adapters alone, naming the
-    base (jaxpar/base.py). Meant with train.init_from (the base); without it the frozen base is
+    base (jaxpar/hf/base.py). Meant with train.init_from (the base); without it the frozen base is
     the random init of train.seed, which is allowed (tests do it) but learns only through the
     adapters."""
 
@@ -336,7 +336,7 @@ class DistributedConfig:
 class RuntimeConfig:
     cpu_devices: int = 8  # on a CPU-only machine, emulate this many devices (1 = plain run)
     # On a CPU, a run predicted to need more host memory than this is refused (exit 3) before it
-    # compiles (jaxpar/host.py); None = what the kernel reports as available (MemAvailable).
+    # compiles (jaxpar/planning/host.py); None = what the kernel reports as available (MemAvailable).
     host_memory_gib: float | None = None  # GiB of RAM this run may take on a CPU (see above)
 
 
@@ -777,7 +777,7 @@ def source_names(data: DataConfig) -> list[str]:
 
 def _prepared(path: str, key: str) -> bool:
     """Whether `path` (setting `key`) is a finished directory of prepared shards; an unfinished
-    one is an error (resume it). Their contents are checked when opened (jaxpar.shards)."""
+    one is an error (resume it). Their contents are checked when opened (jaxpar.corpus.shards)."""
     path = os.path.expanduser(path)
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return True

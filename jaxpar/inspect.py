@@ -11,7 +11,7 @@ with `--human`, the timeline alone (one column per unit of time, '|' at each tic
 Compiles the train step for the configured mesh and prints one JSON object: the mesh, the
 parameter count, the bytes each device holds (parameters, optimizer state and gradients from
 their shardings; temporaries and the total from XLA's memory analysis of the compiled program),
-the FLOPs XLA counts, and the collectives in the compiled HLO (see `jaxpar.hlo`).
+the FLOPs XLA counts, and the collectives in the compiled HLO (see `jaxpar.compiled.hlo`).
 
 `--compare` puts the ZeRO formula's prediction for jaxpar's own dtypes next to what XLA's
 memory analysis of the compiled step measures (the state's argument bytes; gradients live among
@@ -25,20 +25,20 @@ moments (8; 0 for optimizer.name=sgd), over N = mesh.fsdp devices and divided by
 It also shows the paper's mixed-precision formula (2 + 2 + K with K = 12) for reference.
 
 `--target h100[:N]` compiles the same step for N GPUs of that type on a machine with none
-(`jaxpar.targets`; needs the `gpu-compile` extra) and adds what that program holds: `kernels`
+(`jaxpar.compiled.targets`; needs the `gpu-compile` extra) and adds what that program holds: `kernels`
 (the library calls it makes, e.g. cuDNN attention), the element types each collective moves,
 and `fits`: whether the compiled total stays within `targets.USABLE_FRACTION` of the device's
 memory. A config that does not fit exits with code 3.
 
 `--kernels` (with `--target h100`) prints instead the ruler's reading of that program
-(`jaxpar.ruler`): every kernel launch per step, grouped by kind and the Python line that made it,
+(`jaxpar.compiled.ruler`): every kernel launch per step, grouped by kind and the Python line that made it,
 with its FLOPs, bytes, bound and estimated time, slowest first; the estimated step time, the
 launches per step, and the MFU that step time gives (`model_flops_per_step` over the time, the
 target's peak and its devices).
 
 `--documents K`: the data's rows hold K documents (the most of any row of a batch). Where cuDNN's
 packed attention runs, the training loop runs each batch with the step compiled for the slot
-bucket of its fullest row (`jaxpar.trainer.Trainer.step_for`); this compiles that step, and the
+bucket of its fullest row (`jaxpar.training.trainer.Trainer.step_for`); this compiles that step, and the
 ruler costs its empty slots for rows of K documents. Default with `--kernels`: 1 (random tokens,
 what the measured benchmark steps held); without it, `Trainer.step`, which describes
 model.max_documents_per_row slots (the largest program, whose memory a run may reach).
@@ -52,14 +52,15 @@ import sys
 import jax
 import numpy as np
 
-from jaxpar import cli, hlo, ruler
-from jaxpar import metrics as metrics_lib
-from jaxpar import targets as targets_lib
+from jaxpar import cli
+from jaxpar.compiled import hlo, ruler
+from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import ConfigError
 from jaxpar.parallel import schedule as pipeline_lib
+from jaxpar.run.startup import load_and_validate
 from jaxpar.sharding import shard_bytes, zero_state_bytes
-from jaxpar.startup import load_and_validate
-from jaxpar.trainer import Trainer, build_trainer, compile_step
+from jaxpar.training import metrics as metrics_lib
+from jaxpar.training.trainer import Trainer, build_trainer, compile_step
 
 FLOPS_NOTE = (
     "model_flops_per_step: (6N + 12LdT) per token x the step's tokens, all devices "
@@ -256,7 +257,8 @@ def format_kernels(r: dict) -> str:
         f", the step for {slots} document slot{'s' if slots > 1 else ''}" if slots else ""
     )
     lines = [
-        f"compiled for {t['count']} x {t['device']} (nothing ran); the ruler's estimate (jaxpar.ruler)",
+        f"compiled for {t['count']} x {t['device']} (nothing ran); "
+        "the ruler's estimate (jaxpar.compiled.ruler)",
         f"step {r['step_seconds'] * 1e3:.2f} ms   kernel launches per step {r['launches']:,}   "
         f"MFU {r['mfu']:.1%}   ({r['model_flops_per_step']:.3e} model FLOPs per step; {rows})",
         "",

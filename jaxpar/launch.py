@@ -44,7 +44,7 @@ others at start); --port outside 1-65535 or taken; more processes than the machi
 PROCESSES_PER_CORE per core); and, for `python -m jaxpar.train`, the config every process would
 refuse -- on the CPU checked for the devices of all of them, nproc x runtime.cpu_devices (on
 GPUs, each process counts its own). On the CPU the processes' forecast memory together
-(`jaxpar.host`) is checked against what the machine allows too, and a launch too big for it is
+(`jaxpar.planning.host`) is checked against what the machine allows too, and a launch too big for it is
 refused with exit code 3. A stop asked for while the processes are being started ends the
 starting there.
 
@@ -54,7 +54,7 @@ Failure: when a process exits non-zero or is killed, the launcher asks the other
 (SIGTERM; SIGKILL after --grace seconds), prints the failed process's exit code and last lines,
 and exits with that code (128 + the signal number for a signal, as a shell reports it). SIGINT
 and SIGTERM sent to the launcher are forwarded once to every process: training stops after the
-step, checkpoints and exits (0 after SIGTERM, 130 after SIGINT: `jaxpar.train.Preemption`); the
+step, checkpoints and exits (0 after SIGTERM, 130 after SIGINT: `jaxpar.run.train.Preemption`); the
 launcher then exits with the same code, and
 the same command resumes. Children sit in their own process group, so a Ctrl-C at the terminal
 reaches them once, through the launcher; on Linux they are killed if the launcher itself dies.
@@ -97,13 +97,13 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from jaxpar import config as config_lib
-from jaxpar import host as host_lib
 from jaxpar.cli import CONFIG_ERROR  # a restart would repeat it: not restarted
+from jaxpar.planning import host as host_lib
 
 POLL_S = 0.1  # how often the launcher looks at its queue of exits and signals
 KILL_WAIT_S = 10.0  # after SIGKILL, how long to wait for the process table to show the exit
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
-MANIFEST = "jaxpar_manifest.json"  # jaxpar.checkpoint.MANIFEST: in a checkpoint once committed
+MANIFEST = "jaxpar_manifest.json"  # jaxpar.training.checkpoint.MANIFEST: in a checkpoint once committed
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # What one process takes, for the count a machine can hold: a `python -m jaxpar.train` of
 # configs/tiny.yaml on one CPU device peaked at 1.2 GB resident (jax 0.12.0.1); a real model
@@ -263,7 +263,7 @@ def _train_settings(train_args: list[str]) -> tuple[str | None, str]:
 def newest_complete_checkpoint(run_dir: str) -> int | None:
     """The newest committed checkpoint step in `<run_dir>/checkpoints`, read from the directory
     names alone: orbax renames `<step>.orbax-checkpoint-tmp...` to `<step>` on commit, with
-    jaxpar's manifest already inside (jaxpar.checkpoint, not imported here: it imports JAX).
+    jaxpar's manifest already inside (jaxpar.training.checkpoint, not imported here: it imports JAX).
     The checksums are left to the resuming processes."""
     directory = os.path.join(os.path.abspath(run_dir), "checkpoints")
     try:
@@ -361,7 +361,7 @@ def _cpu_config(nproc: int, train_args: list[str]):
 
 def memory_problem(nproc: int, train_args: list[str]) -> str | None:
     """On the CPU: the processes' forecast memory together against what this machine allows
-    (`jaxpar.host`; each process checks only its own share); None when it fits or cannot be told
+    (`jaxpar.planning.host`; each process checks only its own share); None when it fits or cannot be told
     (GPUs, a config error that `_config_problem` reports, train.init_from's shape)."""
     if not _on_cpu():
         return None

@@ -4,7 +4,7 @@
 `--chat TEXT` (a user message) or `--messages FILE` (a conversation), with `--system TEXT`: the
 assistant's reply instead. The conversation is rendered with the run's chat template
 (RUN_DIR/chat_template.jinja, which training writes when data.chat_template or its prepared data
-named one, else the tokenizer's own: jaxpar.data.run_template) and its generation prompt;
+named one, else the tokenizer's own: jaxpar.corpus.data.run_template) and its generation prompt;
 generation stops at the template's end-of-turn marker (`ChatTemplate.end_of_turn`: a token such as
 <|eot_id|> where the tokenizer has it, else the text) or the end-of-document token, and only the
 reply is printed. The --messages file is checked as training checks a record
@@ -13,7 +13,7 @@ reply is printed. The --messages file is checked as training checks a record
 Ctrl-C ends the command with one line and exit code 130 at any moment from its first import on:
 it writes nothing that could be left half done.
 
-The params are restored alone onto one device (`jaxpar.export.load_params`), the prompt is
+The params are restored alone onto one device (`jaxpar.hf.export.load_params`), the prompt is
 tokenized with the run's tokenizer (data.tokenizer), and generation runs under one `nnx.jit`:
 a prefill of the whole prompt into a `KVCache` sized prompt + max_tokens (at most
 model.max_seq_len), then a `lax.scan` of single-token decode steps (`Transformer.decode`). At
@@ -62,14 +62,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar import chat, cli  # noqa: E402
+from jaxpar import cli  # noqa: E402
 from jaxpar import config as config_lib  # noqa: E402
-from jaxpar import fp8 as fp8_lib  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
-from jaxpar.convert import ARCHITECTURE_KEYS, MOE_ARCHITECTURE_KEYS  # noqa: E402
-from jaxpar.documents import make_tokenizer  # noqa: E402
-from jaxpar.export import load_params  # noqa: E402
+from jaxpar.corpus import chat  # noqa: E402
+from jaxpar.corpus.documents import make_tokenizer  # noqa: E402
+from jaxpar.hf.convert import ARCHITECTURE_KEYS, MOE_ARCHITECTURE_KEYS  # noqa: E402
+from jaxpar.hf.export import load_params  # noqa: E402
 from jaxpar.models.llama import KVCache, Transformer  # noqa: E402
+from jaxpar.ops import fp8 as fp8_lib  # noqa: E402
 
 
 def sample_token(logits, key, temperature=1.0, top_k: int | None = None):
@@ -187,7 +188,7 @@ def run_config(run_dir: str, overrides: list[str] = ()):
     """The run's config (RUN_DIR/config.yaml) with `overrides` (`dotted.key=value`, read as
     `python -m jaxpar.train` reads them) applied. ConfigError if there is no config.yaml, for an
     unknown key or a bad value (as training reports them), for a key outside SAMPLING_KEYS, and
-    for model.fp8=true on a device without float8 matmuls (`jaxpar.fp8.check_device`)."""
+    for model.fp8=true on a device without float8 matmuls (`jaxpar.ops.fp8.check_device`)."""
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"{run_dir} has no config.yaml; is it a run directory (train.run_dir)?")
@@ -385,7 +386,7 @@ def chat_reply(
     top_k: int | None = None,
     seed: int = 0,
 ) -> str:
-    """The assistant's next reply to `messages`: rendered with `template` (a jaxpar.chat
+    """The assistant's next reply to `messages`: rendered with `template` (a jaxpar.corpus.chat
     template) and its generation prompt, generated until the template's end of turn (its token
     where the tokenizer has one, else its text, or the end-of-document token), the marker left
     out. Raises ValueError for a conversation too long for the model."""
@@ -412,7 +413,7 @@ def chat_reply(
 def _chat_command(args, cfg, tokenizer) -> int:
     """--chat / --messages: the run's chat template (`data.run_template`) and `chat_reply`,
     printed alone."""
-    from jaxpar import data as data_lib  # grain: only for --chat
+    from jaxpar.corpus import data as data_lib  # grain: only for --chat
 
     template = data_lib.run_template(args.run_dir, cfg.data)
     messages = chat_messages(args)

@@ -14,14 +14,14 @@ between two tables for the three kinds of training state:
 | 3     | sharded     | reduce-scattered (sharded) | sharded |
 
 The step reduces the gradients to the optimizer state's layout at every stage
-(`jaxpar.trainer.StepParts.reduce_shardings`), so ZeRO-1 reduce-scatters them as ZeRO-2 does and
+(`jaxpar.training.trainer.StepParts.reduce_shardings`), so ZeRO-1 reduce-scatters them as ZeRO-2 does and
 its compiled program is ZeRO-2's: nothing in it keeps a whole gradient, and the gradients the step
 can return (`Trainer.step_with_grads`) live there too. The `grads` rules keep the ZeRO paper's
 table; they still decide which axes a pipeline's rows split over (`row_axes`).
 
 "Replicated" means: not split over `data`/`fsdp`; tensor parallelism (`heads`, `mlp`, `vocab`
 over `tensor`) applies at every stage. On XLA:CPU a "reduce-scatter" is compiled as an
-all-reduce followed by a slice (see `jaxpar.hlo`); GPU compilers emit a real reduce-scatter.
+all-reduce followed by a slice (see `jaxpar.compiled.hlo`); GPU compilers emit a real reduce-scatter.
 """
 
 from __future__ import annotations

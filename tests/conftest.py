@@ -42,7 +42,7 @@ os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
 # suite's CPU time for tests/test_layouts.py + test_gpu_program.py fell from 116 s to 71 s
 # (jax 0.12.0.1), and a 12-step tiny run gives the same losses. Same HLO, same fusions, same
 # collectives and buffers: only the machine code is less tuned.
-# --xla_gpu_autotune_level=0: the H100 programs the tests compile without a GPU (jaxpar.targets)
+# --xla_gpu_autotune_level=0: the H100 programs the tests compile without a GPU (jaxpar.compiled.targets)
 # cannot be autotuned -- there is nothing to time -- yet the default level still spends half of
 # each compile in XLA's config-assigner building candidate kernels, and then keeps the defaults.
 # Level 0 gives the same program (measured, jax 0.12.0.1: the same instructions, fusions, tiles,

@@ -346,7 +346,7 @@ def train(out: str, pairs: list[str]) -> None:
 def adamw_steps(model, decay_all: bool) -> tuple[np.ndarray, np.ndarray]:
     """([TRAIN_STEPS] float64 each) each step's loss, before its update, and the global norm of
     the gradient the update applies (AdamW hides a gradient's scale). Weight decay on every
-    parameter whose name has no "norm" (jaxpar.optim's mask), or with `decay_all` on every one
+    parameter whose name has no "norm" (jaxpar.training.optim's mask), or with `decay_all` on every one
     (torch's AdamW on model.parameters()). named_parameters() gives a tied embedding once."""
     import torch
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxpar import config as config_lib
 from jaxpar.config import MESH_AXES
-from jaxpar.train import build_trainer
+from jaxpar.run.train import build_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")

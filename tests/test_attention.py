@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar import targets as targets_lib
+from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import MESH_AXES
 from jaxpar.models.attention import (
     assume_compute_capability,
@@ -198,7 +198,7 @@ def test_packed_cudnn_refuses_offsets_past_int32():
 
 
 def _h100_devices(count):
-    """`count` compile-only H100 devices (jaxpar.targets), or a skip without the CUDA plugin."""
+    """`count` compile-only H100 devices (jaxpar.compiled.targets), or a skip without the CUDA plugin."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
     return targets_lib.devices(targets_lib.resolve(f"h100:{count}"))
 

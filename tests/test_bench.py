@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 from jaxpar import config as config_lib
-from jaxpar import metrics as metrics_lib
+from jaxpar.training import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # configs/tiny.yaml in bfloat16 (the default dtype), 4 rows, data parallel over 2 CPU devices.

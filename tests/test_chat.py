@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpar import chat, data, shards
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.documents import ByteTokenizer
+from jaxpar.corpus import chat, data, shards
+from jaxpar.corpus.documents import ByteTokenizer
 from tests.hf_reference import HF_PYTHON, require_sidecar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +29,7 @@ TEMPLATES = {
     "llama-3.2": ("llama-3.2-instruct.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
     "qwen3": ("qwen3.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
     "gemma-3": ("gemma-3-it.jinja", {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}),
-    "simple": (os.path.join(ROOT, "jaxpar", "templates", "simple.jinja"), {}),
+    "simple": (os.path.join(ROOT, "jaxpar", "corpus", "templates", "simple.jinja"), {}),
     "blocks": ("blocks.jinja", {"bos_token": "<s>", "eos_token": "</s>"}),  # trim_blocks, tojson
 }
 SYSTEM = {"role": "system", "content": "You answer in one word: 'oui' — <short> & sweet."}
@@ -426,7 +426,7 @@ def test_sample_chat_reply_stops_at_the_end_of_turn(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert proc.stdout.decode() == "ok\n"
     # The export carries the template, where transformers 5 reads a tokenizer's chat template.
-    from jaxpar.export import write_tokenizer
+    from jaxpar.hf.export import write_tokenizer
     from jaxpar.sample import run_config
 
     write_tokenizer(run_config(str(run_dir)), str(tmp_path))
@@ -439,7 +439,7 @@ def test_hf_tokenizer_pieces_keep_special_tokens_and_add_no_bos(tmp_path):
     exactly the replies' markers are targets; `token_id` finds the marker sampling stops at."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from jaxpar.documents import HFTokenizer
+    from jaxpar.corpus.documents import HFTokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

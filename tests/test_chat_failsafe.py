@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxpar import chat, data, rundir, shards
 from jaxpar import config as config_lib
 from jaxpar import sample as sample_lib
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.documents import ByteTokenizer
+from jaxpar.corpus import chat, data, shards
+from jaxpar.corpus.documents import ByteTokenizer
+from jaxpar.run import rundir
 from tests.test_chat import TURNS, template, write_jsonl
 
 USER, REPLY = TURNS[0], TURNS[1]
@@ -288,7 +289,7 @@ def test_a_bad_prompt_completion_pair_names_the_bad_field(record, named):
     """{"prompt": "a", "completion": 5} was refused naming the prompt ("'prompt' is "a", not a list
     of messages"), which is fine; the message now names the field that is wrong and the two
     forms a pair takes."""
-    from jaxpar.documents import record_document
+    from jaxpar.corpus.documents import record_document
 
     with pytest.raises(ConfigError) as err:
         record_document(record, "f.jsonl:3", "text")

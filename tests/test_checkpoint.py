@@ -20,16 +20,16 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxpar import config as config_lib
-from jaxpar import export as export_lib
-from jaxpar.checkpoint import (
+from jaxpar.config import MESH_AXES, ConfigError
+from jaxpar.hf import export as export_lib
+from jaxpar.run.train import build_trainer
+from jaxpar.training.checkpoint import (
     MANIFEST,
     Checkpointer,
     CheckpointMismatchError,
     CheckpointWarning,
     checkpoint_dir,
 )
-from jaxpar.config import MESH_AXES, ConfigError
-from jaxpar.train import build_trainer
 
 TINY_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
 TINY = ["model.d_model=64", "model.d_ff=128"]  # configs/tiny.yaml, wider (the shapes below)
@@ -187,7 +187,7 @@ def test_corrupted_latest_falls_back_to_the_previous(saved, tmp_path, corrupt, r
 KILLED_MID_SAVE = """
 import os, signal
 import jax.numpy as jnp
-from jaxpar import checkpoint as checkpoint_lib
+from jaxpar.training import checkpoint as checkpoint_lib
 state = {"params": {"w": jnp.arange(1000.0)}, "opt_state": {"mu": jnp.zeros(1000)},
          "step": jnp.array(0, jnp.int32)}
 checkpointer = checkpoint_lib.Checkpointer(DIRECTORY, keep=3, every=1)

@@ -36,11 +36,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import base, convert, hf_load
 from jaxpar import config as config_lib
-from jaxpar import export as export_lib
 from jaxpar import sharding as sharding_lib
-from jaxpar.models import Transformer, families
+from jaxpar.hf import base, convert, hf_load
+from jaxpar.hf import export as export_lib
+from jaxpar.models.families import registry as families
+from jaxpar.models.llama import Transformer
 from jaxpar.sample import generate
 from tests.hf_reference import HF_PYTHON, require_sidecar
 
@@ -236,7 +237,7 @@ def _adamw_steps(hf_dir, ref: dict, moe: bool) -> tuple[np.ndarray, np.ndarray]:
     weights with the reference's AdamW (constant lr, no clipping, no decay on norm scales, as
     torch's parameter groups) on its batches, ZeRO-3 on data x fsdp x tensor (expert x fsdp x
     tensor for MoE models)."""
-    from jaxpar.trainer import build_trainer
+    from jaxpar.training.trainer import build_trainer
 
     batches = ref["batches"]
     steps, rows, length = batches.shape
@@ -335,7 +336,7 @@ def test_round_trip_is_bit_identical_and_transformers_loads_the_export(hf, impor
 
 
 def test_sample_cli_generates_from_an_imported_model(imported):
-    from jaxpar.documents import HFTokenizer
+    from jaxpar.corpus.documents import HFTokenizer
 
     run = imported / "llama2-gqa-sharded" / "run"  # its tokenizer ends documents with </s>
     cfg = config_lib.load_config(str(run / "config.yaml"))
@@ -364,8 +365,8 @@ def test_sample_cli_generates_from_an_imported_model(imported):
 
 
 def test_init_from_starts_a_new_run_on_a_mesh_from_the_imported_weights(imported, tmp_path):
-    from jaxpar import train as train_lib
-    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+    from jaxpar.run import train as train_lib
+    from jaxpar.training.checkpoint import Checkpointer, checkpoint_dir
 
     source = imported / "llama3-tied-scaled" / "run"  # bfloat16 weights, llama3 rope scaling
     text = tmp_path / "text.txt"
@@ -631,8 +632,8 @@ def _lora_run(hf_dir, run_dir) -> tuple:
     checkpoint 0 the adapters (random A and B on every projection) over the base's weights
     (`base.init_state`), stored as a LoRA run stores them: the adapters alone, naming the base;
     returns (config, the adapted params on one device)."""
-    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
-    from jaxpar.trainer import build_trainer
+    from jaxpar.training.checkpoint import Checkpointer, checkpoint_dir
+    from jaxpar.training.trainer import build_trainer
 
     lora = ["finetune.lora.rank=4", "finetune.lora.alpha=8", "finetune.lora.targets=[q,k,v,o,gate,up,down]"]
     cfg = dataclasses.replace(
@@ -662,7 +663,7 @@ def _lora_run(hf_dir, run_dir) -> tuple:
 def test_lora_exports_a_merged_model_and_a_peft_adapter_transformers_runs(hf, tmp_path):
     """(b) the merged export, read back by jaxpar, gives the adapted model's logits; (c) the PEFT
     adapter over the base model in transformers + peft gives them too."""
-    from jaxpar.trainer import new_model
+    from jaxpar.training.trainer import new_model
 
     root, ref = hf
     tokens = jnp.asarray(ref["tokens"], jnp.int32)

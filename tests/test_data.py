@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpar import data
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import batch_dataset, make_iterator, pack
-from jaxpar.documents import ByteTokenizer, HFTokenizer
+from jaxpar.corpus import data
+from jaxpar.corpus.data import batch_dataset, make_iterator, pack
+from jaxpar.corpus.documents import ByteTokenizer, HFTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EOD = ByteTokenizer.eod_id  # 256

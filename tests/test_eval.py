@@ -16,11 +16,11 @@ import pytest
 from flax import nnx
 
 from jaxpar import config as config_lib
-from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig, SourceConfig
-from jaxpar.data import make_iterator
-from jaxpar.documents import ByteTokenizer
-from jaxpar.train import build_trainer, train
+from jaxpar.corpus import data, shards
+from jaxpar.corpus.data import make_iterator
+from jaxpar.corpus.documents import ByteTokenizer
+from jaxpar.run.train import build_trainer, train
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 VAL_FRACTION = 0.3
@@ -251,7 +251,7 @@ def test_a_mixture_run_reports_the_tokens_it_saw_per_source(runs):
     assert summary["tokens_seen"] == records[-1]["tokens_seen"] == {"a": 30 * SEQ, "b": 10 * SEQ}
     scalars = tensorboard_scalars(run_dir)
     assert scalars["train/tokens_seen/a"][-1] == (5, 30 * SEQ)
-    from jaxpar.train import format_summary
+    from jaxpar.run.train import format_summary
 
     assert "| eval loss " in format_summary(summary)
     assert f"tokens seen: a {30 * SEQ:,} (75%), b {10 * SEQ:,} (25%)" in format_summary(summary)

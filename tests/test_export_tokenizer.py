@@ -1,6 +1,6 @@
-"""`python -m jaxpar.export` writes the byte-level run's tokenizer (jaxpar.export.byte_tokenizer):
+"""`python -m jaxpar.export` writes the byte-level run's tokenizer (jaxpar.hf.export.byte_tokenizer):
 the `tokenizers` library and `transformers.AutoTokenizer` load it, encode text to jaxpar's ids
-(jaxpar.documents.ByteTokenizer: UTF-8 bytes 0-255, end of document 256) and decode them back to the
+(jaxpar.corpus.documents.ByteTokenizer: UTF-8 bytes 0-255, end of document 256) and decode them back to the
 same text.
 
 The transformers side runs in the .venv-hf sidecar (tests/hf_reference.py `tokenizer`), as in
@@ -18,8 +18,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from jaxpar import config as config_lib
-from jaxpar.documents import EOD_TOKEN, ByteTokenizer
-from jaxpar.export import write_tokenizer
+from jaxpar.corpus.documents import EOD_TOKEN, ByteTokenizer
+from jaxpar.hf.export import write_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_PYTHON = os.path.join(ROOT, ".venv-hf", "bin", "python")

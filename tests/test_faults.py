@@ -14,11 +14,11 @@ import uuid
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar import data as data_lib
-from jaxpar import rundir
-from jaxpar.checkpoint import CheckpointWarning, manifest_problem
 from jaxpar.config import ConfigError
-from jaxpar.train import train
+from jaxpar.corpus import data as data_lib
+from jaxpar.run import rundir
+from jaxpar.run.train import train
+from jaxpar.training.checkpoint import CheckpointWarning, manifest_problem
 from tests.test_train import ROOT
 
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -308,7 +308,7 @@ def read_only(tmp_path):
 # orbax's own write fails, in a background thread, as it did before the check existed.
 UNCHECKED = """
 import collections, sys
-import jaxpar.train as train
+import jaxpar.run.train as train
 usage = collections.namedtuple("usage", "total used free")(1 << 50, 0, 1 << 50)
 train.shutil = type("shutil", (), {"disk_usage": staticmethod(lambda path: usage)})
 sys.exit(train.main(sys.argv[1:]))
@@ -384,7 +384,7 @@ def test_a_second_ctrl_c_exits_at_once():
     spot (no unwinding through a compile or a save)."""
     code = (
         "import os, signal, time\n"
-        "from jaxpar.train import Preemption\n"
+        "from jaxpar.run.train import Preemption\n"
         "with Preemption(exit_at_once=True) as p:\n"
         "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2); print(p.requested, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5); print('not reached')\n"
@@ -423,7 +423,7 @@ def test_settings_that_were_accepted_silently_are_refused():
 
 
 def test_cpu_devices_is_checked_before_the_backend_starts():
-    from jaxpar.train import main
+    from jaxpar.run.train import main
 
     assert main([TINY_YAML, "runtime.cpu_devices=0"]) == 2  # (this process's backend is untouched)
 
@@ -453,7 +453,8 @@ def test_a_read_only_run_dir_is_named(read_only):
 
 
 def test_export_and_sample_and_the_tokenizer_trainer_refuse_bad_arguments(tmp_path, capsys):
-    from jaxpar import export, sample
+    from jaxpar import sample
+    from jaxpar.hf import export
 
     (tmp_path / "file").write_text("x")
     assert export.main([str(tmp_path), "--out", str(tmp_path / "file")]) == 2
@@ -497,7 +498,7 @@ def test_a_non_finite_loss_before_any_checkpoint_says_there_is_none():
     step None"."""
     from types import SimpleNamespace
 
-    from jaxpar.train import _last_good
+    from jaxpar.run.train import _last_good
 
     none = SimpleNamespace(latest_valid_step=lambda: None, directory="/r/checkpoints")
     some = SimpleNamespace(latest_valid_step=lambda: 4, directory="/r/checkpoints")

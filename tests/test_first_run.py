@@ -14,10 +14,10 @@ import jax
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar import host as host_lib
-from jaxpar import train as train_lib
 from jaxpar.config import ConfigError
-from jaxpar.metrics import Progress
+from jaxpar.planning import host as host_lib
+from jaxpar.run import train as train_lib
+from jaxpar.training.metrics import Progress
 from tests.test_train import ROOT, TINY_YAML
 
 GPT2 = os.path.join(ROOT, "configs", "gpt2-124m.yaml")
@@ -99,7 +99,7 @@ def test_a_slow_run_says_how_slow_and_the_first_ctrl_c_stops_it_within_seconds(t
 _BLOCKED_IN_XLA = (
     "import os, signal, threading\n"
     "import jax, jax.numpy as jnp\n"
-    "from jaxpar.train import Preemption\n"
+    "from jaxpar.run.train import Preemption\n"
     "step = jax.jit(lambda x: jax.lax.fori_loop(0, 100000, lambda i, y: jnp.tanh(y @ x), x))\n"
     "x = jnp.ones((256, 256)) / 256\n"
     "with Preemption(exit_at_once=True) as p:\n"
@@ -352,7 +352,7 @@ def test_inspect_says_its_xla_flops_count_a_loop_body_once(tmp_path):
     """The note's claim, checked: doubling the layers (one scanned loop) doubles the model's
     FLOPs but barely moves XLA's count, whose figures are per device x devices."""
     from jaxpar.inspect import compile_step, format_human, report
-    from jaxpar.train import build_trainer
+    from jaxpar.run.train import build_trainer
 
     reports = {}
     for layers in (2, 4):

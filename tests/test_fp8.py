@@ -1,4 +1,4 @@
-"""FP8 block matmuls (`model.fp8`, jaxpar.fp8): one matmul against float32 within the
+"""FP8 block matmuls (`model.fp8`, jaxpar.ops.fp8): one matmul against float32 within the
 float8 error bound, the exact e4m3 / e5m2 arithmetic, every layout equal to one device, a few
 training steps like bfloat16's, and the H100 program's GEMMs in float8."""
 
@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import hlo
+from jaxpar.compiled import hlo
 from jaxpar.config import ConfigError, validate
-from jaxpar.fp8 import E4M3, E5M2, fp8_einsum, scale_of
 from jaxpar.inspect import compile_step
+from jaxpar.ops.fp8 import E4M3, E5M2, fp8_einsum, scale_of
 from tests.parity import (
     assert_parity,
     parity_trainer,
@@ -132,7 +132,7 @@ def test_fp8_needs_float8_gemms_or_the_cpu_emulation():
     """An A100 (8.0) or a TPU is refused; Ada (8.9), Hopper and the CPU pass."""
     from types import SimpleNamespace as Device
 
-    from jaxpar.fp8 import check_device
+    from jaxpar.ops.fp8 import check_device
 
     for capability in ("8.9", "9.0", "10.0"):
         check_device(Device(platform="gpu", compute_capability=capability, device_kind="GPU"))

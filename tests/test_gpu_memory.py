@@ -1,4 +1,4 @@
-"""Memory of H100 programs compiled on this GPU-less machine (jaxpar.targets): the presets meet
+"""Memory of H100 programs compiled on this GPU-less machine (jaxpar.compiled.targets): the presets meet
 their targets, and a model that cannot fit is refused with exit code 3. (Apart from
 test_gpu_program.py so that the two files compile on different test workers.)"""
 
@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from jaxpar import targets as targets_lib
+from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import load_config, validate
 from jaxpar.inspect import compile_step, report
-from jaxpar.train import build_trainer
+from jaxpar.run.train import build_trainer
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
 
@@ -69,7 +69,8 @@ def test_plan_verify_costs_the_compiled_program_with_the_ruler(capsys):
     nowhere would not match the ruler's reading of the same text)."""
     import json
 
-    from jaxpar import plan, ruler
+    from jaxpar.compiled import ruler
+    from jaxpar.planning import plan
 
     assert plan.main(["configs/tiny.yaml", "--gpus", "8xh100", "--top", "1", "--verify", "1"]) == 0
     (best,) = json.loads(capsys.readouterr().out)["plans"]

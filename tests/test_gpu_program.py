@@ -1,4 +1,4 @@
-"""The H100 program, compiled on this GPU-less machine (jaxpar.targets) and checked for structure.
+"""The H100 program, compiled on this GPU-less machine (jaxpar.compiled.targets) and checked for structure.
 
 Nothing here runs on a GPU: XLA's GPU compiler builds the real sm_90a program from the CUDA
 plugin's embedded H100 description, and these tests read facts of that program: which library
@@ -14,11 +14,11 @@ import re
 
 import pytest
 
-from jaxpar import hlo
-from jaxpar import targets as targets_lib
+from jaxpar.compiled import hlo
+from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import load_config, validate
 from jaxpar.inspect import compile_step, report
-from jaxpar.train import build_trainer
+from jaxpar.run.train import build_trainer
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
 
@@ -142,7 +142,7 @@ def test_zero1_keeps_a_quarter_of_the_gradients_among_the_temporaries():
     gradients the same way, so its program keeps exactly as much (ZeRO-1 used to all-reduce
     whole gradients, keeping all of them: 4.33 MB more here). This is a fact of the GPU program:
     XLA:CPU computes each reduce-scatter as an all-reduce of the whole gradient followed by a
-    slice (jaxpar.hlo).
+    slice (jaxpar.compiled.hlo).
 
     One gradient is whole per device on purpose under every stage: the output weight's, whose
     partial sums the chunked loss keeps per device until its one reduction after the chunk loop
@@ -324,7 +324,7 @@ def _reduced_matrices(text: str) -> list[tuple[str, str]]:
 def test_gradients_are_reduced_in_grad_reduce_dtype(reduce_dtype, wanted):
     """ZeRO-3 over 4 H100s with a bfloat16 model: every weight gradient's reduce-scatter moves
     parallel.grad_reduce_dtype -- the blocks' (their weight-gradient GEMMs write it,
-    jaxpar.fp8.einsum) and the head's (summed over the loss chunks in float32, reduced in it).
+    jaxpar.ops.fp8.einsum) and the head's (summed over the loss chunks in float32, reduced in it).
     Before the setting the blocks' moved bfloat16 and the head's float32 whatever was asked.
     Unset (null), it follows model.dtype: this bfloat16 model keeps bfloat16's halved bytes.
     (The float32 model's float32 reductions: tests/test_layouts.py's byte counts, on XLA:CPU.)"""

@@ -1,4 +1,4 @@
-"""The Hugging Face bridge fails safe (jaxpar.export, jaxpar.convert, jaxpar.hf_load,
+"""The Hugging Face bridge fails safe (jaxpar.export, jaxpar.convert, jaxpar.hf.hf_load,
 jaxpar.models.families): no export mixed with another's files, no config.json value read as
 something else, no traceback for a malformed file or a full disk.
 
@@ -18,10 +18,10 @@ import stat
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar import convert, hf_load
-from jaxpar import export as export_lib
 from jaxpar.config import ConfigError
-from jaxpar.models import families
+from jaxpar.hf import convert, hf_load
+from jaxpar.hf import export as export_lib
+from jaxpar.models.families import registry as families
 from tests.test_hub import _tiny_hf
 
 

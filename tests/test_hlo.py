@@ -1,7 +1,7 @@
-"""jaxpar.hlo counts what a compiled program moves, checked on programs whose bytes are known by
+"""jaxpar.compiled.hlo counts what a compiled program moves, checked on programs whose bytes are known by
 construction: all-gathers, reduce-scatters, an all-reduce, an all-to-all and a collective-permute
 of arrays whose shapes are written here, once or inside nested loops, compiled for 8 CPU devices
-and for 8 H100s (jaxpar.targets; those cases skip without the gpu-compile extra). The H100
+and for 8 H100s (jaxpar.compiled.targets; those cases skip without the gpu-compile extra). The H100
 programs come in several forms of the same step: each kind of collective async in turn, XLA:GPU's
 own choice, and everything synchronous; XLA:GPU combines the two all-gathers and the two
 reduce-scatters into one tuple-shaped collective each.
@@ -22,8 +22,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import hlo
-from jaxpar import targets as targets_lib
+from jaxpar.compiled import hlo
+from jaxpar.compiled import targets as targets_lib
 
 DEVICES = 8
 # Per-device shapes (inside shard_map) of the buffers each collective works on.

@@ -1,4 +1,4 @@
-"""Hugging Face Hub model ids for `from-hf` and `train.init_from` (jaxpar.hub), with no network.
+"""Hugging Face Hub model ids for `from-hf` and `train.init_from` (jaxpar.hf.hub), with no network.
 
 A tiny random Llama is written as a Hugging Face directory by jaxpar's own exporter functions (no
 torch), twice with different weights: A in shards with an index, B in one file. They go into a Hub
@@ -23,9 +23,10 @@ import pytest
 from flax import nnx
 
 from jaxpar import config as config_lib
-from jaxpar import convert, hub
-from jaxpar import export as export_lib
-from jaxpar.models import Transformer, families
+from jaxpar.hf import convert, hub
+from jaxpar.hf import export as export_lib
+from jaxpar.models.families import registry as families
+from jaxpar.models.llama import Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = "tiny-org/tiny-llama"

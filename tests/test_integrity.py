@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.documents import ByteTokenizer
+from jaxpar.corpus import data, shards
+from jaxpar.corpus.documents import ByteTokenizer
 from tests.test_faults import mount_tmpfs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,7 +351,7 @@ def other_set(corpus, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def base_run(prepared, tmp_path_factory) -> Path:
     """4 steps on `prepared`, checkpoints at 2 and 4 (a template: tests copy it)."""
-    from jaxpar.train import train
+    from jaxpar.run.train import train
 
     run = tmp_path_factory.mktemp("base") / "run"
     with pytest.MonkeyPatch.context() as mp:
@@ -374,7 +374,7 @@ def everything_in(run: Path) -> dict[str, bytes]:
 def test_a_resume_onto_other_data_is_refused_naming_both_values(
     base_run, prepared, other_set, tmp_path, change
 ):
-    from jaxpar.train import train
+    from jaxpar.run.train import train
 
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
@@ -396,8 +396,8 @@ def test_a_resume_onto_other_data_is_refused_naming_both_values(
 def test_allow_source_change_goes_on_and_the_record_keeps_both(base_run, prepared, other_set, tmp_path):
     import yaml
 
-    from jaxpar import rundir
-    from jaxpar.train import train
+    from jaxpar.run import rundir
+    from jaxpar.run.train import train
 
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
@@ -413,7 +413,7 @@ def test_allow_source_change_goes_on_and_the_record_keeps_both(base_run, prepare
 
 
 def test_a_mixture_s_paths_and_weights_are_its_data_but_not_its_names(tmp_path):
-    from jaxpar import rundir
+    from jaxpar.run import rundir
 
     def settings(*sources):
         return {"data": {"sources": [dict(s) for s in sources]}, "train": {"seed": 0}}
@@ -610,7 +610,7 @@ def test_sigterm_while_the_processes_start_stops_the_starting(monkeypatch, capsy
 
 
 def test_to_hf_of_a_step_that_does_not_exist_exits_2_listing_the_steps(base_run, tmp_path, capsys):
-    from jaxpar import convert
+    from jaxpar.hf import convert
 
     assert convert.main(["to-hf", str(base_run), "--out", str(tmp_path / "hf"), "--step", "3"]) == 2
     err = capsys.readouterr().err.strip()
@@ -620,7 +620,7 @@ def test_to_hf_of_a_step_that_does_not_exist_exits_2_listing_the_steps(base_run,
 
 
 def test_resuming_with_another_optimizer_says_it_is_the_optimizer(base_run, prepared, tmp_path):
-    from jaxpar.train import train
+    from jaxpar.run.train import train
 
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
@@ -673,7 +673,7 @@ def brute_force_meshes(m, t, n: int) -> list[dict]:
 )
 def test_the_pruned_mesh_enumeration_is_the_whole_one(preset, n):
     from jaxpar import config as config_lib
-    from jaxpar import plan
+    from jaxpar.planning import plan
 
     cfg = config_lib.load_config(str(ROOT / "configs" / f"{preset}.yaml"))
     assert list(plan._meshes(cfg.model, cfg.train, n)) == brute_force_meshes(cfg.model, cfg.train, n)
@@ -681,7 +681,7 @@ def test_the_pruned_mesh_enumeration_is_the_whole_one(preset, n):
 
 @pytest.mark.parametrize("gpus", ["1000000xh100", "64000000xh100", "65536xh100"])
 def test_plan_answers_a_huge_count_within_seconds(gpus, capsys):
-    from jaxpar import plan
+    from jaxpar.planning import plan
 
     clock = time.perf_counter()
     code = plan.main([str(ROOT / "configs" / "llama-1b.yaml"), "--gpus", gpus])
@@ -698,7 +698,7 @@ def test_data_packing_is_data_and_an_older_record_trained_with_wrap(tmp_path):
     import yaml
 
     from jaxpar import config as config_lib
-    from jaxpar import rundir
+    from jaxpar.run import rundir
 
     record = config_lib.to_dict(config_lib.load_config(None, []))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(record))

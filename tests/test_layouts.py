@@ -88,7 +88,7 @@ def test_born_sharded_init_is_the_single_device_init(layout, single_device):
 
 
 # The collective checks below speak for XLA:CPU (8 host devices). There a ZeRO-2/3 gradient
-# reduce-scatter is compiled as all-reduce + dynamic-slice; jaxpar.hlo reports that pair as a
+# reduce-scatter is compiled as all-reduce + dynamic-slice; jaxpar.compiled.hlo reports that pair as a
 # reduce-scatter (counted in `as_all_reduce`). The H100 program has real reduce-scatters:
 # tests/test_gpu_program.py.
 

@@ -143,7 +143,7 @@ def test_optimizer_state_is_two_adam_moments_of_the_adapters_only():
     """What `python -m jaxpar.inspect` reports of a LoRA step (AdamW, ZeRO-0): optimizer bytes
     per device = 2 x the adapters' (Adam's two moments, float32), gradients = the adapters'."""
     from jaxpar.inspect import report
-    from jaxpar.trainer import compile_step
+    from jaxpar.training.trainer import compile_step
 
     trainer = parity.trainer_on([*LORA, "parallel.zero_stage=0"], MESH)  # AdamW (tiny.yaml's)
     memory = report(trainer, compile_step(trainer))["memory_per_device"]
@@ -166,7 +166,7 @@ WIDER = ["model.d_model=128", "model.d_ff=512"]  # the weights outweigh a checkp
 def _lora_train(run_dir, *extra) -> dict:
     """A LoRA run (with dropout, `WIDER`) of four steps on data x fsdp x tensor, checkpoints at
     2 and 4; returns {step: loss} from its metrics.jsonl."""
-    from jaxpar.train import train
+    from jaxpar.run.train import train
 
     cfg = parity.tiny_config(
         [
@@ -211,8 +211,8 @@ def _bytes_under(path) -> int:
 def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(lora_run):
     """On disk a LoRA checkpoint is its adapters, their Adam moments and a few small files, far
     less than the model: the frozen weights are not in it; its data item names the base."""
-    from jaxpar import base as base_lib
-    from jaxpar.checkpoint import PARAMS_ITEM, Checkpointer, checkpoint_dir
+    from jaxpar.hf import base as base_lib
+    from jaxpar.training.checkpoint import PARAMS_ITEM, Checkpointer, checkpoint_dir
 
     run_dir, _ = lora_run
     # Step 2's checkpoint, written once: the resume test reruns steps 3 and 4 into the same run
@@ -250,7 +250,7 @@ def test_a_lora_checkpoint_refuses_another_base(lora_run, tmp_path):
 def test_sample_and_export_read_a_lora_checkpoint(lora_run, tmp_path):
     """`load_params` (what sample and to-hf read) rebuilds the model from the adapters over the
     base: the merged weights equal the base's with A B folded in, and the adapters those saved."""
-    from jaxpar.export import load_params
+    from jaxpar.hf.export import load_params
 
     run_dir, _ = lora_run
     cfg, merged, step = load_params(str(run_dir))
@@ -272,8 +272,8 @@ def test_the_merged_weights_compute_the_adapted_model():
     """`lora.merged` (what to-hf writes): W + alpha/rank A B gives the adapted model's logits."""
     from flax import nnx
 
-    from jaxpar.models import Transformer
-    from jaxpar.trainer import new_model
+    from jaxpar.models.llama import Transformer
+    from jaxpar.training.trainer import new_model
 
     cfg = parity.tiny_config(LORA)
     params = with_random_b(nnx.to_pure_dict(nnx.state(new_model(cfg))))
@@ -392,7 +392,7 @@ def test_dropout_reaches_the_blocks_of_a_moe_group():
 def test_no_dropout_compiles_no_random_numbers():
     """finetune.lora.dropout=0 leaves the step as it was: its program draws no random bits
     (the dropout step's does)."""
-    from jaxpar import targets as targets_lib
+    from jaxpar.compiled import targets as targets_lib
 
     texts = {}
     for rate in ("0", "0.25"):
@@ -406,7 +406,7 @@ def test_the_peft_adapter_names_a_base_peft_can_load(tmp_path):
     """adapter_config.json's base: a Hub snapshot in huggingface_hub's cache by its model id and
     commit, a Hugging Face directory by its path (a jaxpar run by its path too, with a note from
     the export), null without train.init_from."""
-    from jaxpar.export import peft_base
+    from jaxpar.hf.export import peft_base
 
     snapshot = tmp_path / "hub" / "models--org--tiny-llama" / "snapshots" / "0123abcd"
     snapshot.mkdir(parents=True)
@@ -416,7 +416,7 @@ def test_the_peft_adapter_names_a_base_peft_can_load(tmp_path):
 
 
 def _save_base(base_dir, step: int, weights) -> None:
-    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+    from jaxpar.training.checkpoint import Checkpointer, checkpoint_dir
 
     ckpt = Checkpointer(checkpoint_dir(str(base_dir)), keep=0)
     try:
@@ -426,8 +426,8 @@ def _save_base(base_dir, step: int, weights) -> None:
 
 
 def _recorded_base(run_dir, step: int) -> dict:
-    from jaxpar import base as base_lib
-    from jaxpar.checkpoint import Checkpointer, checkpoint_dir
+    from jaxpar.hf import base as base_lib
+    from jaxpar.training.checkpoint import Checkpointer, checkpoint_dir
 
     recorded = Checkpointer(checkpoint_dir(str(run_dir)), read_only=True)
     try:
@@ -437,7 +437,7 @@ def _recorded_base(run_dir, step: int) -> dict:
 
 
 def _identity(base_dir, step: int) -> str:
-    from jaxpar.checkpoint import checkpoint_dir, params_identity
+    from jaxpar.training.checkpoint import checkpoint_dir, params_identity
 
     return params_identity(os.path.join(checkpoint_dir(str(base_dir)), str(step)))
 
@@ -465,9 +465,9 @@ def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_pa
 
     Guards the bug where each save recorded the base run's newest step, not the one the adapters
     were trained over (`sample` and `to-hf` then laid them over another model)."""
-    from jaxpar import base as base_lib
-    from jaxpar.export import load_params
-    from jaxpar.train import train
+    from jaxpar.hf import base as base_lib
+    from jaxpar.hf.export import load_params
+    from jaxpar.run.train import train
 
     weights, base_dir, overrides = _base_run(tmp_path)
     start = base_lib.init_state
@@ -512,10 +512,10 @@ def test_a_lora_checkpoint_refuses_its_base_step_saved_again(tmp_path):
     checkpoint from before it was recorded) is read as before.
 
     Guards the bug where a LoRA checkpoint named its base by (path, step) alone."""
-    from jaxpar import base as base_lib
-    from jaxpar.checkpoint import write_manifest
-    from jaxpar.export import load_params
-    from jaxpar.train import train
+    from jaxpar.hf import base as base_lib
+    from jaxpar.hf.export import load_params
+    from jaxpar.run.train import train
+    from jaxpar.training.checkpoint import write_manifest
 
     weights, base_dir, overrides = _base_run(tmp_path)
     run = [*overrides, f"train.run_dir={tmp_path / 'run'}"]

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import hlo
+from jaxpar.compiled import hlo
 from jaxpar.mesh import make_mesh
 from jaxpar.models.loss import chunked_cross_entropy, pick_chunks, vocab_pieces
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig, SourceConfig
-from jaxpar.data import batch_dataset, make_iterator
-from jaxpar.documents import ByteTokenizer
+from jaxpar.corpus import data, shards
+from jaxpar.corpus.data import batch_dataset, make_iterator
+from jaxpar.corpus.documents import ByteTokenizer
 
 KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 LETTERS = {"a": "abcdefgh", "b": "qrstuvwx"}  # source -> its alphabet (bytes 97-104, 113-120)
@@ -202,7 +202,7 @@ def test_bad_mixtures_are_refused_naming_the_key(prepared, tmp_path, capsys):
     with pytest.raises(ConfigError, match=f"data.source='{a}' and data.sources are both set"):
         config_lib.validate(both, 8)
     # The command line: exit 2 with the message, before anything compiles.
-    from jaxpar.train import main
+    from jaxpar.run.train import main
 
     tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     assert main([tiny, "runtime.cpu_devices=8", f"data.sources=[{{path: {a}, weight: -1}}]"]) == 2

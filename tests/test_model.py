@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import Transformer, matmul_params
+from jaxpar.models.llama import Transformer, matmul_params
 
 
 def reference_forward(p, tokens, positions, segment_ids, cfg):

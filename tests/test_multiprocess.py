@@ -37,7 +37,7 @@ KEEP_FIRST_GRADS = textwrap.dedent("""
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
-    from jaxpar import train as train_lib
+    from jaxpar.run import train as train_lib
 
     npz, build = sys.argv[1], train_lib.build_trainer
 
@@ -74,7 +74,7 @@ def keeping_first_grads(npz) -> list[str]:
 HOLD_AT_STEP_3 = textwrap.dedent("""
     import os, sys, time
     import jax
-    from jaxpar import train as train_lib
+    from jaxpar.run import train as train_lib
 
     held, build = sys.argv[1], train_lib.build_trainer
 
@@ -467,7 +467,7 @@ def test_restarts_take_a_new_port_until_used_up_then_give_the_last_failures_code
 
 
 def test_a_run_too_big_for_the_machine_is_not_restarted(capsys):
-    """Exit code 3 is jaxpar.host's refusal: the memory forecast would refuse the restart too."""
+    """Exit code 3 is jaxpar.planning.host's refusal: the memory forecast would refuse the restart too."""
     assert launch(2, command=_attempts("3,0"), max_restarts=2, grace=10) == 3
     out, err = capsys.readouterr()
     assert "restart 1" not in err and "attempt 1" not in out
@@ -538,7 +538,7 @@ def test_the_command_line_takes_max_restarts():
 COUNT_STOP_POLLS = textwrap.dedent("""
     import json, sys
     import jax
-    from jaxpar import train as train_lib
+    from jaxpar.run import train as train_lib
 
     out, leave = sys.argv[1], train_lib.Preemption.__exit__
 

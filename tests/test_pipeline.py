@@ -537,7 +537,7 @@ def _collectives_in_branches(hlo_text):
     through calls, fusions and nested conditionals) in compiled HLO text."""
     import re
 
-    from jaxpar.hlo import KINDS, parse
+    from jaxpar.compiled.hlo import KINDS, parse
 
     comps = parse(hlo_text)
     called = re.compile(

@@ -1,7 +1,7 @@
 """`python -m jaxpar.plan`: its memory model against XLA's compiled programs (a representative
 handful here; benchmarks/plan_memory.py has 28 layouts), the ZeRO paper's table, the
 Playbook's guidance as it falls out of the model, its step-time model against the published
-and measured runs of `jaxpar.published` (fitted on some, checked on the others, within its
+and measured runs of `jaxpar.planning.published` (fitted on some, checked on the others, within its
 stated band), and bad input."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from benchmarks.plan_layouts import MODEL
 from benchmarks.plan_memory import LAYOUTS, RESULTS
 from jaxpar import config as config_lib
-from jaxpar import plan, published
 from jaxpar.config import MESH_AXES
+from jaxpar.planning import plan, published
 from jaxpar.sharding import shard_bytes, zero_state_bytes
 from tests.parity import trainer_on
 
@@ -296,7 +296,7 @@ def test_context_parallelism_for_long_sequences():
     assert "no layout without context parallelism fits" in plan.explain(long, plans, device)
 
 
-# --- The step-time model against published results (jaxpar.published) ----------------------
+# --- The step-time model against published results (jaxpar.planning.published) ----------------------
 
 
 def test_fitted_and_checked_results_are_disjoint_and_sourced():

@@ -15,10 +15,11 @@ import jax
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar import host as host_lib
-from jaxpar import launch, plan
+from jaxpar import launch
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.models import lora as lora_lib
+from jaxpar.planning import host as host_lib
+from jaxpar.planning import plan
 from jaxpar.sharding import shard_bytes
 from tests.parity import TINY_YAML, tiny_config, trainer_on
 
@@ -97,7 +98,7 @@ LARGE_RANK = [
 
 
 def test_the_host_forecast_counts_the_adapters_and_refuses_a_large_rank():
-    """Bug: jaxpar.host left the adapters out (1.4 GiB forecast for a run that took 36 GB at a
+    """Bug: jaxpar.planning.host left the adapters out (1.4 GiB forecast for a run that took 36 GB at a
     large rank), so the run went on to an out-of-memory traceback instead of exit 3."""
     cfg = tiny_config(LARGE_RANK)
     sizes = config_lib.validate(cfg, 1)
@@ -235,7 +236,7 @@ def test_lora_table_follows_the_models_adapters():
 def test_a_gpu_count_of_zero_names_the_count():
     """--gpus 0xh100 was answered "write the count and the type": the count was written, it is
     the value that is wrong."""
-    from jaxpar.plan import parse_gpus
+    from jaxpar.planning.plan import parse_gpus
 
     with pytest.raises(
         ConfigError, match=r"--gpus '0xh100': the count must be at least 1, e.g. --gpus 8xh100"

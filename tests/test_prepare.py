@@ -1,4 +1,4 @@
-"""Prepared token shards (jaxpar.shards): `python -m jaxpar.data prepare`, and training from them.
+"""Prepared token shards (jaxpar.corpus.shards): `python -m jaxpar.data prepare`, and training from them.
 
 The reference is always the raw path (`data.pack(data.read_documents(...))`, what training on the
 source itself packs): prepared shards must give exactly its samples and batches. Only the last
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar import data, shards
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import batch_dataset, make_iterator, pack
-from jaxpar.documents import ByteTokenizer, HFTokenizer
+from jaxpar.corpus import data, shards
+from jaxpar.corpus.data import batch_dataset, make_iterator, pack
+from jaxpar.corpus.documents import ByteTokenizer, HFTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -391,7 +391,7 @@ def test_the_loader_benchmark_runs_and_says_whether_it_reaches_the_target(tmp_pa
 # pytest's resident memory.) Training needs no JAX compile the second time (the session's cache).
 PEAKS = """
 import json, sys
-from jaxpar import shards
+from jaxpar.corpus import shards
 
 def peak():
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -402,7 +402,7 @@ peaks = []
 for corpus, out in zip(corpora, outs):
     shards.prepare([corpus], out, shard_tokens=1 << 24, progress=False)
     peaks.append(peak())
-from jaxpar.train import main
+from jaxpar.run.train import main
 for out in outs:
     assert main(["configs/tiny.yaml", f"data.source={out}", "data.max_documents=null",
                  "model.n_layers=1", "runtime.cpu_devices=1", "train.steps=2",

@@ -340,7 +340,7 @@ def test_auto_reads_the_platform_from_the_mesh_devices(expert, picked):
     pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
     from jax.sharding import Mesh
 
-    from jaxpar import targets as targets_lib
+    from jaxpar.compiled import targets as targets_lib
     from tests.test_experts import AXES
 
     x, params, _ = INPUTS

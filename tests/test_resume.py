@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar.checkpoint import CheckpointMismatchError
-from jaxpar.train import NonFiniteLoss, train
+from jaxpar.run.train import NonFiniteLoss, train
+from jaxpar.training.checkpoint import CheckpointMismatchError
 from tests.test_train import ROOT
 
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -211,7 +211,7 @@ def test_the_host_reads_the_guard_every_log_every_steps_not_every_step(tmp_path)
 
 
 def test_a_second_sigint_stops_at_once():
-    from jaxpar.train import Preemption
+    from jaxpar.run.train import Preemption
 
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN in a shell's background job
     with Preemption() as preemption:
@@ -227,7 +227,7 @@ def test_a_second_sigint_stops_at_once():
 def test_resume_drops_a_truncated_metrics_line_and_says_so(tmp_path, capsys):
     """A crash in the middle of a metrics write leaves half a JSON line; resuming keeps the
     readable lines up to the checkpoint and warns about the rest."""
-    from jaxpar.train import _keep_metrics_until
+    from jaxpar.run.train import _keep_metrics_until
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import hlo
+from jaxpar.compiled import hlo
 from jaxpar.config import MESH_AXES
 from jaxpar.parallel.ring_attention import (
     layout_indices,
@@ -140,7 +140,7 @@ def test_sliding_window_ring_matches_reference(context, layout, window):
 def test_sliding_window_ring_skips_the_hops_it_does_not_need():
     """zigzag over 8 devices, a window of one chunk (2 of the 32 positions): each device needs
     its two neighbours' blocks (ring distances 1 and 7), so the program moves far fewer bytes by
-    collective-permute than the full ring's 7 hops (jaxpar.hlo counts the loop's trips)."""
+    collective-permute than the full ring's 7 hops (jaxpar.compiled.hlo counts the loop's trips)."""
     assert needed_shifts(SEQ, 8, "zigzag", 2) == (0, 1, 7)
     assert needed_shifts(SEQ, 8, "zigzag", 4) == (0, 1, 2, 6, 7)
     assert needed_shifts(SEQ, 8, "contiguous", 6) == (0, 1, 2)

@@ -1,5 +1,5 @@
-"""jaxpar.ruler reads a compiled H100 program (jaxpar.targets: compiled here, nothing runs) and
-costs each kernel launch. Checked on programs whose launches, FLOPs and bytes are known by
+"""jaxpar.compiled.ruler reads a compiled H100 program (jaxpar.compiled.targets: compiled here,
+nothing runs) and costs each kernel launch. Checked on programs whose launches, FLOPs and bytes are known by
 construction: one GEMM, the same GEMM in a loop, a stacked weight read a layer at a time, a
 stacked output written a layer at a time, an elementwise op, cuDNN attention with and without
 packed documents; and the `--kernels` command line end to end.
@@ -23,8 +23,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import ruler
-from jaxpar import targets as targets_lib
+from jaxpar.compiled import ruler
+from jaxpar.compiled import targets as targets_lib
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the gpu-compile extra")
 
@@ -221,7 +221,7 @@ def test_cudnn_attention_flops_and_empty_document_slots(slots):
 def test_a_kernel_it_cannot_see_into_is_charged_its_bytes_and_flagged():
     """Guards an unknown custom call (a Pallas or Triton kernel) costed as zero, or passed off
     as costed: it is charged its operands and results, and marked."""
-    from jaxpar import hlo
+    from jaxpar.compiled import hlo
 
     text = "\n".join(
         [

@@ -16,8 +16,8 @@ from flax import nnx
 from jaxpar import config as config_lib
 from jaxpar import sample as sample_lib
 from jaxpar.config import ModelConfig, MoEConfig
-from jaxpar.documents import ByteTokenizer
-from jaxpar.export import load_params
+from jaxpar.corpus.documents import ByteTokenizer
+from jaxpar.hf.export import load_params
 from jaxpar.models.llama import KVCache, Transformer
 from jaxpar.sample import generate, load_model, main, sample_token
 

@@ -16,10 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import config as config_lib
 from jaxpar.config import MoEConfig
-from jaxpar.models import Transformer
+from jaxpar.models.llama import Transformer
 from jaxpar.models.moe import MoEMLP
-from jaxpar.optim import lr_schedule
 from jaxpar.sharding import BASE_RULES, Layout, constrain, make_rules
+from jaxpar.training.optim import lr_schedule
 from tests.parity import tiny_config, trainer_on
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,7 +260,7 @@ def test_the_trainer_follows_a_layout_whose_seq_rule_names_another_axis():
     permutes the batch for that ring and trains as one device does (first-step gradients, leaf
     by leaf). A batch permuted for `context`'s 2 devices, as `sizes["context"]` would say,
     hands the ring tokens in the wrong order: its causal mask and the gradients come out wrong."""
-    from jaxpar.trainer import trainer_for
+    from jaxpar.training.trainer import trainer_for
     from tests.parity import SGD, assert_grads_match, assert_nonzero, parity_trainer, random_batches
 
     layout = _layout_with_activation_rules(seq=("data",), act_seq=("data",), batch=("context",))

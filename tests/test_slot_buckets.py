@@ -5,7 +5,7 @@ NaN poison that guards unchecked callers (jaxpar.models.attention, `Trainer.step
 Checked here: the ladder and the bucket a count picks; the count taken over every process; the
 loop's dispatch; what cuDNN's packed call is handed, in and out of a bucket, against the XLA path
 (a stand-in for cuDNN computes the attention the offsets describe: nothing here has a GPU); and
-the H100 programs themselves (compiled here, jaxpar.targets): a bucket's call has that many slots
+the H100 programs themselves (compiled here, jaxpar.compiled.targets): a bucket's call has that many slots
 and no poison, a one-document bucket is the plain causal call, and the unchecked evaluation step
 keeps the poison."""
 
@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import hlo
-from jaxpar import targets as targets_lib
-from jaxpar import train as train_lib
+from jaxpar.compiled import hlo
+from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import ConfigError, load_config, validate
 from jaxpar.models import attention
 from jaxpar.models.attention import attend, slot_bucket, slot_buckets
-from jaxpar.trainer import build_trainer, compile_step
+from jaxpar.run import train as train_lib
+from jaxpar.training.trainer import build_trainer, compile_step
 from tests.test_attention import random_segment_ids
 
 # --- The ladder -----------------------------------------------------------------------------------

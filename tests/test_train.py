@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jaxpar import config as config_lib
-from jaxpar.train import train
+from jaxpar.run.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -182,7 +182,7 @@ def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
     import jax
 
     from jaxpar.sharding import Layout
-    from jaxpar.trainer import resolve_attention
+    from jaxpar.training.trainer import resolve_attention
 
     sizes = {a: 1 for a in config_lib.MESH_AXES}
     h100, a100 = (SimpleNamespace(platform="gpu", compute_capability=c) for c in ("9.0", "8.0"))
@@ -209,8 +209,8 @@ def test_auto_attention_is_cudnn_only_where_its_packed_form_runs():
 def test_automatic_loss_chunks_keep_float32_logits_within_256_mib():
     """Where the device's memory is unknown (CPU devices): pieces of the vocabulary whose float32
     logits stay within 256 MiB."""
+    from jaxpar.compiled.targets import device_memory
     from jaxpar.models.loss import loss_chunks
-    from jaxpar.targets import device_memory
 
     def chunks(cfg, device):
         return loss_chunks(cfg, sizes, memory=device_memory(device))
@@ -243,8 +243,8 @@ def test_automatic_loss_chunks_follow_the_devices_memory():
     """On one 80 GB H100 the presets' logits come whole (GPT-2 124M 2.5 GB, the 1B 8.4 GB): a
     real one at JAX's default 75% (64 GB) and a compile-only one (its usable 90%). On a device
     with 30 GB to use, the 1B's logits come in 2 pieces (4.2 GB each, within a sixth of it)."""
+    from jaxpar.compiled.targets import device_memory
     from jaxpar.models.loss import loss_chunks
-    from jaxpar.targets import device_memory
 
     def chunks(cfg, device):
         return loss_chunks(cfg, sizes, memory=device_memory(device))

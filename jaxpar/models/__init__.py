@@ -1,5 +1,2 @@
-"""Models, written once with logical axis names (no mesh names in here)."""
-
-from jaxpar.models.llama import Transformer, matmul_params
-
-__all__ = ["Transformer", "matmul_params"]
+"""Models, written once with logical axis names (no mesh names in here): the blocks (`llama`),
+attention, the loss, mixture of experts, LoRA, and the Hugging Face families (`families`)."""

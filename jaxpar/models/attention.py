@@ -20,7 +20,7 @@ The number of documents described per row, M = `max_segments`, is static, and it
 cuDNN treats every (row, document slot) as a sequence of length T, so the softmax statistics that
 the forward saves for the backward are float32 [B * M, N, T] -- 4*B*M*N*T bytes per layer, i.e.
 M times the statistics of a one-document call -- and the packed backward works through every
-slot whatever it holds (on an H100 about 117 ns per empty row x slot x head, `jaxpar.ruler`, plus
+slot whatever it holds (on an H100 about 117 ns per empty row x slot x head, `jaxpar.compiled.ruler`, plus
 small kernels that prepare the offsets: GPT-2 124M took 53.3 ms a step at M = 32 and 47.0 ms at
 M = 1 on rows of one document). M = T (which could never be exceeded) would make the statistics
 4*B*N*T^2 bytes, as large as the dense float32 logits this path exists to avoid. So M is chosen
@@ -30,7 +30,7 @@ per batch where the caller can check its rows:
   documents on the host (`documents_per_row`) and promises at most k; the call describes k slots
   (k = 1 is the plain causal call, no offsets) and makes no row NaN. The training loop does this: it compiles
   one step per bucket of `slot_buckets` (1, 2, 4, ... up to model.max_documents_per_row) and
-  runs each batch with the smallest bucket that holds its fullest row (`jaxpar.trainer.Trainer.
+  runs each batch with the smallest bucket that holds its fullest row (`jaxpar.training.trainer.Trainer.
   step_for`), so a batch of one-document rows costs what plain causal attention costs;
 - unchecked (everything else: `Trainer.step`, the evaluation step, a model run on its own): M =
   `max_segments`, and a row with more documents than M is made loud instead of wrong: its
@@ -334,7 +334,7 @@ def assume_compute_capability(capability: str):
 
     jax decides whether the packed form (and head_dim up to 256) is supported by asking the
     *default* backend's first device for its compute capability; on a CPU-only host compiling
-    for compile-only GPU devices (`jaxpar.targets`) there is none, and the packed call is refused
+    for compile-only GPU devices (`jaxpar.compiled.targets`) there is none, and the packed call is refused
     as "requires Hopper". Inside this block jax's two capability queries answer for `capability`
     instead. Use it only around lowering for such devices; a real GPU answers for itself."""
     fa = _fused()

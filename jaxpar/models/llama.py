@@ -65,15 +65,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.fp8 import einsum as block_einsum
 from jaxpar.models import lora as lora_lib
 from jaxpar.models.attention import attend, kernel_for
 from jaxpar.models.loss import chunked_cross_entropy
 from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_layers, moe_matmul_params
 from jaxpar.models.params import param as _param
+from jaxpar.ops.fp8 import einsum as block_einsum
+from jaxpar.ops.swiglu import block_swiglu
 from jaxpar.parallel.ring_attention import ring_attention_permuted
 from jaxpar.sharding import constrain, ring_axis, rules_in_force
-from jaxpar.swiglu import block_swiglu
 
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -208,7 +208,7 @@ class Attention(nnx.Module):
     ):
         self.cfg = cfg
         self.context_layout = context_layout
-        self.grad_dtype = grad_dtype  # the weight gradients' dtype (`jaxpar.fp8.einsum`)
+        self.grad_dtype = grad_dtype  # the weight gradients' dtype (`jaxpar.ops.fp8.einsum`)
         # cuDNN's packed attention: the document slots per row of batches the host counted
         # (`check_documents`); None: model.max_documents_per_row, overflowing rows made NaN.
         self.document_slots = None
@@ -307,13 +307,13 @@ def rotate(cfg: ModelConfig, x, positions, sliding=None):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up)), or GeGLU with model.mlp_activation (`jaxpar.swiglu`)."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)), or GeGLU with model.mlp_activation (`jaxpar.ops.swiglu`)."""
 
     def __init__(
         self, cfg: ModelConfig, rngs: nnx.Rngs, d_ff: int | None = None, grad_dtype: str | None = None
     ):
         self.cfg = cfg
-        self.grad_dtype = grad_dtype  # the weight gradients' dtype (`jaxpar.fp8.einsum`)
+        self.grad_dtype = grad_dtype  # the weight gradients' dtype (`jaxpar.ops.fp8.einsum`)
         e, f = cfg.d_model, d_ff or cfg.d_ff
         self.w_gate = _param(rngs, (e, f), ("embed", "mlp"), cfg)
         self.w_up = _param(rngs, (e, f), ("embed", "mlp"), cfg)
@@ -414,7 +414,7 @@ class BlockGroup(nnx.Module):
 def check_documents(model: nnx.Module, slots: int) -> nnx.Module:
     """`model` (e.g. an abstract one, for its graphdef) with every attention layer describing
     `slots` document slots per row and making no row NaN: for batches whose rows the host counted
-    to hold at most `slots` documents (the training loop's slot buckets, `jaxpar.trainer.Trainer.
+    to hold at most `slots` documents (the training loop's slot buckets, `jaxpar.training.trainer.Trainer.
     step_for`). Only cuDNN's packed attention reads it; the weights are the same."""
     for _, node in nnx.iter_graph(model):
         if isinstance(node, Attention):

@@ -34,7 +34,7 @@ dropout with mesh.pipe > 1).
 
 Training: `Trainable` splits the pure-dict params into the adapters (what the step
 differentiates and the optimizer holds state for) and the frozen rest; a checkpoint holds the
-adapters alone over the base it names (`jaxpar.base`). Export: `merged` folds
+adapters alone over the base it names (`jaxpar.hf.base`). Export: `merged` folds
 the adapters into their weights (W + alpha/rank * A B); `peft_tensors` names them as PEFT does.
 """
 
@@ -49,8 +49,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import LoRAConfig
+from jaxpar.ops.swiglu import swiglu
 from jaxpar.sharding import constrain
-from jaxpar.swiglu import swiglu
 
 # finetune.lora.targets -> (the block's submodule, its weight): the one table of what LoRA adapts.
 TARGETS = {
@@ -204,7 +204,7 @@ def has_adapters(mlp) -> bool:
 
 
 def adapted_swiglu(mlp, x, matmul, noise: Noise | None = None):
-    """The dense MLP's SwiGLU (`jaxpar.swiglu`) with each projection through `project`; the
+    """The dense MLP's SwiGLU (`jaxpar.ops.swiglu`) with each projection through `project`; the
     hidden activation pinned as `block_swiglu` pins it."""
 
     def project_in(x, name):

@@ -420,7 +420,7 @@ def loss_chunks(
 ) -> int:
     """train.loss_chunks, or (0 = auto) the fewest vocabulary pieces whose float32 logits fit a
     budget (`pick_chunks`) on a mesh of `sizes`: LOGITS_SHARE of `memory`, the bytes a program
-    may use on one device (`jaxpar.targets.device_memory`), else (unknown: CPU devices) 256 MiB.
+    may use on one device (`jaxpar.compiled.targets.device_memory`), else (unknown: CPU devices) 256 MiB.
     `rows`: the batch rows the loss sees at once (a pipeline microbatch), default the whole
     batch. On one 80 GB H100 the presets' logits come whole: GPT-2 124M (12 x 1024 tokens,
     2.5 GB) and Llama-3.2-1B (8 x 2048 tokens, 8.4 GB)."""

@@ -8,8 +8,8 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.models.params import param
+from jaxpar.ops.swiglu import block_swiglu
 from jaxpar.parallel.experts import moe_mlp
-from jaxpar.swiglu import block_swiglu
 
 
 def expert_d_ff(cfg: ModelConfig) -> int:
@@ -38,7 +38,7 @@ class MoEMLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, grad_dtype: str | None = None):
         self.cfg = cfg
-        self.grad_dtype = grad_dtype  # the shared experts' weight gradients (`jaxpar.fp8.einsum`)
+        self.grad_dtype = grad_dtype  # the shared experts' weight gradients (`jaxpar.ops.fp8.einsum`)
         e, f, n = cfg.d_model, expert_d_ff(cfg), cfg.moe.num_experts
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.router = param(rngs, (e, n), ("embed", None), cfg)

@@ -91,9 +91,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.fp8 import fp8_einsum
+from jaxpar.ops.fp8 import fp8_einsum
+from jaxpar.ops.swiglu import swiglu
 from jaxpar.sharding import rules_in_force
-from jaxpar.swiglu import swiglu
 
 
 class Routing(NamedTuple):
@@ -169,11 +169,11 @@ def expert_capacity(tokens, num_experts, top_k, capacity_factor):
 
 
 def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
-    """Batched SwiGLU (`jaxpar.swiglu`) over a group of experts: down(silu(h @ gate) * (h @ up)).
+    """Batched SwiGLU (`jaxpar.ops.swiglu`) over a group of experts: down(silu(h @ gate) * (h @ up)).
 
     h: [experts, slots, embed]; gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
     Returns [experts, slots, embed] float32 (a partial sum if `mlp` is a slice of the hidden dim).
-    fp8: the three matmuls in float8 (jaxpar.fp8), each operand scaled by its amax over
+    fp8: the three matmuls in float8 (jaxpar.ops.fp8), each operand scaled by its amax over
     the whole tensor: `amax_axes` are the manual mesh axes its pieces are spread over.
     """
     if fp8:

@@ -1,7 +1,7 @@
 """The weights a run starts from (train.init_from), and what a checkpoint holds over them.
 
 `train.init_from` names a run directory, a Hugging Face model directory or a Hub model id (resolved
-to a local directory by `jaxpar.convert.apply_init_from`); `init_state` puts its weights onto a
+to a local directory by `jaxpar.hf.convert.apply_init_from`); `init_state` puts its weights onto a
 run's shardings with a fresh optimizer state at step 0.
 
 A LoRA run (finetune.lora) trains adapters over a frozen base, so its checkpoints hold only what
@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import config as config_lib
-from jaxpar.checkpoint import Checkpointer, CheckpointNotFoundError, checkpoint_dir, params_identity
 from jaxpar.config import ConfigError
-from jaxpar.hf_load import is_hf_dir, load_hf_params
-from jaxpar.optim import make_optimizer
+from jaxpar.hf.hf_load import is_hf_dir, load_hf_params
+from jaxpar.training.checkpoint import Checkpointer, CheckpointNotFoundError, checkpoint_dir, params_identity
+from jaxpar.training.optim import make_optimizer
 
 BASE_KEY = "lora_base"  # in a LoRA checkpoint's data item: the base it was trained over
 

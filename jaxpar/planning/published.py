@@ -3,9 +3,9 @@
 One home for every result the model is compared with: each entry names where it comes from
 (project, document, table), the model's shape, the GPUs, the parallel layout, the sequence length,
 the global batch and the measured throughput. `role` says what the entry is for: "fit" entries
-are the ones `benchmarks/plan_fit.py` fits the model's constants to (`jaxpar.plan.FITTED`: d_half,
+are the ones `benchmarks/plan_fit.py` fits the model's constants to (`jaxpar.planning.plan.FITTED`: d_half,
 host_s_per_layer, exposed_fraction, attention_backward) and from whose residuals the stated band
-comes (`jaxpar.plan.STEP_TIME_BAND`); "check" entries were used for neither and must fall inside
+comes (`jaxpar.planning.plan.STEP_TIME_BAND`); "check" entries were used for neither and must fall inside
 the band (tests/test_plan.py). No entry is both.
 
 What is and is not the runs' own:
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpar.metrics import flops_per_token
+from jaxpar.training.metrics import flops_per_token
 
 JAXPAR_H100 = "measured on one H100 SXM by this project, 2026-11-22 (jax 0.11.2, 20 timed steps)"
 JAXPAR_OWN = (

@@ -4,7 +4,7 @@ A conversation (`{"messages": [{"role": ..., "content": ...}, ...]}`) becomes te
 template: the Jinja2 program a Hugging Face tokenizer carries (`chat_template` in its
 `tokenizer_config.json`, or `chat_template.jinja` beside it, as transformers 5 saves it), or one
 given with `--chat-template FILE` / data.chat_template, or `simple`, the small template shipped in
-jaxpar/templates/ for tokenizers without one (the byte tokenizer; never chosen silently). It is
+jaxpar/corpus/templates/ for tokenizers without one (the byte tokenizer; never chosen silently). It is
 rendered the way transformers' `apply_chat_template(..., tokenize=False)` renders it -- a sandboxed
 environment with trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson`
 that does not escape HTML, the tokenizer's named special tokens (bos_token, eos_token, ...) as
@@ -38,7 +38,7 @@ outside ROLES (a misspelt "assitant" would leave a conversation without targets)
 is null, missing or not text (null or missing is allowed only beside tool_calls), a content part
 that is not text. A content given as a list of text parts (`[{"type": "text", "text": ...}]`, as
 Hugging Face chat datasets give it) is read as their text, concatenated. A record without an
-assistant message (`has_target`) is left out by its reader, with a count (jaxpar.documents). A
+assistant message (`has_target`) is left out by its reader, with a count (jaxpar.corpus.documents). A
 template's error -- its raise_exception, a Jinja error, a Python error of its code -- is a
 ConfigError naming the template, and the record being rendered (`Record.where`), with where the
 conversation's turns do not alternate (`explained`); a template file that is not UTF-8 is one too.

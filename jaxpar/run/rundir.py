@@ -1,7 +1,7 @@
 """A run directory holds one run's history; this module decides what a new start does with it.
 
 What a run writes into `train.run_dir`: config.yaml, metrics.jsonl, TensorBoard event files,
-loss.png and checkpoints/ (jaxpar.checkpoint). The rules, applied before anything is written:
+loss.png and checkpoints/ (jaxpar.training.checkpoint). The rules, applied before anything is written:
 
 - An unused directory (none of those files, no checkpoint) starts a fresh run.
 - `train.resume=auto` (the default) continues from the newest intact checkpoint. If the
@@ -15,7 +15,7 @@ loss.png and checkpoints/ (jaxpar.checkpoint). The rules, applied before anythin
 
 What a run trained on stays on record. `config.yaml` names the data (DATA_KEYS) and
 `chat_template.jinja` keeps the text of the chat template its conversations were rendered with
-(jaxpar.data.save_run_template); a resume compares both with what it would read now
+(jaxpar.corpus.data.save_run_template); a resume compares both with what it would read now
 (`data_changes`: the settings, and the template's text, since a file edited in place keeps its
 path) and is refused on a change unless data.allow_source_change, which first keeps the earlier
 two as `config.until-step-<N>.yaml` and `chat_template.until-step-<N>.jinja` (`keep_record`;
@@ -47,8 +47,8 @@ import warnings
 
 import yaml
 
-from jaxpar import checkpoint as checkpoint_lib
 from jaxpar.config import ConfigError
+from jaxpar.training import checkpoint as checkpoint_lib
 
 LOCK = "jaxpar.lock"
 HEARTBEAT_S = 30.0  # how often a holder touches its lock
@@ -60,7 +60,7 @@ RECORD = "config.yaml"  # the run's settings, rewritten at every start
 # The record before a resume onto other data; a second such resume from the same step keeps its
 # own as config.until-step-<step>-2.yaml, and so on: no record is ever overwritten.
 EARLIER_RECORD = "config.until-step-{step}.yaml"
-TEMPLATE = "chat_template.jinja"  # the chat template the run renders with (jaxpar.data.RUN_TEMPLATE)
+TEMPLATE = "chat_template.jinja"  # the chat template the run renders with (jaxpar.corpus.data.RUN_TEMPLATE)
 EARLIER_TEMPLATE = "chat_template.until-step-{step}.jinja"  # kept beside EARLIER_RECORD
 # The settings that say which sequences global batch k holds: a checkpoint's data position (a
 # count of global batches, train.batch_size and train.seq_len checked beside it) means the same
@@ -426,14 +426,14 @@ def _digest(text: str) -> str:
 
 def _template_change(run_dir: str, settings: dict) -> list[tuple[str, str, str]]:
     """[(TEMPLATE_TEXT, the kept text's digest, the current one's)] when the chat template the
-    run would render with now (`jaxpar.data.training_template`: data.chat_template's file, or
+    run would render with now (`jaxpar.corpus.data.training_template`: data.chat_template's file, or
     the one its prepared data recorded) is not the text kept in `<run_dir>/chat_template.jinja`,
     which the earlier steps were rendered with; [] when it is, or where either is missing."""
     kept_path = os.path.join(run_dir, TEMPLATE)
     if not os.path.isfile(kept_path):
         return []
     from jaxpar import config as config_lib
-    from jaxpar import data as data_lib  # grain: only where a run kept a template
+    from jaxpar.corpus import data as data_lib  # grain: only where a run kept a template
 
     data = config_lib.build_config({"data": settings.get("data") or {}}).data
     template = data_lib.training_template(data)

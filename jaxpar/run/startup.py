@@ -10,8 +10,8 @@ import dataclasses
 import jax
 
 from jaxpar import config as config_lib
-from jaxpar import convert as convert_lib
 from jaxpar.config import Config
+from jaxpar.hf import convert as convert_lib
 from jaxpar.mesh import emulate_cpu_devices, start_distributed
 
 

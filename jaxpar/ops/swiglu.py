@@ -8,7 +8,7 @@ import functools
 
 import jax
 
-from jaxpar.fp8 import einsum as block_einsum
+from jaxpar.ops.fp8 import einsum as block_einsum
 from jaxpar.sharding import constrain
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -24,7 +24,7 @@ def swiglu(x, gate, up, down, *, project_in, project_out, activation: str = "sil
 
 def block_swiglu(x, gate, up, down, *, fp8: bool, dtype, activation: str = "silu", grad_dtype=None):
     """A block's dense SwiGLU (the MLP, the shared experts): x [batch, seq, embed], gate and up
-    [embed, mlp], down [mlp, embed], with the block matmuls (`jaxpar.fp8.einsum`: model.dtype
+    [embed, mlp], down [mlp, embed], with the block matmuls (`jaxpar.ops.fp8.einsum`: model.dtype
     or float8; the weight gradients written in `grad_dtype`) and the hidden [batch, seq, mlp]
     pinned by its logical names."""
     matmul = functools.partial(block_einsum, fp8=fp8, dtype=dtype, grad_dtype=grad_dtype)

@@ -2,12 +2,12 @@
 Hugging Face `tokenizer.json`), reading a source's documents (the running interpreter's standard
 library, text files, JSONL, Parquet; .gz and .zst decompressed; data.errors for what is not text;
 a JSONL line or Parquet row without the text field may be a conversation or a prompt/completion
-record, checked and kept as a dict for jaxpar.chat to render, or left out with a count when it
+record, checked and kept as a dict for jaxpar.corpus.chat to render, or left out with a count when it
 has no assistant message: `record_document`),
 and the packed rows a window of the token stream becomes (`packed_rows`; under data.packing=whole,
 rows of whole documents, padded: `whole_rows`, `pad_rows`). Both consumers of
 documents build on this module: packing in memory and the grain pipeline (jaxpar.data) and the
-prepared token shards (jaxpar.shards)."""
+prepared token shards (jaxpar.corpus.shards)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar import chat
 from jaxpar.config import ConfigError, DataConfig, Packing, data_files
+from jaxpar.corpus import chat
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -105,7 +105,7 @@ class HFTokenizer:
 
     def encode_plain(self, texts: list[str]) -> list[np.ndarray]:
         """Each text's ids without the tokens the tokenizer adds on its own (a BOS): the pieces
-        of a rendered conversation, whose chat template writes those itself (jaxpar.chat)."""
+        of a rendered conversation, whose chat template writes those itself (jaxpar.corpus.chat)."""
         encodings = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
@@ -557,7 +557,7 @@ def packed_rows(
     and where documents start in them (starts[r, j]: a document begins at window position j;
     column 0 is not read): inputs, targets (shifted by one), positions, segment ids, loss mask.
     `targets` (same shape, 0/1; None: all 1) says which stream tokens are to be predicted (the
-    assistant tokens of a conversation, jaxpar.chat): the loss mask is 0 where it is 0 too."""
+    assistant tokens of a conversation, jaxpar.corpus.chat): the loss mask is 0 where it is 0 too."""
     seq_len = tokens.shape[1] - 1
     begins = starts[:, :seq_len].copy()  # the inputs' document starts
     begins[:, 0] = True

@@ -2,7 +2,7 @@
 
 Every kernel the program launches per step is listed (`kernels`): fusions, library calls (cuBLAS
 GEMMs, cuDNN attention), copies, collectives; an instruction inside a `while` body counts once per
-trip (`jaxpar.hlo.launched`). Each launch costs
+trip (`jaxpar.compiled.hlo.launched`). Each launch costs
 
     max(FLOPs / attainable rate, bytes / attainable bandwidth) + a launch overhead
 
@@ -25,7 +25,7 @@ What a launch counts:
 - FLOPs: 2 x output elements x contracted size for every dot (in a fusion, a Triton GEMM or a
   cuBLAS call); cuDNN attention 4*B*N*Tq*Tk*H, halved when causal, its backward 2.5 x that;
 - a copy reads and writes its operand; a collective moves `hlo.moved_bytes` over the NVLink
-  bandwidth of `jaxpar.targets` (no overlap assumed);
+  bandwidth of `jaxpar.compiled.targets` (no overlap assumed);
 - a custom call the ruler cannot cost (a Pallas / Triton kernel) is charged its operand and
   result bytes and the FLOPs its backend config declares, if any, and is marked `costed: False`.
 """
@@ -37,8 +37,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
-from jaxpar import hlo
-from jaxpar.targets import GPUS
+from jaxpar.compiled import hlo
+from jaxpar.compiled.targets import GPUS
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Rates:
 
 
 def _h100() -> Rates:
-    gpu = GPUS["h100"]  # NVIDIA's datasheet numbers (jaxpar.targets)
+    gpu = GPUS["h100"]  # NVIDIA's datasheet numbers (jaxpar.compiled.targets)
     return Rates(
         peak_flops=gpu.bf16_flops,
         # XLA's bf16 matmul of 8192^3 ran at 800 TFLOP/s on one H100 (0.81 of peak); 0.75 is

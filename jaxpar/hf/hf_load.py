@@ -4,7 +4,7 @@ tensors (headers checked against the files, every tensor the config implies pres
 shard only the rows that shard covers (`jaxpar.convert`'s docstring describes it).
 
 Its own module so that what reads a base model -- `python -m jaxpar.convert from-hf`,
-train.init_from and a LoRA run's base (`jaxpar.base`) -- imports no command line.
+train.init_from and a LoRA run's base (`jaxpar.hf.base`) -- imports no command line.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, ModelConfig
-from jaxpar.models import families
 from jaxpar.models.families import common as family_common
+from jaxpar.models.families import registry as families
 
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Tensors some checkpoints carry that hold no weights: old Llama-2 conversions store RoPE's

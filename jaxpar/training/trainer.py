@@ -26,20 +26,19 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar import config as config_lib
-from jaxpar import fp8 as fp8_lib
 from jaxpar import sharding as sharding_lib
-from jaxpar import targets as targets_lib
+from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import Config
-from jaxpar.models import Transformer
 from jaxpar.models import lora as lora_lib
 from jaxpar.models import objective as objective_lib
 from jaxpar.models.attention import kernel_for, slot_bucket
-from jaxpar.models.llama import check_documents
+from jaxpar.models.llama import Transformer, check_documents
 from jaxpar.models.loss import loss_chunks
-from jaxpar.optim import lr_schedule, make_optimizer
+from jaxpar.ops import fp8 as fp8_lib
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel import schedule as schedule_lib
 from jaxpar.parallel.ring_attention import permute_to_layout
+from jaxpar.training.optim import lr_schedule, make_optimizer
 
 # --- The learning-rate schedule on resume ------------------------------------------------
 
@@ -110,7 +109,7 @@ class Trainer:
     def stored(self, tree: dict) -> dict:
         """The part of a train-state-shaped tree (a state, its shapes or its shardings) that a
         checkpoint holds: all of it, or with finetune.lora all but the frozen weights, which
-        the checkpoint names instead (`jaxpar.base`)."""
+        the checkpoint names instead (`jaxpar.hf.base`)."""
         if self.trainable is None:
             return tree
         return {**tree, "params": self.trainable.split(tree["params"])[0]}

@@ -11,7 +11,7 @@ library's batch encoding) and writes, into DIR:
 - `train-NNNNN.idx`: little-endian int64, the end offset (exclusive) of each document in the shard
   (the document index: segment ids and positions come from it, by binary search, per window);
 - `train-NNNNN.msk`, in a shard that holds conversation or prompt/completion records
-  (jaxpar.chat): one byte a token, 1 where the token is a target (an assistant reply, a
+  (jaxpar.corpus.chat): one byte a token, 1 where the token is a target (an assistant reply, a
   completion), 0 where it is prompt; the tokens of plain-text documents are 1s, and a shard
   without records has no .msk (all targets). A manifest whose shards have masks says version 2
   (MASKED_VERSION), so that a reader that would ignore them refuses it;
@@ -66,9 +66,9 @@ import time
 
 import numpy as np
 
-from jaxpar import chat
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.documents import (
+from jaxpar.corpus import chat
+from jaxpar.corpus.documents import (
     Skipped,
     iter_documents,
     make_tokenizer,

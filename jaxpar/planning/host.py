@@ -5,14 +5,14 @@ On a CPU every emulated device's buffers live in the host's memory, so a preset 
 machine, and a step that an H100 runs in 40 ms takes minutes. Both are predicted here from the
 config alone, before anything compiles:
 
-- memory: the planner's per-device prediction for XLA:CPU's program (`jaxpar.plan.predict_memory`,
+- memory: the planner's per-device prediction for XLA:CPU's program (`jaxpar.planning.plan.predict_memory`,
   backend "cpu"; with finetune.lora, the adapters and their gradients and Adam state), times the
   emulated devices of this process, times `COMPILER_MARGIN`, plus `PROCESS_BYTES` for the Python
   process, the JAX runtime and the data loader; compared with
   `runtime.host_memory_gib` when set, else with `USABLE_SHARE` of the memory available to this
   process: the kernel's MemAvailable, or less where a cgroup limits the process (Slurm's --mem,
   a container's memory limit).
-- time per step: the step's executed FLOPs (`jaxpar.plan.hardware_flops`, recomputation included)
+- time per step: the step's executed FLOPs (`jaxpar.planning.plan.hardware_flops`, recomputation included)
   over this machine's float32 matmul rate, measured here in a fraction of a second, times
   `STEP_EFFICIENCY`, the share of that rate a whole train step reaches on a CPU.
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpar import plan as plan_lib
 from jaxpar.config import Config
-from jaxpar.metrics import format_duration
+from jaxpar.planning import plan as plan_lib
+from jaxpar.training.metrics import format_duration
 
 GIB = 2**30
 # The Python process, JAX's runtime, compiled code and the data pipeline, beside the program's
