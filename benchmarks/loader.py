@@ -5,12 +5,12 @@ token shards (`python -m jaxpar.data prepare`) and the loader that training read
 1. A JSONL corpus of --corpus-mb MiB is written into a temporary directory: this interpreter's
    standard library `.py` files, one document each, repeated until the size is reached (real text,
    no download).
-2. Preparation, timed as `jaxpar.corpus.shards.prepare` reports it (tokens written / seconds, hashing the
+2. Preparation, timed as `jaxpar.corpus.prepare.prepare` reports it (tokens written / seconds, hashing the
    input included): the whole corpus with the byte tokenizer (tokens = bytes, uint16 shards of
    64 Mi tokens), and the first --bpe-mb MiB of it with a 4096-entry byte-level BPE trained here
    on 4 MiB of it (the tokenizers library's batch encoding, on every core).
 3. The loader: the batches of one process (`jaxpar.corpus.data.batch_dataset` over
-   `jaxpar.corpus.shards.PreparedSequences` of the byte shards: shuffled windows, packing fields, this
+   `jaxpar.corpus.reader.PreparedSequences` of the byte shards: shuffled windows, packing fields, this
    process's rows), read through grain's iterator as `python -m jaxpar.train` reads them
    (`jaxpar.corpus.data.iter_dataset`: workers 0), and with grain's worker processes on top
    (`mp_prefetch`, workers 1 and 2). After 20 warm-up batches (worker start-up included),
@@ -93,11 +93,11 @@ def write_corpus(path: Path, megabytes: int) -> int:
 
 
 def timed_prepare(sources: list[str], out: str, tokenizer: str) -> dict:
-    from jaxpar.corpus import shards
+    from jaxpar.corpus import prepare
 
     messages = []
     start = time.perf_counter()
-    manifest = shards.prepare(sources, out, tokenizer=tokenizer, progress=False, log=messages.append)
+    manifest = prepare.prepare(sources, out, tokenizer=tokenizer, progress=False, log=messages.append)
     seconds = time.perf_counter() - start
     tokens = manifest["splits"]["train"]["tokens"]
     text_bytes = sum(s["bytes"] for s in manifest["sources"])
@@ -120,7 +120,7 @@ def timed_prepare(sources: list[str], out: str, tokenizer: str) -> dict:
 def sample_rate(directory: str, seq_len: int, rows: int, count: int = 4000) -> float:
     """Tokens/s of PreparedSequences' batched reads alone (`rows` random sequences a call, as the
     loader asks for them), after one pass over the same sequences."""
-    from jaxpar.corpus.shards import PreparedSequences
+    from jaxpar.corpus.reader import PreparedSequences
 
     source = PreparedSequences(directory, "byte", seq_len)
     indices = np.random.default_rng(0).integers(0, len(source), count).tolist()
@@ -138,7 +138,7 @@ def loader_rate(directory: str, seq_len: int, rows: int, steps: int, workers: in
     import grain
 
     from jaxpar.corpus.data import batch_dataset, iter_dataset
-    from jaxpar.corpus.shards import PreparedSequences
+    from jaxpar.corpus.reader import PreparedSequences
 
     dataset = iter_dataset(
         batch_dataset(PreparedSequences(directory, "byte", seq_len), global_batch=rows, seed=0)

@@ -3,10 +3,11 @@ results of `jaxpar.planning.published` and checks the fitted model against the "
 
 The fit: least squares on log(predicted / measured step time) over the fitted results, by a grid
 search refined three times around its best point (deterministic, no dependencies). It prints the
-constants to write into `jaxpar.planning.plan.FITTED`, the band its residuals support
-(`jaxpar.planning.plan.step_time_band`), and a table of every result: measured and predicted tokens/s per
-GPU, the residual, and whether a checked result falls inside the band. `--check` skips the fit
-and prints the table for the constants in `jaxpar.plan` (seconds instead of a minute).
+constants to write into `jaxpar.planning.step_time.FITTED`, the band its residuals support
+(`jaxpar.planning.step_time.step_time_band`), and a table of every result: measured and predicted
+tokens/s per GPU, the residual, and whether a checked result falls inside the band. `--check`
+skips the fit and prints the table for the constants in `jaxpar.planning.step_time` (seconds
+instead of a minute).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import math
 import sys
 
 from jaxpar import config as config_lib
-from jaxpar.planning import plan, published
+from jaxpar.compiled.targets import DEVICES
+from jaxpar.planning import published, search, step_time
 
 # Llama-3-8B at seq 8192 on 16 H100s (2 nodes of 8), 2 sequences per GPU as torchtitan runs it.
 LLAMA3_8B_16 = [f"model.{k}={v}" for k, v in published.LLAMA31_8B.items()] + [
@@ -26,11 +28,11 @@ LLAMA3_8B_16 = [f"model.{k}={v}" for k, v in published.LLAMA31_8B.items()] + [
 ]
 
 
-def loss(constants: plan.StepTimeConstants) -> float:
-    return sum(plan.predict_published(r, constants)["log_residual"] ** 2 for r in published.fitted())
+def loss(constants: step_time.StepTimeConstants) -> float:
+    return sum(step_time.predict_published(r, constants)["log_residual"] ** 2 for r in published.fitted())
 
 
-def fit() -> plan.StepTimeConstants:
+def fit() -> step_time.StepTimeConstants:
     """The constants minimising `loss`: a 3-D grid, then three finer grids around the best."""
     names = ("d_half", "host_s_per_layer", "exposed_fraction", "attention_backward")
     centre = (2000.0, 4e-4, 0.5, 0.6)
@@ -41,9 +43,9 @@ def fit() -> plan.StepTimeConstants:
             sorted({min(max(c + s * k / 3, lo), hi) for k in range(-3, 4)})
             for c, s, (lo, hi) in zip(centre, span, bounds)
         ]
-        best = min(itertools.product(*grids), key=lambda c: loss(plan.StepTimeConstants(*c)))
+        best = min(itertools.product(*grids), key=lambda c: loss(step_time.StepTimeConstants(*c)))
         centre, span = best, tuple(s / 3 for s in span)
-    return plan.StepTimeConstants(**dict(zip(names, _polish(list(centre), list(span), bounds))))
+    return step_time.StepTimeConstants(**dict(zip(names, _polish(list(centre), list(span), bounds))))
 
 
 def _polish(x: list[float], step: list[float], bounds) -> list[float]:
@@ -52,7 +54,7 @@ def _polish(x: list[float], step: list[float], bounds) -> list[float]:
     (3 significant digits kept)."""
 
     def f(v):
-        return loss(plan.StepTimeConstants(*(float(f"{c:.3g}") for c in v)))
+        return loss(step_time.StepTimeConstants(*(float(f"{c:.3g}") for c in v)))
 
     best = f(x)
     while any(s > 1e-3 * max(abs(c), 1e-3) for s, c in zip(step, x)):
@@ -68,14 +70,14 @@ def _polish(x: list[float], step: list[float], bounds) -> list[float]:
     return [float(f"{c:.3g}") for c in x]
 
 
-def table(constants: plan.StepTimeConstants, band: float) -> list[str]:
+def table(constants: step_time.StepTimeConstants, band: float) -> list[str]:
     lines = [
         "| role | result | GPUs | layout | measured tok/s/GPU | predicted | predicted/measured step "
         "| in band |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in published.RESULTS:
-        out = plan.predict_published(r, constants)
+        out = step_time.predict_published(r, constants)
         ratio = math.exp(out["log_residual"])
         layout = " ".join(f"{a}={n}" for a, n in r.mesh.items()) or "1 GPU"
         layout += f" ZeRO-{r.zero_stage} remat {r.remat}"
@@ -87,10 +89,10 @@ def table(constants: plan.StepTimeConstants, band: float) -> list[str]:
     return lines
 
 
-def llama3_8b_16(constants: plan.StepTimeConstants) -> str:
+def llama3_8b_16(constants: step_time.StepTimeConstants) -> str:
     cfg = config_lib.load_config(None, LLAMA3_8B_16)
-    plans = plan.enumerate_plans(cfg, 16, plan.DEVICES["h100"], 8)
-    top = next(p for p in plans if p.fits and not p.crosses and plan.runnable(p, 16))
+    plans = search.enumerate_plans(cfg, 16, DEVICES["h100"], 8)
+    top = next(p for p in plans if p.fits and not p.crosses and search.runnable(p, 16))
     t = top.time
     lo, hi = t["mfu_range"]
     return (
@@ -102,9 +104,9 @@ def llama3_8b_16(constants: plan.StepTimeConstants) -> str:
 
 
 def main(argv: list[str]) -> int:
-    constants = plan.FITTED if "--check" in argv else fit()
-    residuals = [plan.predict_published(r, constants)["log_residual"] for r in published.fitted()]
-    band = plan.step_time_band(residuals)
+    constants = step_time.FITTED if "--check" in argv else fit()
+    residuals = [step_time.predict_published(r, constants)["log_residual"] for r in published.fitted()]
+    band = step_time.step_time_band(residuals)
     print(f"constants: {constants}")
     print(
         f"fit residuals log(pred/meas): {', '.join(f'{x:+.3f}' for x in residuals)}; "

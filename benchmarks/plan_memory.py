@@ -1,9 +1,9 @@
 """`python -m benchmarks.plan_memory [--compile] [--only NAME ...] [--target h100]`: the
-planner's predicted memory per device (`jaxpar.planning.plan.predict_memory`) against XLA's compiled
-total for the layouts of `benchmarks/plan_layouts.py` and the pipelined ones of `EXTRA` below,
-on 8 emulated CPU devices (or, with `--target h100`, for 8 H100s compiled without a GPU). The
-prediction is for the backend that compiled (`plan.BACKENDS`: "cpu" or "gpu") with the attention
-kernel the trainer picks there.
+planner's predicted memory per device (`jaxpar.planning.memory.predict_memory`) against XLA's
+compiled total for the layouts of `benchmarks/plan_layouts.py` and the pipelined ones of `EXTRA`
+below, on 8 emulated CPU devices (or, with `--target h100`, for 8 H100s compiled without a GPU).
+The prediction is for the backend that compiled (`jaxpar.planning.memory.BACKENDS`: "cpu" or
+"gpu") with the attention kernel the trainer picks there.
 
 Compiled numbers are cached in benchmarks/results/plan_memory-<backend>.json (`--compile`
 recompiles the named or all layouts); the table (markdown) goes to stdout.
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     if target is None:
         jax.config.update("jax_num_cpu_devices", 8)
     from benchmarks.plan_layouts import MODEL
-    from jaxpar.planning import plan
+    from jaxpar.planning import memory
 
     cache_path = RESULTS / f"plan_memory-{args.target or 'cpu'}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
@@ -88,13 +88,13 @@ def main(argv=None) -> int:
         overrides = MODEL + row["overrides"]
         if args.compile or row["name"] not in cache:
             start = time.time()
-            cache[row["name"]] = plan.compiled_memory(overrides, row["mesh"], target=target)
+            cache[row["name"]] = memory.compiled_memory(overrides, row["mesh"], target=target)
             cache[row["name"]]["compile_s"] = round(time.time() - start, 1)
             RESULTS.mkdir(exist_ok=True)
             cache_path.write_text(json.dumps(cache, indent=1, sort_keys=True))
             print(f"compiled {row['name']}: {cache[row['name']]}", file=sys.stderr, flush=True)
         compiled = cache[row["name"]]
-        predicted = plan.predict_memory_for(overrides, row["mesh"], backend="gpu" if target else "cpu")
+        predicted = memory.predict_memory_for(overrides, row["mesh"], backend="gpu" if target else "cpu")
         rows.append((row, predicted, compiled))
     mib = 2**20
     print("| layout | mesh | settings | predicted MiB | compiled MiB | error |")

@@ -82,8 +82,9 @@ FAMILIES = ("gpt2-124m", "llama-1b", "plain")
 
 def _jaxpar_text(row: Row) -> tuple[str, float]:
     """(compiled HLO, model FLOPs per step) of a jaxpar row, as `inspect --target h100` compiles."""
+    from jaxpar.checks import validate
     from jaxpar.compiled import targets as targets_lib
-    from jaxpar.config import load_config, validate
+    from jaxpar.config import load_config
     from jaxpar.training import metrics
     from jaxpar.training.trainer import build_trainer, compile_step
 

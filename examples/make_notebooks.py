@@ -173,8 +173,10 @@ QUICKSTART = [
     code("""
         import tempfile
 
+        from jaxpar import checks as checks_lib
         from jaxpar import config as config_lib
-        from jaxpar.run.train import format_summary, train
+        from jaxpar.run.records import format_summary
+        from jaxpar.run.train import train
 
         STEPS = 4 if SMALL else 60
         run_dir = os.path.join(tempfile.mkdtemp(prefix="jaxpar-"), "quickstart")
@@ -195,7 +197,7 @@ QUICKSTART = [
         cfg = config_lib.load_config(None, overrides)
         # data=2 x fsdp=2 x tensor=2 on 8 devices; plain data parallelism on a smaller machine
         cfg.mesh = config_lib.fit_default_mesh(jax.device_count())
-        sizes = config_lib.validate(cfg, jax.device_count())  # ConfigError names any bad key
+        sizes = checks_lib.validate(cfg, jax.device_count())  # ConfigError names any bad key
         print("mesh:", {axis: n for axis, n in sizes.items() if n > 1} or {"data": 1})
         print("model:", {k: v for k, v in vars(cfg.model).items() if k != "moe"})
     """),
@@ -289,6 +291,7 @@ DATA_FSDP_TENSOR = [
     code("""
         import numpy as np
 
+        from jaxpar import checks as checks_lib
         from jaxpar import config as config_lib
         from jaxpar.config import MESH_AXES
         from jaxpar.inspect import compile_step, report, zero_formula
@@ -311,7 +314,7 @@ DATA_FSDP_TENSOR = [
         def trainer_for(mesh, extra):
             axes = [f"mesh.{axis}={mesh.get(axis, 1)}" for axis in MESH_AXES]
             cfg = config_lib.load_config(None, TINY + axes + extra)
-            return build_trainer(cfg, config_lib.validate(cfg, len(DEVICES)), devices=DEVICES)
+            return build_trainer(cfg, checks_lib.validate(cfg, len(DEVICES)), devices=DEVICES)
 
 
         # Builds meshes and shardings; nothing is compiled or allocated yet.
@@ -568,6 +571,7 @@ PIPELINE = [
     code("""
         import math
 
+        from jaxpar import checks as checks_lib
         from jaxpar import config as config_lib
         from jaxpar.corpus import data as data_lib
         from jaxpar.config import MESH_AXES
@@ -586,7 +590,7 @@ PIPELINE = [
             cfg = config_lib.load_config(None, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
                                          + list(extra))
             devices = DEVICES[:math.prod(mesh.values())]
-            return build_trainer(cfg, config_lib.validate(cfg, len(devices)), devices=devices)
+            return build_trainer(cfg, checks_lib.validate(cfg, len(devices)), devices=devices)
 
 
         def losses(trainer, compiled, initial, batches):
@@ -902,6 +906,7 @@ EXPERTS = [
         sized for the worst case.
     """),
     code("""
+        from jaxpar import checks as checks_lib
         from jaxpar import config as config_lib
         from jaxpar.corpus import data as data_lib
         from jaxpar.config import MESH_AXES
@@ -919,7 +924,7 @@ EXPERTS = [
             "data.max_documents=20",
         ] + [f"mesh.{axis}={8 if axis == 'expert' else 1}" for axis in MESH_AXES]
         cfg = config_lib.load_config(None, overrides)
-        trainer = build_trainer(cfg, config_lib.validate(cfg, len(DEVICES)), devices=DEVICES)
+        trainer = build_trainer(cfg, checks_lib.validate(cfg, len(DEVICES)), devices=DEVICES)
         compiled = compile_step(trainer)
         all_to_all = report(trainer, compiled)["collectives"]["all-to-all"]
         print(f"all-to-alls per step: {all_to_all['count']} ({all_to_all['bytes'] / 1024:.0f} KiB)")
@@ -1061,10 +1066,12 @@ CHAT_FINETUNE = [
         assistant` is the default; `data.train_on=all` would train on every token.
     """),
     code("""
-        from jaxpar.run.train import format_summary, train
+        from jaxpar import checks as checks_lib
+        from jaxpar.run.records import format_summary
+        from jaxpar.run.train import train
 
         cfg.mesh = config_lib.fit_default_mesh(jax.device_count())  # 2 x 2 x 2 on 8 devices
-        summary = train(cfg, config_lib.validate(cfg, jax.device_count()))
+        summary = train(cfg, checks_lib.validate(cfg, jax.device_count()))
         print(format_summary(summary))
     """),
     md("""

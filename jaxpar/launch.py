@@ -54,7 +54,7 @@ Failure: when a process exits non-zero or is killed, the launcher asks the other
 (SIGTERM; SIGKILL after --grace seconds), prints the failed process's exit code and last lines,
 and exits with that code (128 + the signal number for a signal, as a shell reports it). SIGINT
 and SIGTERM sent to the launcher are forwarded once to every process: training stops after the
-step, checkpoints and exits (0 after SIGTERM, 130 after SIGINT: `jaxpar.run.train.Preemption`); the
+step, checkpoints and exits (0 after SIGTERM, 130 after SIGINT: `jaxpar.run.stopping.Preemption`); the
 launcher then exits with the same code, and
 the same command resumes. Children sit in their own process group, so a Ctrl-C at the terminal
 reaches them once, through the launcher; on Linux they are killed if the launcher itself dies.
@@ -96,6 +96,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.cli import CONFIG_ERROR  # a restart would repeat it: not restarted
 from jaxpar.planning import host as host_lib
@@ -352,7 +353,7 @@ def _cpu_config(nproc: int, train_args: list[str]):
     path, overrides = config_lib.parse_cli(list(train_args))
     settings = config_lib.user_settings(path, overrides)
     cfg = config_lib.build_config(settings)
-    config_lib.validate_runtime(cfg)
+    checks_lib.validate_runtime(cfg)
     devices = nproc * cfg.runtime.cpu_devices
     if "mesh" not in settings:  # as jaxpar.train does: the default layout, fitted to the devices
         cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(devices))
@@ -369,7 +370,7 @@ def memory_problem(nproc: int, train_args: list[str]) -> str | None:
         cfg, devices = _cpu_config(nproc, train_args)
         if cfg.train.init_from is not None:
             return None
-        sizes = config_lib.validate(cfg, devices)
+        sizes = checks_lib.validate(cfg, devices)
     except config_lib.ConfigError:
         return None
     need = nproc * host_lib.memory_bytes(cfg, sizes, cfg.runtime.cpu_devices)
@@ -396,9 +397,9 @@ def _config_problem(nproc: int, train_args: list[str]) -> str | None:
         return None
     try:
         if cfg.train.init_from is None:
-            config_lib.validate(cfg, devices)
+            checks_lib.validate(cfg, devices)
         else:  # the model's shape comes from train.init_from, which the processes read
-            config_lib.resolve_mesh(cfg.mesh, devices)
+            checks_lib.resolve_mesh(cfg.mesh, devices)
     except config_lib.ConfigError as e:
         return (
             f"config error: {e} (the run has --nproc {nproc} x runtime.cpu_devices="

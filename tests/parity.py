@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import MESH_AXES
 from jaxpar.run.train import build_trainer
@@ -75,7 +76,7 @@ def trainer_on(overrides: list[str], mesh: dict[str, int]):
     axes = [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES]
     cfg = tiny_config(list(overrides) + axes)
     n = int(np.prod(list(mesh.values()) or [1]))
-    return build_trainer(cfg, config_lib.validate(cfg, n), devices=jax.devices()[:n])
+    return build_trainer(cfg, checks_lib.validate(cfg, n), devices=jax.devices()[:n])
 
 
 def parity_trainer(overrides: list[str], mesh: dict[str, int]):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.corpus import chat, data, shards
+from jaxpar.corpus import chat, data, prepare, reader, shards, verify
 from jaxpar.corpus.documents import ByteTokenizer
 from tests.hf_reference import HF_PYTHON, require_sidecar
 
@@ -253,10 +253,10 @@ def test_prepared_shards_give_the_in_memory_samples_mask_included(tmp_path, trai
     """Also where a shard's first records are plain text written out before its first
     conversation (the .msk then starts with their 1s): writes every 8 tokens. data.packing=whole
     too: the same rows, their padding no target."""
-    monkeypatch.setattr(shards, "_FLUSH_TOKENS", 8)
+    monkeypatch.setattr(prepare, "_FLUSH_TOKENS", 8)
     source = write_jsonl(tmp_path / "chats.jsonl", RECORDS[1:2] * 2 + RECORDS * 3)
     out = tmp_path / "shards"
-    shards.prepare(
+    prepare.prepare(
         [str(source)], str(out), chat_template="simple", shard_tokens=300, progress=False, log=print
     )
     manifest = shards.read_manifest(str(out))
@@ -265,7 +265,7 @@ def test_prepared_shards_give_the_in_memory_samples_mask_included(tmp_path, trai
     assert manifest["chat_template"]["origin"] == "simple"
     cfg = DataConfig(source=str(source), chat_template="simple", train_on=train_on, packing=packing)
     in_memory = data.packed_source(cfg, ByteTokenizer(), 24)
-    prepared = shards.PreparedSequences(str(out), "byte", 24, train_on=train_on, packing=packing)
+    prepared = reader.PreparedSequences(str(out), "byte", 24, train_on=train_on, packing=packing)
     assert len(prepared) == len(in_memory)
     rows = list(range(len(prepared)))
     for a, b in zip(prepared._getitems(rows), in_memory._getitems(rows)):  # noqa: SLF001
@@ -347,7 +347,7 @@ def test_parquet_messages_column(tmp_path):
 
 def test_verify_catches_a_changed_mask(tmp_path):
     out = tmp_path / "shards"
-    shards.prepare(
+    prepare.prepare(
         [str(write_jsonl(tmp_path / "c.jsonl", RECORDS))],
         str(out),
         chat_template="simple",
@@ -359,11 +359,11 @@ def test_verify_catches_a_changed_mask(tmp_path):
     mask[3] ^= 1
     mask_path.write_bytes(bytes(mask))
     with pytest.raises(ConfigError, match="msk: its SHA-256"):
-        shards.verify(str(out), log=print)
+        verify.verify(str(out), log=print)
     mask[3] = 7
     mask_path.write_bytes(bytes(mask))
     with pytest.raises(ConfigError, match="has mask 7, not 0 or 1"):
-        shards.verify(str(out), log=print)
+        verify.verify(str(out), log=print)
 
 
 def test_conversations_without_a_template_exit_2(tmp_path, capsys):
@@ -465,19 +465,20 @@ def test_hf_tokenizer_pieces_keep_special_tokens_and_add_no_bos(tmp_path):
 
 
 def test_a_missing_chat_template_file_is_a_config_error():
+    from jaxpar import checks as checks_lib
     from jaxpar import config as config_lib
 
     cfg = config_lib.load_config(
         os.path.join(ROOT, "configs", "tiny.yaml"), ["data.chat_template=/no/such.jinja"]
     )
     with pytest.raises(ConfigError, match="data.chat_template='/no/such.jinja' does not exist"):
-        config_lib.validate(cfg, 8)
+        checks_lib.validate(cfg, 8)
 
 
 def test_the_run_keeps_the_template_its_prepared_data_was_rendered_with(tmp_path):
     out = tmp_path / "shards"
     source = write_jsonl(tmp_path / "c.jsonl", RECORDS)
-    shards.prepare([str(source)], str(out), chat_template="simple", progress=False, log=print)
+    prepare.prepare([str(source)], str(out), chat_template="simple", progress=False, log=print)
     kept = data.training_template(DataConfig(source=str(out)))
     assert kept.source == template("simple").source
     other = tmp_path / "other.jinja"

@@ -15,6 +15,7 @@ from jaxpar import config as config_lib
 from jaxpar import sample as sample_lib
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.corpus import chat, data, shards
+from jaxpar.corpus import prepare as prepare_lib
 from jaxpar.corpus.documents import ByteTokenizer
 from jaxpar.run import rundir
 from tests.test_chat import TURNS, template, write_jsonl
@@ -236,7 +237,7 @@ def test_data_without_any_target_is_refused_before_training(tmp_path, monkeypatc
 
     monkeypatch.setattr(chat, "encode_record", no_targets)
     out = tmp_path / "out"
-    shards.prepare([str(source)], str(out), chat_template="simple", progress=False, log=print)
+    prepare_lib.prepare([str(source)], str(out), chat_template="simple", progress=False, log=print)
     monkeypatch.undo()
     with pytest.raises(
         ConfigError, match=f"^data.source={out}: none of its \\d+ sequences .* holds a target"

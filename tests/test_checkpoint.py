@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.hf import export as export_lib
@@ -42,7 +43,7 @@ def make_trainer(mesh: dict, extra=()):
     cfg = config_lib.load_config(
         TINY_YAML, TINY + [f"mesh.{a}={mesh.get(a, 1)}" for a in MESH_AXES] + list(extra)
     )
-    return build_trainer(cfg, config_lib.validate(cfg, devices), devices=jax.devices()[:devices])
+    return build_trainer(cfg, checks_lib.validate(cfg, devices), devices=jax.devices()[:devices])
 
 
 def random_state(trainer, seed: int):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpar import config
+from jaxpar import checks, config
 from jaxpar.config import Config, ConfigError, MeshConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def error_of(fn, *args) -> str:
 
 
 def validation_error(*overrides: str, devices: int = DEVICES) -> str:
-    return error_of(lambda: config.validate(load(*overrides), devices))
+    return error_of(lambda: checks.validate(load(*overrides), devices))
 
 
 def assert_names_all(message: str, fragments: tuple[str, ...]) -> None:
@@ -51,7 +51,7 @@ def test_no_file_and_no_overrides_gives_the_dataclass_defaults():
 
 
 def test_defaults_validate_to_a_2x2x2_mesh_on_8_devices():
-    sizes = config.validate(Config(), DEVICES)
+    sizes = checks.validate(Config(), DEVICES)
     assert sizes == {"pipe": 1, "data": 2, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
 
 
@@ -257,7 +257,7 @@ def test_zero_stage_takes_only_the_integers(override):
 def test_validate_checks_the_literals_of_a_config_built_in_python(section, key, value):
     cfg = Config()
     setattr(getattr(cfg, section), key, value)
-    message = error_of(config.validate, cfg, DEVICES)
+    message = error_of(checks.validate, cfg, DEVICES)
     assert_names_all(message, (f"{section}.{key}={value!r}", "choose one of"))
 
 
@@ -302,7 +302,7 @@ def test_every_setting_has_a_comment_on_its_line():
 
 
 def test_minus_one_takes_the_remaining_devices():
-    sizes = config.validate(load("mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=2"), DEVICES)
+    sizes = checks.validate(load("mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=2"), DEVICES)
     assert sizes["data"] == 2
     assert (sizes["fsdp"], sizes["tensor"]) == (2, 2)
 
@@ -315,7 +315,7 @@ def test_minus_one_takes_the_remaining_devices():
     ],
 )
 def test_minus_one_fills_any_axis(overrides, axis, expected):
-    assert config.validate(load(*overrides), DEVICES)[axis] == expected
+    assert checks.validate(load(*overrides), DEVICES)[axis] == expected
 
 
 def test_mesh_product_must_equal_device_count():
@@ -345,7 +345,7 @@ def test_mesh_axis_sizes_are_positive_or_minus_one(size):
 def test_default_mesh_fits_any_device_count(devices, expected):
     mesh = config.fit_default_mesh(devices)
     assert mesh == expected
-    assert config.validate(Config(mesh=mesh), devices)["data"] == expected.data
+    assert checks.validate(Config(mesh=mesh), devices)["data"] == expected.data
 
 
 # --- Model, batch and layout checks ------------------------------------------------------
@@ -448,7 +448,7 @@ def test_fsdp_must_divide_d_model_when_zero_shards_state(zero_stage):
 
 
 def test_fsdp_need_not_divide_d_model_without_zero():
-    sizes = config.validate(load(*FSDP_8_D_MODEL_20, "parallel.zero_stage=0"), DEVICES)
+    sizes = checks.validate(load(*FSDP_8_D_MODEL_20, "parallel.zero_stage=0"), DEVICES)
     assert sizes["fsdp"] == 8
 
 
@@ -462,7 +462,7 @@ def test_missing_data_source_is_named():
 
 def test_existing_data_glob_passes(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
-    config.validate(load(f"data.source={tmp_path}/*.txt"), DEVICES)
+    checks.validate(load(f"data.source={tmp_path}/*.txt"), DEVICES)
 
 
 def test_missing_tokenizer_file_is_named():
@@ -567,7 +567,7 @@ def test_adapter_settings_without_a_rank_are_refused(setting):
     trained, and an alpha of NaN or no targets, refused with a rank, went unremarked."""
     cfg = config.load_config(None, [setting])
     with pytest.raises(ConfigError, match=r"set, but finetune.lora.rank=0 means no LoRA"):
-        config.validate(cfg, 8)
+        checks.validate(cfg, 8)
 
 
 @pytest.mark.parametrize("chunks", [-1, 257])
@@ -576,4 +576,4 @@ def test_loss_chunks_beyond_a_devices_vocabulary_columns_is_a_config_error(chunk
     train.loss_chunks pieces; a count past them, or negative, names the range that works."""
     message = validation_error(f"train.loss_chunks={chunks}")
     assert_names_all(message, (f"train.loss_chunks={chunks}", "256", "mesh.tensor=2", "1 to 256"))
-    config.validate(load("train.loss_chunks=256"), DEVICES)  # the last that works
+    checks.validate(load("train.loss_chunks=256"), DEVICES)  # the last that works

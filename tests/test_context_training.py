@@ -5,7 +5,7 @@ import functools
 
 import pytest
 
-from jaxpar import config as config_lib
+from jaxpar import checks as checks_lib
 from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
 from jaxpar.parallel.ring_attention import needed_shifts
@@ -45,7 +45,7 @@ def test_context_parallel_training_matches_single_device(mesh, extra, own_init, 
 def test_sequence_not_divisible_by_twice_the_context_is_a_config_error():
     cfg = tiny_config(["mesh.context=4", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "train.seq_len=36"])
     with pytest.raises(ConfigError, match=r"train.seq_len=36 is not divisible by 8"):
-        config_lib.validate(cfg, 8)
+        checks_lib.validate(cfg, 8)
 
 
 GEMMA_STYLE = [  # Gemma 3's block: the first layer slides over 8 positions, the second is global

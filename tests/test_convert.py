@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar import sharding as sharding_lib
 from jaxpar.hf import base, convert, hf_load
@@ -260,7 +261,7 @@ def _adamw_steps(hf_dir, ref: dict, moe: bool) -> tuple[np.ndarray, np.ndarray]:
         ],
     )
     devices = int(np.prod(list(mesh.values())))
-    trainer = build_trainer(cfg, config_lib.validate(cfg, devices), jax.devices()[:devices])
+    trainer = build_trainer(cfg, checks_lib.validate(cfg, devices), jax.devices()[:devices])
     state = base.init_state(trainer, str(hf_dir))
     ones = np.ones((rows, length - 1), np.int32)
     losses, norms = [], []
@@ -394,7 +395,7 @@ def test_init_from_starts_a_new_run_on_a_mesh_from_the_imported_weights(imported
     assert cfg.model.rope_scaling.type == "llama3" and cfg.model.tie_embeddings
     assert cfg.model.param_dtype == "float32"  # the run's own: the bfloat16 import is upcast
     assert cfg.data.tokenizer == str(source / "tokenizer.json")
-    summary = train_lib.train(cfg, config_lib.validate(cfg, 8))
+    summary = train_lib.train(cfg, checks_lib.validate(cfg, 8))
     assert summary["start_step"] == 0 and summary["steps"] == 2
 
     def params_of(run, cfg):

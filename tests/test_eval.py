@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, DataConfig, SourceConfig
-from jaxpar.corpus import data, shards
+from jaxpar.corpus import data, prepare, reader
 from jaxpar.corpus.data import make_iterator
 from jaxpar.corpus.documents import ByteTokenizer
 from jaxpar.run.train import build_trainer, train
@@ -39,7 +40,7 @@ def split_documents(train_letters: str, val_letters: str, count: int, seed: int)
         split = "val" if rng.random() < 0.3 else "train"
         letters = val_letters if split == "val" else train_letters
         text = "".join(rng.choice(list(letters), size=rng.integers(10, 120)))
-        if shards._is_val(text, VAL_FRACTION) == (split == "val"):
+        if prepare._is_val(text, VAL_FRACTION) == (split == "val"):
             docs.append(text)
             kept[split] += 1
     return docs
@@ -57,11 +58,11 @@ def prepared(tmp_path_factory):
             )
         )
         out[name] = root / name
-        shards.prepare(
+        prepare.prepare(
             [str(jsonl)], str(out[name]), val_fraction=VAL_FRACTION, log=lambda m: None, progress=False
         )
     out["no-val"] = root / "no-val"
-    shards.prepare([str(root / "a.jsonl")], str(out["no-val"]), log=lambda m: None, progress=False)
+    prepare.prepare([str(root / "a.jsonl")], str(out["no-val"]), log=lambda m: None, progress=False)
     return out
 
 
@@ -107,7 +108,7 @@ def test_eval_batches_are_the_val_splits_the_same_every_time(prepared):
     single = data.eval_dataset(DataConfig(source=str(prepared["b"])), SEQ, global_batch=BATCH, batches=2)
     assert {row_origin(row) for batch in make_iterator(single) for row in batch["inputs"]} == {("b", "val")}
 
-    held = len(shards.PreparedSequences(str(prepared["b"]), "byte", SEQ, split="val"))
+    held = len(reader.PreparedSequences(str(prepared["b"]), "byte", SEQ, split="val"))
     with pytest.raises(
         ConfigError,
         match=rf"train.eval_batches=99: .* from the val split of "
@@ -131,7 +132,7 @@ def test_eval_batches_are_the_val_splits_the_same_every_time(prepared):
             match=r"train.eval_every=10 evaluates on a validation split, "
             r"and data.source=.* has none: prepare it with one",
         ):
-            config_lib.validate(cfg, 8)
+            checks_lib.validate(cfg, 8)
 
 
 def test_whole_packing_reaches_a_mixtures_sources_and_the_val_splits(prepared):
@@ -141,7 +142,7 @@ def test_whole_packing_reaches_a_mixtures_sources_and_the_val_splits(prepared):
     cfg = DataConfig(sources=sources, packing="whole")
 
     def whole(name, split):
-        rows = shards.PreparedSequences(str(prepared[name]), "byte", SEQ, split=split, packing="whole")
+        rows = reader.PreparedSequences(str(prepared[name]), "byte", SEQ, split=split, packing="whole")
         assert rows.rows is not None
         return {tuple(rows[i]["inputs"]) for i in range(len(rows))}
 
@@ -193,7 +194,7 @@ def runs(prepared, tmp_path_factory):
         cfg = config_lib.load_config(
             TINY, RUN + extra + [f"data.sources={mixture_sources(prepared)}", f"train.run_dir={run_dir}"]
         )
-        summary = train(cfg, config_lib.validate(cfg, 8))
+        summary = train(cfg, checks_lib.validate(cfg, 8))
         records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         out[name] = (run_dir, cfg, summary, records)
     return out
@@ -251,7 +252,7 @@ def test_a_mixture_run_reports_the_tokens_it_saw_per_source(runs):
     assert summary["tokens_seen"] == records[-1]["tokens_seen"] == {"a": 30 * SEQ, "b": 10 * SEQ}
     scalars = tensorboard_scalars(run_dir)
     assert scalars["train/tokens_seen/a"][-1] == (5, 30 * SEQ)
-    from jaxpar.run.train import format_summary
+    from jaxpar.run.records import format_summary
 
     assert "| eval loss " in format_summary(summary)
     assert f"tokens seen: a {30 * SEQ:,} (75%), b {10 * SEQ:,} (25%)" in format_summary(summary)
@@ -277,7 +278,7 @@ def test_a_pipelined_layout_evaluates_the_same_loss():
         ["mesh.pipe=2", "mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1"],
     ):
         layout_cfg = config_lib.load_config(TINY, ["parallel.microbatches=2"] + mesh)
-        trainer = build_trainer(layout_cfg, config_lib.validate(layout_cfg, 8))
+        trainer = build_trainer(layout_cfg, checks_lib.validate(layout_cfg, 8))
         if params is None:
             params = jax.device_get(trainer.init()["params"])
         placed = jax.device_put(params, trainer.state_shardings["params"])

@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.corpus import data as data_lib
@@ -37,7 +38,7 @@ def losses(run_dir):
 
 def tiny(run_dir, *extra):
     cfg = config_lib.load_config(TINY_YAML, ONE_LAYOUT + [f"train.run_dir={run_dir}", *extra])
-    return cfg, config_lib.validate(cfg, 8)
+    return cfg, checks_lib.validate(cfg, 8)
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +385,7 @@ def test_a_second_ctrl_c_exits_at_once():
     spot (no unwinding through a compile or a save)."""
     code = (
         "import os, signal, time\n"
-        "from jaxpar.run.train import Preemption\n"
+        "from jaxpar.run.stopping import Preemption\n"
         "with Preemption(exit_at_once=True) as p:\n"
         "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2); print(p.requested, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5); print('not reached')\n"
@@ -401,7 +402,7 @@ def test_settings_that_were_accepted_silently_are_refused():
     def refused(*overrides, match):
         with pytest.raises(ConfigError, match=match):
             cfg = config_lib.load_config(TINY_YAML, list(overrides))
-            config_lib.validate(cfg, 8)
+            checks_lib.validate(cfg, 8)
 
     refused("optimizer.lr=.nan", match=r"optimizer.lr=nan: use a positive, finite learning rate")
     refused("optimizer.lr=-1", match=r"optimizer.lr=-1.0: use a positive")
@@ -437,9 +438,9 @@ def test_paths_that_are_directories_files_or_read_only_are_named(tmp_path):
         config_lib.data_files(config_lib.DataConfig(source=str(tmp_path)))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match=r"train.run_dir='.*file' is a file; give a directory"):
-        config_lib.check_run_dir(str(tmp_path / "file"))
+        checks_lib.check_run_dir(str(tmp_path / "file"))
     with pytest.raises(ConfigError, match=r"train.run_dir='.*file/run' is under '.*file', which is a file"):
-        config_lib.check_run_dir(str(tmp_path / "file" / "run"))
+        checks_lib.check_run_dir(str(tmp_path / "file" / "run"))
 
 
 def test_a_read_only_run_dir_is_named(read_only):
@@ -449,7 +450,7 @@ def test_a_read_only_run_dir_is_named(read_only):
         match=r"train.run_dir='.*ro/run' is not writable \(it would be "
         r"created in '.*ro'\): Read-only file system",
     ):
-        config_lib.check_run_dir(str(read_only / "run"))
+        checks_lib.check_run_dir(str(read_only / "run"))
 
 
 def test_export_and_sample_and_the_tokenizer_trainer_refuse_bad_arguments(tmp_path, capsys):
@@ -498,7 +499,7 @@ def test_a_non_finite_loss_before_any_checkpoint_says_there_is_none():
     step None"."""
     from types import SimpleNamespace
 
-    from jaxpar.run.train import _last_good
+    from jaxpar.run.stopping import _last_good
 
     none = SimpleNamespace(latest_valid_step=lambda: None, directory="/r/checkpoints")
     some = SimpleNamespace(latest_valid_step=lambda: 4, directory="/r/checkpoints")

@@ -13,9 +13,11 @@ import time
 import jax
 import pytest
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.planning import host as host_lib
+from jaxpar.run import stopping
 from jaxpar.run import train as train_lib
 from jaxpar.training.metrics import Progress
 from tests.test_train import ROOT, TINY_YAML
@@ -43,13 +45,13 @@ def test_the_host_forecast_matches_the_measured_gpt2_and_default_runs():
     device peaked at 22.0 GB resident and took 254-278 s a step with the float32 matmul probe
     at about 195 GFLOP/s; the default job peaked at 1.7 GB and ran 5,641 tokens/s."""
     cfg = config_lib.load_config(GPT2, ["mesh.data=1"])
-    gpt2 = host_lib.forecast(cfg, config_lib.validate(cfg, 1), local_devices=1, rate=195e9)
+    gpt2 = host_lib.forecast(cfg, checks_lib.validate(cfg, 1), local_devices=1, rate=195e9)
     assert gpt2.memory_bytes == pytest.approx(22.0e9, rel=0.1)
     assert 200 < gpt2.step_seconds < 340 and gpt2.slow
     # Refused on an idle machine of 24 GiB, all of it available: it would leave the rest ~2 GiB.
     assert host_lib.limit_bytes(cfg, 24 * GIB) < gpt2.memory_bytes
     cfg = config_lib.load_config(None, [])
-    default = host_lib.forecast(cfg, config_lib.validate(cfg, 8), local_devices=8, rate=195e9)
+    default = host_lib.forecast(cfg, checks_lib.validate(cfg, 8), local_devices=8, rate=195e9)
     assert default.memory_bytes == pytest.approx(1.7e9, rel=0.15)
     assert 16 * 256 / default.step_seconds == pytest.approx(5641, rel=0.3) and not default.slow
 
@@ -99,7 +101,7 @@ def test_a_slow_run_says_how_slow_and_the_first_ctrl_c_stops_it_within_seconds(t
 _BLOCKED_IN_XLA = (
     "import os, signal, threading\n"
     "import jax, jax.numpy as jnp\n"
-    "from jaxpar.run.train import Preemption\n"
+    "from jaxpar.run.stopping import Preemption\n"
     "step = jax.jit(lambda x: jax.lax.fori_loop(0, 100000, lambda i, y: jnp.tanh(y @ x), x))\n"
     "x = jnp.ones((256, 256)) / 256\n"
     "with Preemption(exit_at_once=True) as p:\n"
@@ -175,7 +177,7 @@ def test_checkpoint_and_eval_time_are_their_own_figures_not_the_steps(tmp_path, 
             f"train.run_dir={tmp_path}",
         ],
     )
-    summary = train_lib.train(cfg, config_lib.validate(cfg, 8))
+    summary = train_lib.train(cfg, checks_lib.validate(cfg, 8))
     records = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl"))}
     plain = sorted(records[s]["step_time_s"] for s in (2, 6, 10))
     for step in (4, 8, 12):
@@ -241,10 +243,10 @@ def test_a_raised_train_steps_after_a_finished_run_says_the_schedule_restarts(tm
         f"train.run_dir={tmp_path}",
     ]
     cfg = config_lib.load_config(TINY_YAML, overrides + ["train.steps=4"])
-    train_lib.train(cfg, config_lib.validate(cfg, 8))
+    train_lib.train(cfg, checks_lib.validate(cfg, 8))
     capsys.readouterr()
     cfg = config_lib.load_config(TINY_YAML, overrides + ["train.steps=6"])
-    train_lib.train(cfg, config_lib.validate(cfg, 8))
+    train_lib.train(cfg, checks_lib.validate(cfg, 8))
     err = capsys.readouterr().err
     # tiny.yaml: lr 1e-2, warm-up 2, min ratio 0.1. Update 5 of 4 was past the end of the
     # cosine (1e-2 * 0.1); of 6 it is 3/4 of the way down: 1e-3 + 9e-3 * (1 + cos(0.75 pi)) / 2.
@@ -252,7 +254,7 @@ def test_a_raised_train_steps_after_a_finished_run_says_the_schedule_restarts(tm
     assert "update 5 runs at 2.32e-03 where the saved schedule had 1.00e-03" in err
     # A run with nothing to do keeps the record: the next note still compares with lr 1e-2.
     cfg = config_lib.load_config(TINY_YAML, overrides + ["train.steps=6", "optimizer.lr=0.05"])
-    assert train_lib.train(cfg, config_lib.validate(cfg, 8))["first_loss"] is None
+    assert train_lib.train(cfg, checks_lib.validate(cfg, 8))["first_loss"] is None
     assert config_lib.load_config(str(tmp_path / "config.yaml")).optimizer.lr == 1e-2
 
 
@@ -288,7 +290,7 @@ def test_host_memory_gib_must_be_a_positive_number():
     for bad in ("0", "-1", ".nan"):
         cfg = config_lib.load_config(TINY_YAML, [f"runtime.host_memory_gib={bad}"])
         with pytest.raises(ConfigError, match="runtime.host_memory_gib=.*a positive number"):
-            config_lib.validate(cfg, 8)
+            checks_lib.validate(cfg, 8)
 
 
 def test_a_launch_too_big_for_the_machine_together_is_refused_before_any_process_starts():
@@ -359,7 +361,7 @@ def test_inspect_says_its_xla_flops_count_a_loop_body_once(tmp_path):
         cfg = config_lib.load_config(
             TINY_YAML, [f"model.n_layers={layers}", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1"]
         )
-        trainer = build_trainer(cfg, config_lib.validate(cfg, 2), devices=jax.devices()[:2])
+        trainer = build_trainer(cfg, checks_lib.validate(cfg, 2), devices=jax.devices()[:2])
         reports[layers] = report(trainer, compile_step(trainer))
     two, four = reports[2], reports[4]
     assert four["model_flops_per_step"] > 1.5 * two["model_flops_per_step"]
@@ -386,7 +388,7 @@ def test_profile_steps_write_a_trace_and_the_run_goes_on(tmp_path):
             f"train.run_dir={tmp_path}",
         ],
     )
-    summary = train_lib.train(cfg, config_lib.validate(cfg, 8))
+    summary = train_lib.train(cfg, checks_lib.validate(cfg, 8))
     assert summary["steps"] == 5
     traces = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.trace.json.gz"))
     assert len(traces) == 1 and glob.glob(
@@ -395,7 +397,7 @@ def test_profile_steps_write_a_trace_and_the_run_goes_on(tmp_path):
     events = json.load(gzip.open(traces[0]))["traceEvents"]
     assert any(e.get("name", "").startswith("PjitFunction(") for e in events)  # jitted calls traced
     with pytest.raises(ConfigError, match=r"train.profile_steps=\[4, 9\]: give \[first, last\]"):
-        config_lib.validate(
+        checks_lib.validate(
             config_lib.load_config(TINY_YAML, ["train.steps=5", "train.profile_steps=[4, 9]"]), 8
         )
 
@@ -420,6 +422,6 @@ def test_a_save_that_fails_only_when_the_checkpointer_closes_fails_the_run(tmp_p
             f"train.run_dir={tmp_path}",
         ],
     )
-    with pytest.raises(train_lib.DiskFull):
-        train_lib.train(cfg, config_lib.validate(cfg, 8))
+    with pytest.raises(stopping.DiskFull):
+        train_lib.train(cfg, checks_lib.validate(cfg, 8))
     assert not (tmp_path / "jaxpar.lock").exists()  # released all the same

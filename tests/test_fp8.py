@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpar.checks import validate
 from jaxpar.compiled import hlo
-from jaxpar.config import ConfigError, validate
+from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step
 from jaxpar.ops.fp8 import E4M3, E5M2, fp8_einsum, scale_of
 from tests.parity import (

@@ -14,9 +14,10 @@ import re
 
 import pytest
 
+from jaxpar.checks import validate
 from jaxpar.compiled import hlo
 from jaxpar.compiled import targets as targets_lib
-from jaxpar.config import load_config, validate
+from jaxpar.config import load_config
 from jaxpar.inspect import compile_step, report
 from jaxpar.run.train import build_trainer
 

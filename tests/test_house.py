@@ -183,7 +183,9 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
             if here is None or there is None or there[1] == here[1]:
                 continue
             if there[0] >= here[0]:
-                found.append(f"{name} (floor {here[0]}, {here[1]}) -> {target} (floor {there[0]}, {there[1]})")
+                found.append(
+                    f"{name} (floor {here[0]}, {here[1]}) -> {target} (floor {there[0]}, {there[1]})"
+                )
     return found
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.corpus import data, shards
+from jaxpar.corpus import data, prepare, reader, verify
 from jaxpar.corpus.documents import ByteTokenizer
 from tests.test_faults import mount_tmpfs
 
@@ -136,7 +136,7 @@ def test_shards_that_differ_from_their_manifest_are_refused_naming_the_file(prep
     assert "prepare the corpus again" in str(refused.value) or "manifest" in str(refused.value)
     # The full check says the same.
     with pytest.raises(ConfigError, match=message):
-        shards.verify(str(directory), log=quiet)
+        verify.verify(str(directory), log=quiet)
 
 
 def test_a_later_shard_and_the_val_split_are_verified_too(prepared, tmp_path):
@@ -149,14 +149,14 @@ def test_a_later_shard_and_the_val_split_are_verified_too(prepared, tmp_path):
     overwrite_ids(directory / "val-00000.bin", 0.01)
     open_for_training(directory)  # training reads the train split alone
     with pytest.raises(ConfigError, match="val-00000.bin: its SHA-256"):
-        shards.PreparedSequences(str(directory), "byte", 32, split="val")
+        reader.PreparedSequences(str(directory), "byte", 32, split="val")
 
 
 def test_verification_is_cached_by_file_identity(prepared, tmp_path, monkeypatch):
     directory = copy_of(prepared, tmp_path)
     read = []
-    real = shards.verify_shard
-    monkeypatch.setattr(shards, "verify_shard", lambda d, r, *a: read.append(r["name"]) or real(d, r, *a))
+    real = verify.verify_shard
+    monkeypatch.setattr(verify, "verify_shard", lambda d, r, *a: read.append(r["name"]) or real(d, r, *a))
     open_for_training(directory)
     names = [
         r["name"] for r in json.loads((directory / "manifest.json").read_text())["splits"]["train"]["shards"]
@@ -311,7 +311,7 @@ def write_text_corpus(directory: Path, megabytes: float) -> None:
 def test_a_25_mb_set_verifies_in_seconds_and_a_second_start_reads_nothing(tmp_path, monkeypatch):
     write_text_corpus(tmp_path / "text", 12.5)
     out = tmp_path / "set"
-    shards.prepare(
+    prepare.prepare(
         [str(tmp_path / "text" / "*.txt")], str(out), log=quiet, progress=False, shard_tokens=1 << 22
     )
     size = sum(p.stat().st_size for p in out.glob("*-*.*"))
@@ -320,7 +320,7 @@ def test_a_25_mb_set_verifies_in_seconds_and_a_second_start_reads_nothing(tmp_pa
     open_for_training(out)
     first = time.perf_counter() - clock
     read = []
-    monkeypatch.setattr(shards, "verify_shard", lambda *a: read.append(a) or None)
+    monkeypatch.setattr(verify, "verify_shard", lambda *a: read.append(a) or None)
     clock = time.perf_counter()
     open_for_training(out)
     second = time.perf_counter() - clock
@@ -335,16 +335,17 @@ ONE_LAYOUT = ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]
 
 
 def tiny(run_dir, *extra):
+    from jaxpar import checks as checks_lib
     from jaxpar import config as config_lib
 
     cfg = config_lib.load_config(TINY_YAML, ONE_LAYOUT + [f"train.run_dir={run_dir}", *extra])
-    return cfg, config_lib.validate(cfg, 8)
+    return cfg, checks_lib.validate(cfg, 8)
 
 
 @pytest.fixture(scope="module")
 def other_set(corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("other") / "set"
-    shards.prepare([str(corpus)], str(out), log=quiet, progress=False, shard_tokens=100000)
+    prepare.prepare([str(corpus)], str(out), log=quiet, progress=False, shard_tokens=100000)
     return out
 
 
@@ -673,10 +674,10 @@ def brute_force_meshes(m, t, n: int) -> list[dict]:
 )
 def test_the_pruned_mesh_enumeration_is_the_whole_one(preset, n):
     from jaxpar import config as config_lib
-    from jaxpar.planning import plan
+    from jaxpar.planning import search
 
     cfg = config_lib.load_config(str(ROOT / "configs" / f"{preset}.yaml"))
-    assert list(plan._meshes(cfg.model, cfg.train, n)) == brute_force_meshes(cfg.model, cfg.train, n)
+    assert list(search._meshes(cfg.model, cfg.train, n)) == brute_force_meshes(cfg.model, cfg.train, n)
 
 
 @pytest.mark.parametrize("gpus", ["1000000xh100", "64000000xh100", "65536xh100"])

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.models import lora as lora_lib
@@ -82,7 +83,7 @@ def test_bad_lora_settings_are_refused_by_name(overrides, words):
     it."""
     with pytest.raises(ConfigError) as err:
         cfg = parity.tiny_config(["mesh.tensor=1", "mesh.fsdp=2", "mesh.data=4", *overrides])
-        config_lib.validate(cfg, 8)
+        checks_lib.validate(cfg, 8)
     for word in words:
         assert word in str(err.value), str(err.value)
 
@@ -181,7 +182,7 @@ def _lora_train(run_dir, *extra) -> dict:
             *extra,
         ]
     )
-    train(cfg, config_lib.validate(cfg, 8))
+    train(cfg, checks_lib.validate(cfg, 8))
     with open(run_dir / "metrics.jsonl") as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
@@ -479,13 +480,13 @@ def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_pa
 
     monkeypatch.setattr(base_lib, "init_state", base_trains_on)
     cfg = parity.tiny_config([*overrides, "train.steps=2", f"train.run_dir={tmp_path / 'run'}"])
-    train(cfg, config_lib.validate(cfg, 8))
+    train(cfg, checks_lib.validate(cfg, 8))
     monkeypatch.undo()
     pinned = {"init_from": str(base_dir), "step": 0, base_lib.IDENTITY_KEY: _identity(base_dir, 0)}
     assert _recorded_base(tmp_path / "run", 2) == pinned
     _save_base(base_dir, 5, jax.tree.map(lambda x: x + 2, weights))
     cfg = parity.tiny_config([*overrides, "train.steps=4", f"train.run_dir={tmp_path / 'run'}"])
-    train(cfg, config_lib.validate(cfg, 8))  # resumes from step 2
+    train(cfg, checks_lib.validate(cfg, 8))  # resumes from step 2
     assert _recorded_base(tmp_path / "run", 4) == pinned
     _, params, step = load_params(str(tmp_path / "run"), merge_lora=False)
     assert step == 4
@@ -501,7 +502,7 @@ def test_a_lora_run_over_a_jaxpar_run_keeps_the_base_step_it_trained_over(tmp_pa
         again, train=dataclasses.replace(again.train, init_from=str(tmp_path / "run"))
     )
     with pytest.raises(ConfigError, match="is a LoRA run"):
-        train(again, config_lib.validate(again, 8))
+        train(again, checks_lib.validate(again, 8))
 
 
 def test_a_lora_checkpoint_refuses_its_base_step_saved_again(tmp_path):
@@ -520,7 +521,7 @@ def test_a_lora_checkpoint_refuses_its_base_step_saved_again(tmp_path):
     weights, base_dir, overrides = _base_run(tmp_path)
     run = [*overrides, f"train.run_dir={tmp_path / 'run'}"]
     cfg = parity.tiny_config([*run, "train.steps=2"])
-    train(cfg, config_lib.validate(cfg, 8))
+    train(cfg, checks_lib.validate(cfg, 8))
     shutil.move(base_dir / "checkpoints", base_dir / "replaced")  # the earlier run, set aside
     _save_base(base_dir, 0, jax.tree.map(lambda x: x + 1, weights))
     words = "checkpoint step 0 of the base run .* is not the one these adapters were trained over"
@@ -529,7 +530,7 @@ def test_a_lora_checkpoint_refuses_its_base_step_saved_again(tmp_path):
     assert "train new adapters" in str(err.value) and "\n" not in str(err.value), str(err.value)
     cfg = parity.tiny_config([*run, "train.steps=4"])
     with pytest.raises(ConfigError, match=words):
-        train(cfg, config_lib.validate(cfg, 8))  # resumes from step 2
+        train(cfg, checks_lib.validate(cfg, 8))  # resumes from step 2
     # A record without the identity, as written before it was recorded, loads the base at step 0.
     data = tmp_path / "run" / "checkpoints" / "2" / "data" / "metadata"
     saved = json.loads(data.read_text())

@@ -12,9 +12,10 @@ import grain
 import numpy as np
 import pytest
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, DataConfig, SourceConfig
-from jaxpar.corpus import data, shards
+from jaxpar.corpus import data, prepare
 from jaxpar.corpus.data import batch_dataset, make_iterator
 from jaxpar.corpus.documents import ByteTokenizer
 
@@ -39,7 +40,7 @@ def prepared(tmp_path_factory):
             "".join(json.dumps({"text": d}) + "\n" for d in documents(alphabet, count, seed=len(out)))
         )
         out[name] = root / name
-        shards.prepare([str(jsonl)], str(out[name]), log=lambda m: None, progress=False, shard_tokens=1000)
+        prepare.prepare([str(jsonl)], str(out[name]), log=lambda m: None, progress=False, shard_tokens=1000)
     return out
 
 
@@ -160,7 +161,7 @@ def test_weights_are_relative_and_the_config_round_trips(prepared, tmp_path):
         SourceConfig(str(prepared["b"]), 0.3, "web"),
     ]
     assert config_lib.source_names(cfg.data) == ["a", "web"]
-    config_lib.validate(cfg, 8)
+    checks_lib.validate(cfg, 8)
     config_lib.dump_yaml(cfg, str(tmp_path / "config.yaml"))
     assert config_lib.load_config(str(tmp_path / "config.yaml")) == cfg
 
@@ -196,11 +197,11 @@ def test_bad_mixtures_are_refused_naming_the_key(prepared, tmp_path, capsys):
     ]
     for sources, message in cases:
         with pytest.raises(ConfigError) as info:
-            config_lib.validate(config_lib.load_config(None, [f"data.sources={sources}"]), 8)
+            checks_lib.validate(config_lib.load_config(None, [f"data.sources={sources}"]), 8)
         assert message in str(info.value), (sources, str(info.value))
     both = config_lib.load_config(None, [f"data.source={a}", f"data.sources=[{{path: {b}, weight: 1}}]"])
     with pytest.raises(ConfigError, match=f"data.source='{a}' and data.sources are both set"):
-        config_lib.validate(both, 8)
+        checks_lib.validate(both, 8)
     # The command line: exit 2 with the message, before anything compiles.
     from jaxpar.run.train import main
 

@@ -8,7 +8,7 @@ layout that got either part wrong shows in the router's and the experts' gradien
 import numpy as np
 import pytest
 
-from jaxpar import config as config_lib
+from jaxpar import checks as checks_lib
 from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
 from tests.parity import LAYER_FORMS, assert_parity, parity_trainer, random_batches, run_parity, tiny_config
@@ -60,4 +60,4 @@ def test_num_experts_not_divisible_by_expert_axis_is_a_config_error():
         MOE + ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=8", "model.moe.num_experts=6"]
     )
     with pytest.raises(ConfigError, match=r"mesh.expert=8 does not divide model.moe.num_experts=6"):
-        config_lib.validate(cfg, 8)
+        checks_lib.validate(cfg, 8)

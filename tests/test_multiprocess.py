@@ -538,16 +538,17 @@ def test_the_command_line_takes_max_restarts():
 COUNT_STOP_POLLS = textwrap.dedent("""
     import json, sys
     import jax
+    from jaxpar.run import stopping
     from jaxpar.run import train as train_lib
 
-    out, leave = sys.argv[1], train_lib.Preemption.__exit__
+    out, leave = sys.argv[1], stopping.Preemption.__exit__
 
     def leave_recording(self, *exc):
         with open(f"{out}.{jax.process_index()}", "w") as f:
             json.dump({"polls": self.polls, "agreements": self.agreements}, f)
         return leave(self, *exc)
 
-    train_lib.Preemption.__exit__ = leave_recording
+    stopping.Preemption.__exit__ = leave_recording
     sys.exit(train_lib.main(sys.argv[2:]))
 """)
 

@@ -15,7 +15,7 @@ import functools
 import numpy as np
 import pytest
 
-from jaxpar import config as config_lib
+from jaxpar import checks as checks_lib
 from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
 from tests.parity import (
@@ -184,7 +184,7 @@ def test_pipeline_config_errors(overrides, match):
         + overrides
     )
     with pytest.raises(ConfigError, match=match):
-        config_lib.validate(cfg, 8)
+        checks_lib.validate(cfg, 8)
 
 
 def test_inspect_prints_the_schedule_and_its_bubble():

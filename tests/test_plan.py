@@ -16,9 +16,11 @@ import pytest
 
 from benchmarks.plan_layouts import MODEL
 from benchmarks.plan_memory import LAYOUTS, RESULTS
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
+from jaxpar.compiled.targets import DEVICES
 from jaxpar.config import MESH_AXES
-from jaxpar.planning import plan, published
+from jaxpar.planning import memory, params, plan, published, search, step_time
 from jaxpar.sharding import shard_bytes, zero_state_bytes
 from tests.parity import trainer_on
 
@@ -36,8 +38,8 @@ COMPILED = ["p2-d4-1f1b", "fsdp8-z3-full"]
 def test_predicted_memory_within_10_percent_of_compiled(name):
     layout = next(layout for layout in LAYOUTS if layout["name"] == name)
     overrides = MODEL + layout["overrides"]
-    compiled = plan.compiled_memory(overrides, layout["mesh"])
-    predicted = plan.predict_memory_for(overrides, layout["mesh"], backend="cpu")
+    compiled = memory.compiled_memory(overrides, layout["mesh"])
+    predicted = memory.predict_memory_for(overrides, layout["mesh"], backend="cpu")
     # 12%, was 10%: parallel.grad_reduce_dtype's change (the embedding's gradient by all-to-all,
     # not a whole table per device) took fsdp8-z3-full's compiled total from 29.1 to 27.5 MiB,
     # which the memory model does not know: predicted 30.8 MiB, +11.9% (was +5.7%).
@@ -65,7 +67,7 @@ def test_state_per_device_equals_the_trainers_shardings(stage, mesh, extra):
     cfg = trainer.cfg
     shapes, shardings = trainer.state_shape, trainer.state_shardings
     sizes = dict(trainer.mesh.shape)
-    predicted = plan.predict_memory(cfg, sizes, kernel="xla")
+    predicted = memory.predict_memory(cfg, sizes, kernel="xla")
     assert predicted["params"] == shard_bytes(shapes["params"], shardings["params"])
     assert predicted["gradients"] == shard_bytes(shapes["params"], trainer.grad_shardings)
     moments = [x for x in jax.tree.leaves(shapes["opt_state"]) if x.ndim > 0]
@@ -76,7 +78,7 @@ def test_state_per_device_equals_the_trainers_shardings(stage, mesh, extra):
     ]
     assert predicted["optimizer"] == shard_bytes(moments, moment_shardings)
     total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
-    assert plan.state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"] == total
+    assert params.state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"] == total
 
 
 # The compiled totals benchmarks/plan_memory.py cached (XLA's numbers, not the model's): on 8
@@ -84,11 +86,11 @@ def test_state_per_device_equals_the_trainers_shardings(stage, mesh, extra):
 # writing (CPU 25 of 28 layouts within 10%, H100 27 of 28); a change to the memory model that
 # loses a layout on either backend fails here. Recompiled and refitted 2026-11-27, after `wo`
 # and `w_down` split over fsdp on their first dim (the tallies were CPU 24, H100 22 on those
-# programs before the refit; the README's planner section lists what changed and what is left:
+# programs before the refit; docs/planning.md lists what changed and what is left:
 # H100 f2-t4-z3-full; CPU fsdp8-z3-full, f2-c4-z3-dots, p2-f2-c2-zb-z3-dots).
 # How many layouts the prediction must hold within 10%. The H100 cache was compiled again after
 # the loss's rewrite (2026-12-02): 24 of the 28 are within 10% now (27 before), the misses mostly
-# tensor-parallel layouts (README, the planner's memory). The floor is today's, so that it does
+# tensor-parallel layouts (docs/planning.md, the planner's memory). The floor is today's, so that it does
 # not fall further.
 CACHED = {"cpu": ("plan_memory-cpu.json", 25), "gpu": ("plan_memory-h100.json", 24)}
 
@@ -100,7 +102,9 @@ def test_predicted_memory_against_cached_compiled_totals(backend):
     errors = {}
     for layout in LAYOUTS:
         if layout["name"] in cache:
-            predicted = plan.predict_memory_for(MODEL + layout["overrides"], layout["mesh"], backend=backend)
+            predicted = memory.predict_memory_for(
+                MODEL + layout["overrides"], layout["mesh"], backend=backend
+            )
             errors[layout["name"]] = predicted["total"] / cache[layout["name"]]["total"] - 1
     within = [n for n, e in errors.items() if abs(e) <= 0.10]
     assert len(errors) >= 25
@@ -145,7 +149,7 @@ def test_no_remat_1b_on_h100_within_5_percent(layers):
         "parallel.remat=none",
         "model.scan_layers=true",
     ]
-    predicted = plan.predict_memory_for(overrides, {"data": 1}, path="configs/llama-1b.yaml", backend="gpu")
+    predicted = memory.predict_memory_for(overrides, {"data": 1}, path="configs/llama-1b.yaml", backend="gpu")
     assert predicted["total"] == pytest.approx(COMPILED_1B_NO_REMAT_H100[layers], rel=0.05)
 
 
@@ -161,7 +165,7 @@ def test_gpu_backend_keeps_less_under_remat_and_ring():
     def both(name):
         layout = next(layout for layout in LAYOUTS if layout["name"] == name)
         return [
-            plan.predict_memory_for(MODEL + layout["overrides"], layout["mesh"], kernel="xla", backend=b)
+            memory.predict_memory_for(MODEL + layout["overrides"], layout["mesh"], kernel="xla", backend=b)
             for b in ("cpu", "gpu")
         ]
 
@@ -206,11 +210,11 @@ def test_planner_state_follows_the_zero_rule_with_jaxpar_dtypes():
             "model.n_layers=4",
         ],
     )
-    psi = plan.state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"]
+    psi = params.state_elements(cfg.model, {a: 1 for a in MESH_AXES}, 0)["total"]
     sizes = {a: 1 for a in MESH_AXES} | {"fsdp": 8}
     for stage in range(4):
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=stage))
-        got = plan.predict_memory(c, sizes, kernel="xla")
+        got = memory.predict_memory(c, sizes, kernel="xla")
         want = zero_state_bytes(psi, 8, stage)
         # jaxpar's ZeRO-1 reduce-scatters the gradients to the optimizer's shard: the paper's
         # stage-2 gradients.
@@ -238,9 +242,9 @@ def llama(d, layers, heads, kv, ff, batch, seq, vocab=32000):
 
 def best(overrides, gpus, per_node=8, kind="h100", **device_changes):
     cfg = config_lib.load_config(None, overrides)
-    device = dataclasses.replace(plan.DEVICES[kind], **device_changes)
-    plans = plan.enumerate_plans(cfg, gpus, device, per_node)
-    top = next(p for p in plans if p.fits and not p.crosses and plan.runnable(p, gpus))
+    device = dataclasses.replace(DEVICES[kind], **device_changes)
+    plans = search.enumerate_plans(cfg, gpus, device, per_node)
+    top = next(p for p in plans if p.fits and not p.crosses and search.runnable(p, gpus))
     return top, plans, device
 
 
@@ -266,7 +270,7 @@ def test_tensor_parallelism_stays_inside_the_node():
     """A 30B-class model on 2 nodes of 8: the best plan uses tensor parallelism, within a node."""
     top, plans, device = best(llama(6656, 60, 52, 4, 17920, batch=32, seq=4096), 16)
     assert 1 < top.sizes["tensor"] <= 4 and not top.crosses
-    assert "inside the node" in plan.explain(top, plans, device)
+    assert "inside the node" in search.explain(top, plans, device)
 
 
 def test_pipeline_across_nodes_when_the_network_is_slow():
@@ -277,7 +281,7 @@ def test_pipeline_across_nodes_when_the_network_is_slow():
     fast, _, _ = best(model, 32)
     slow, _, _ = best(model, 32, network_bandwidth=1.25e9)
     assert fast.sizes["pipe"] == 1
-    assert slow.sizes["pipe"] > 1 and plan.crosses_nodes(slow.sizes, ("pipe",), 8)
+    assert slow.sizes["pipe"] > 1 and step_time.crosses_nodes(slow.sizes, ("pipe",), 8)
 
 
 def test_context_parallelism_for_long_sequences():
@@ -293,7 +297,7 @@ def test_context_parallelism_for_long_sequences():
     )
     assert short.sizes["data"] * short.sizes["fsdp"] == 8 and short.cfg.parallel.zero_stage <= 1
     assert long.sizes["context"] > 1
-    assert "no layout without context parallelism fits" in plan.explain(long, plans, device)
+    assert "no layout without context parallelism fits" in search.explain(long, plans, device)
 
 
 # --- The step-time model against published results (jaxpar.planning.published) ----------------------
@@ -327,14 +331,17 @@ def test_fitted_constants_minimise_the_fit_loss_and_give_the_band():
     rate) moves the optimum or the residuals and fails here."""
     from benchmarks.plan_fit import loss
 
-    base = loss(plan.FITTED)
+    base = loss(step_time.FITTED)
     for name in ("d_half", "host_s_per_layer", "attention_backward"):
         for factor in (0.9, 1.1):
-            moved = dataclasses.replace(plan.FITTED, **{name: getattr(plan.FITTED, name) * factor})
+            moved = dataclasses.replace(step_time.FITTED, **{name: getattr(step_time.FITTED, name) * factor})
             assert loss(moved) > base, (name, factor)
-    assert loss(dataclasses.replace(plan.FITTED, exposed_fraction=plan.FITTED.exposed_fraction + 0.05)) > base
-    residuals = [plan.predict_published(r)["log_residual"] for r in published.fitted()]
-    assert plan.step_time_band(residuals) == plan.STEP_TIME_BAND
+    assert (
+        loss(dataclasses.replace(step_time.FITTED, exposed_fraction=step_time.FITTED.exposed_fraction + 0.05))
+        > base
+    )
+    residuals = [step_time.predict_published(r)["log_residual"] for r in published.fitted()]
+    assert step_time.step_time_band(residuals) == step_time.STEP_TIME_BAND
     assert math.sqrt(sum(r * r for r in residuals) / len(residuals)) < 0.11
 
 
@@ -342,8 +349,8 @@ def test_checked_results_fall_inside_the_band():
     """What the band claims, on results the fit never saw: the measured step time within
     STEP_TIME_BAND of the prediction for its layout."""
     for r in published.checked():
-        residual = plan.predict_published(r)["log_residual"]
-        assert abs(residual) <= math.log(plan.STEP_TIME_BAND), (r.name, math.exp(residual))
+        residual = step_time.predict_published(r)["log_residual"]
+        assert abs(residual) <= math.log(step_time.STEP_TIME_BAND), (r.name, math.exp(residual))
 
 
 def test_llama3_8b_on_16_h100_consistent_with_torchtitan():
@@ -356,19 +363,19 @@ def test_llama3_8b_on_16_h100_consistent_with_torchtitan():
     top, _, _ = best(LLAMA3_8B_16, 16)
     lo, hi = top.time["mfu_range"]
     assert lo <= 0.33 and 0.39 <= hi and top.time["mfu"] < 0.5
-    assert hi / lo == pytest.approx(plan.STEP_TIME_BAND**2)
+    assert hi / lo == pytest.approx(step_time.STEP_TIME_BAND**2)
 
 
 def test_optimizer_step_reads_and_writes_the_state_at_hbm_bandwidth():
     """AdamW on float32 state: p, g, m, v read and p, m, v written, 28 bytes per element a GPU
     updates; ZeRO-1 over 8 updates an eighth."""
     cfg = config_lib.load_config(None, MODEL)
-    h100 = plan.DEVICES["h100"]
+    h100 = DEVICES["h100"]
     one = {a: 1 for a in MESH_AXES}
-    elements = plan.state_elements(cfg.model, one, 0)["total"]
-    assert plan.optimizer_step_s(cfg, one, h100) == pytest.approx(28 * elements / h100.hbm_bandwidth)
+    elements = params.state_elements(cfg.model, one, 0)["total"]
+    assert step_time.optimizer_step_s(cfg, one, h100) == pytest.approx(28 * elements / h100.hbm_bandwidth)
     sharded = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=1))
-    eighth = plan.optimizer_step_s(sharded, one | {"fsdp": 8}, h100)
+    eighth = step_time.optimizer_step_s(sharded, one | {"fsdp": 8}, h100)
     assert eighth == pytest.approx(28 * elements / 8 / h100.hbm_bandwidth, rel=0.02)
 
 
@@ -391,8 +398,8 @@ def test_step_time_uses_the_runtime_schedules_bubble():
                 cfg.parallel, pipeline_schedule=kind, microbatches=4, virtual_stages=v
             ),
         )
-        sizes = config_lib.validate(c, 8)
-        return plan.predict_time(c, sizes, plan.DEVICES["h100"], 8)["bubble_fraction"]
+        sizes = checks_lib.validate(c, 8)
+        return step_time.predict_time(c, sizes, DEVICES["h100"], 8)["bubble_fraction"]
 
     data, fsdp = {"pipe": 2, "data": 4}, {"pipe": 2, "fsdp": 4}
     for kind, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]:
@@ -408,7 +415,7 @@ def test_enumeration_pipelines_with_accumulation_experts_and_context():
     and with every schedule, and such plans validate."""
     moe = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2"]
     cfg = config_lib.load_config(None, MODEL + moe)
-    plans = plan.enumerate_plans(cfg, 8, plan.DEVICES["h100"], 8)
+    plans = search.enumerate_plans(cfg, 8, DEVICES["h100"], 8)
     piped = [p for p in plans if p.sizes["pipe"] > 1]
     assert {p.cfg.parallel.pipeline_schedule for p in piped} == {"gpipe", "1f1b", "interleaved", "zb"}
     for test in (
@@ -416,8 +423,8 @@ def test_enumeration_pipelines_with_accumulation_experts_and_context():
         lambda p: p.sizes["expert"] > 1,
         lambda p: p.sizes["context"] > 1,
     ):
-        assert any(plan.runnable(p, 8) for p in piped if test(p))
-    accum = next(p for p in piped if p.cfg.parallel.grad_accum > 1 and plan.runnable(p, 8))
+        assert any(search.runnable(p, 8) for p in piped if test(p))
+    accum = next(p for p in piped if p.cfg.parallel.grad_accum > 1 and search.runnable(p, 8))
     cmd = plan.command(accum, None, [], 8, 8)
     assert f"parallel.grad_accum={accum.cfg.parallel.grad_accum}" in cmd
 
@@ -449,18 +456,18 @@ def test_cli_json_schema_and_runnable_command(capsys):
     lo, hi = first["mfu_range"]
     assert lo < first["mfu"] < hi and hi / lo == pytest.approx(out["step_time_band"] ** 2)
     assert first["step_time_range_s"][0] < first["step_time_s"] < first["step_time_range_s"][1]
-    assert f"x{plan.STEP_TIME_BAND}" in out["step_time_uncertainty"]
+    assert f"x{step_time.STEP_TIME_BAND}" in out["step_time_uncertainty"]
     # The command is what `python -m jaxpar.train` takes, and validates on 8 devices.
     args = first["command"].split()[3:]
     path, overrides = config_lib.parse_cli(args)
-    config_lib.validate(config_lib.load_config(path, overrides), 8)
+    checks_lib.validate(config_lib.load_config(path, overrides), 8)
 
 
 def test_cli_human_table(capsys):
     assert plan.main(["configs/gpt2-124m.yaml", "--gpus", "8xh100", "--top", "1", "--human"]) == 0
     out = capsys.readouterr().out
     assert "python -m jaxpar.train configs/gpt2-124m.yaml" in out and "MFU range" in out
-    assert f"within x{plan.STEP_TIME_BAND} of the prediction" in out
+    assert f"within x{step_time.STEP_TIME_BAND} of the prediction" in out
 
 
 @pytest.mark.parametrize(

@@ -14,12 +14,14 @@ import sys
 import jax
 import pytest
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar import launch
+from jaxpar.compiled.targets import DEVICES
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.models import lora as lora_lib
 from jaxpar.planning import host as host_lib
-from jaxpar.planning import plan
+from jaxpar.planning import memory, params, plan, step_time
 from jaxpar.sharding import shard_bytes
 from tests.parity import TINY_YAML, tiny_config, trainer_on
 
@@ -41,7 +43,7 @@ def test_lora_state_per_device_equals_the_trainers_shardings(stage, mesh, extra)
     and Adam state for every weight where the trainer holds them for the adapters alone."""
     trainer = trainer_on([f"parallel.zero_stage={stage}", *extra], mesh)
     shapes, shardings = trainer.state_shape, trainer.state_shardings
-    predicted = plan.predict_memory(trainer.cfg, dict(trainer.mesh.shape), kernel="xla")
+    predicted = memory.predict_memory(trainer.cfg, dict(trainer.mesh.shape), kernel="xla")
     trained, _ = trainer.trainable.split(shapes["params"])
     assert predicted["params"] == shard_bytes(shapes["params"], shardings["params"])
     assert predicted["gradients"] == shard_bytes(trained, trainer.grad_shardings)
@@ -53,7 +55,7 @@ def test_lora_state_per_device_equals_the_trainers_shardings(stage, mesh, extra)
     assert predicted["optimizer"] == shard_bytes(*zip(*moments))
     adapters = sum(math.prod(x.shape) for x in jax.tree.leaves(trained))
     assert (
-        plan.state_elements(trainer.cfg.model, {a: 1 for a in MESH_AXES}, 0, trainer.cfg.finetune.lora)[
+        params.state_elements(trainer.cfg.model, {a: 1 for a in MESH_AXES}, 0, trainer.cfg.finetune.lora)[
             "adapters"
         ]
         == adapters
@@ -66,7 +68,7 @@ def test_lora_plans_update_and_reduce_the_adapters_alone_and_say_so(capsys):
     cfg = config_lib.load_config(TINY_YAML, ["train.batch_size=16"])
     adapted = config_lib.load_config(TINY_YAML, ["train.batch_size=16", "finetune.lora.rank=2"])
     sizes = {a: 1 for a in MESH_AXES} | {"data": 8}
-    full, lora = (plan.predict_time(c, sizes, plan.DEVICES["h100"], 8, "xla") for c in (cfg, adapted))
+    full, lora = (step_time.predict_time(c, sizes, DEVICES["h100"], 8, "xla") for c in (cfg, adapted))
     assert lora["optimizer_s"] < full["optimizer_s"] / 10
     assert lora["comm_s"]["data_fsdp"] < full["comm_s"]["data_fsdp"] / 10
     assert lora["compute_s"] < full["compute_s"]
@@ -101,14 +103,14 @@ def test_the_host_forecast_counts_the_adapters_and_refuses_a_large_rank():
     """Bug: jaxpar.planning.host left the adapters out (1.4 GiB forecast for a run that took 36 GB at a
     large rank), so the run went on to an out-of-memory traceback instead of exit 3."""
     cfg = tiny_config(LARGE_RANK)
-    sizes = config_lib.validate(cfg, 1)
+    sizes = checks_lib.validate(cfg, 1)
     m, rank = cfg.model, cfg.finetune.lora.rank
     per_layer = 4 * m.d_model + 2 * m.n_heads * m.head_width + 2 * m.n_kv_heads * m.head_width
     per_layer += 3 * (m.d_model + m.d_ff)  # the in + out widths of the seven adapted weights
     adapter_bytes = 4 * rank * per_layer * m.n_layers  # float32 A and B
     forecast = host_lib.forecast(cfg, sizes, local_devices=1, rate=1e11)
     # Their params, gradients and Adam's two moments, beside the frozen model's float32 weights.
-    assert forecast.memory_bytes > 4 * adapter_bytes + 4 * plan.state_elements(m, sizes, 0)["total"]
+    assert forecast.memory_bytes > 4 * adapter_bytes + 4 * params.state_elements(m, sizes, 0)["total"]
     assert not forecast.fits  # runtime.host_memory_gib=3: 2.4 GiB without the adapters would fit
     refusal = host_lib.refusal(forecast, cfg)
     assert "finetune.lora.rank=2000, 1 emulated device(s)) and runtime.host_memory_gib=3 allows" in refusal
@@ -158,7 +160,7 @@ def test_the_config_refuses_a_model_without_layers(layers):
     one line naming the setting (it did before issue 40; kept so that it stays so)."""
     cfg = tiny_config([f"model.n_layers={layers}"])
     with pytest.raises(ConfigError, match=f"model.n_layers={layers}: must be at least 1"):
-        config_lib.validate(cfg, 8)
+        checks_lib.validate(cfg, 8)
 
 
 # --- 6. launch --tail -5 ------------------------------------------------------------------------------
@@ -229,7 +231,7 @@ def test_lora_table_follows_the_models_adapters():
     trainer = trainer_on(["finetune.lora.rank=5", EVERY_TARGET], {"data": 1})
     flat = lora_lib._flat(trainer.state_shape["params"])
     shapes = sorted(x.shape for p, x in flat.items() if p[-1] in ("lora_a", "lora_b"))
-    table = plan.lora_table(trainer.cfg.model, trainer.cfg.finetune.lora)
+    table = params.lora_table(trainer.cfg.model, trainer.cfg.finetune.lora)
     assert sorted(shape for _, shape, _ in table) == shapes
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.corpus import data, shards
+from jaxpar.corpus import data, prepare, reader
 from jaxpar.corpus.data import batch_dataset, make_iterator, pack
 from jaxpar.corpus.documents import ByteTokenizer, HFTokenizer
 
@@ -42,7 +43,7 @@ def quiet(message):  # the log of prepare() in tests
 
 
 def run_prepare(sources, out, **options):
-    return shards.prepare([str(s) for s in sources], str(out), log=quiet, progress=False, **options)
+    return prepare.prepare([str(s) for s in sources], str(out), log=quiet, progress=False, **options)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_prepared_shards_give_exactly_the_raw_sources_samples(corpus, prepared, 
     manifest = json.loads((prepared / "manifest.json").read_text())
     assert len(manifest["splits"]["train"]["shards"]) > 20  # windows cross shard ends
     expected = pack(raw_documents(corpus), ByteTokenizer(), seq_len, packing=packing)
-    got = shards.PreparedSequences(str(prepared), "byte", seq_len, packing=packing)
+    got = reader.PreparedSequences(str(prepared), "byte", seq_len, packing=packing)
     assert_same_samples(got, expected)
     if packing == "whole":
         np.testing.assert_array_equal(got.rows, expected.rows)
@@ -128,7 +129,7 @@ def test_prepared_shards_give_exactly_the_raw_sources_samples(corpus, prepared, 
 def test_max_documents_takes_the_first_documents_of_prepared_shards(corpus, prepared, packing):
     for n in (1, 37, 152):
         expected = pack(raw_documents(corpus)[:n], ByteTokenizer(), 5, packing=packing)
-        got = shards.PreparedSequences(str(prepared), "byte", 5, max_documents=n, packing=packing)
+        got = reader.PreparedSequences(str(prepared), "byte", 5, max_documents=n, packing=packing)
         assert_same_samples(got, expected)
 
 
@@ -137,7 +138,7 @@ def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prep
     """Same seed, same batches as the raw source; process shares disjoint and tiling the global
     batch; a restored iterator continues identically (the row index is rebuilt on load)."""
     raw = pack(raw_documents(corpus), ByteTokenizer(), 16, packing=packing)
-    source = shards.PreparedSequences(str(prepared), "byte", 16, packing=packing)
+    source = reader.PreparedSequences(str(prepared), "byte", 16, packing=packing)
     steps = len(raw) // 8 + 3  # into the second epoch
     single = take(batch_dataset(source, global_batch=8, seed=5), steps)
     assert_same_batches(single, take(batch_dataset(raw, global_batch=8, seed=5), steps))
@@ -159,7 +160,7 @@ def test_batches_shares_and_restored_iterators_over_prepared_shards(corpus, prep
         next(iterator)
     state = json.loads(json.dumps(iterator.get_state()))  # as a checkpoint stores it
     expected = [next(iterator) for _ in range(4)]
-    fresh = shards.PreparedSequences(str(prepared), "byte", 16, packing=packing)  # as after a restart
+    fresh = reader.PreparedSequences(str(prepared), "byte", 16, packing=packing)  # as after a restart
     assert_same_batches(take(batch_dataset(fresh, global_batch=8, seed=5), 4, state=state), expected)
     # As grain's worker processes receive it: its arguments, opened again (no copy of the index).
     pickled = pickle.dumps(source)
@@ -174,7 +175,7 @@ def test_a_trained_tokenizer_prepares_the_same_ids_as_it_encodes(corpus, tmp_pat
     data.train_tokenizer(DOCUMENTS, vocab_size=300, out=str(tokenizer))
     run_prepare([corpus / "docs.jsonl"], tmp_path / "shards", tokenizer=str(tokenizer), shard_tokens=100)
     expected = pack(DOCUMENTS, HFTokenizer(str(tokenizer)), 9)
-    assert_same_samples(shards.PreparedSequences(str(tmp_path / "shards"), str(tokenizer), 9), expected)
+    assert_same_samples(reader.PreparedSequences(str(tmp_path / "shards"), str(tokenizer), 9), expected)
 
 
 def test_compressed_jsonl_and_parquet_hold_the_same_documents(corpus, tmp_path):
@@ -200,7 +201,7 @@ def test_preparing_twice_gives_identical_files_and_a_rerun_changes_nothing(corpu
     )
     before = {p.name: p.stat().st_mtime_ns for p in again.iterdir()}
     messages = []
-    shards.prepare(
+    prepare.prepare(
         [str(corpus / "docs.jsonl"), str(corpus / "texts" / "*.txt")],
         str(again),
         shard_tokens=64,
@@ -215,29 +216,29 @@ def test_an_interrupted_preparation_resumes_to_the_same_shards(corpus, prepared,
     """Interrupted at shard 5 and resumed, in batches of 7 documents for the tokenizer (the fixture
     had one batch): the same files as an uninterrupted run."""
     out = tmp_path / "out"
-    write_json = shards._write_json
-    monkeypatch.setattr(shards, "_BATCH_DOCS", 7)
+    write_json = prepare.write_json
+    monkeypatch.setattr(prepare, "_BATCH_DOCS", 7)
 
     def interrupt_at_part_5(path, obj):
         if os.path.basename(path) == "part-00005.json":
             raise KeyboardInterrupt
         write_json(path, obj)
 
-    monkeypatch.setattr(shards, "_write_json", interrupt_at_part_5)
+    monkeypatch.setattr(prepare, "write_json", interrupt_at_part_5)
     with pytest.raises(KeyboardInterrupt):
         run_prepare([corpus / "docs.jsonl", corpus / "texts" / "*.txt"], out, shard_tokens=64)
-    monkeypatch.setattr(shards, "_write_json", write_json)
+    monkeypatch.setattr(prepare, "write_json", write_json)
     left = sorted(p.name for p in out.iterdir())
     assert "manifest.json" not in left and "part-00004.json" in left
     assert not any(".tmp-" in name for name in left)  # the interrupted shard's files are gone
     with pytest.raises(ConfigError, match="did not finish; run the same .* again, it resumes"):
-        shards.PreparedSequences(str(out), "byte", 8)
+        reader.PreparedSequences(str(out), "byte", 8)
     cfg = config_lib.load_config(None, [f"data.source={out}"])
     with pytest.raises(ConfigError, match=f"data.source='{out}' has no manifest.json"):
-        config_lib.validate(cfg, 8)
+        checks_lib.validate(cfg, 8)
 
     messages = []
-    shards.prepare(
+    prepare.prepare(
         [str(corpus / "docs.jsonl"), str(corpus / "texts" / "*.txt")],
         str(out),
         shard_tokens=64,
@@ -246,7 +247,7 @@ def test_an_interrupted_preparation_resumes_to_the_same_shards(corpus, prepared,
     )
     assert "5 shard(s) already complete" in messages[0]
     assert files_of(out) == files_of(prepared)
-    config_lib.validate(cfg, 8)  # a finished directory is a valid data.source
+    checks_lib.validate(cfg, 8)  # a finished directory is a valid data.source
 
 
 def test_val_fraction_carves_off_whole_documents(corpus, tmp_path):
@@ -264,7 +265,7 @@ def test_val_fraction_carves_off_whole_documents(corpus, tmp_path):
     assert sorted(texts["train"] + texts["val"]) == sorted(DOCUMENTS)
     assert 0.15 < len(texts["val"]) / len(DOCUMENTS) < 0.45
     assert texts["train"] == [d for d in DOCUMENTS if d not in set(texts["val"])]  # order kept
-    val = shards.PreparedSequences(str(out), "byte", 4, split="val")
+    val = reader.PreparedSequences(str(out), "byte", 4, split="val")
     assert val.num_documents == len(texts["val"])
 
 
@@ -279,7 +280,7 @@ def test_bad_sources_exit_2_naming_the_file_and_leave_nothing(corpus, tmp_path, 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr(shards, "_BATCH_DOCS", 100)  # shards are complete when the bad line comes
+    monkeypatch.setattr(prepare, "_BATCH_DOCS", 100)  # shards are complete when the bad line comes
 
     out = tmp_path / "out"
     pq.write_table(pa.table({"body": ["no text column"]}), tmp_path / "other.parquet")
@@ -326,7 +327,7 @@ def test_a_truncated_shard_or_another_tokenizer_is_refused_naming_the_file(prepa
 def test_the_whole_stdlib_prepares_itself_once_and_packs_the_same_stream(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAXPAR_CACHE", str(tmp_path / "cache"))
     source = data.packed_source(DataConfig(), ByteTokenizer(), 256)
-    assert isinstance(source, shards.PreparedSequences)
+    assert isinstance(source, reader.PreparedSequences)
     assert "preparing it once" in capsys.readouterr().err
     texts = [Path(p).read_bytes().decode("utf-8", errors="replace") for p in data.stdlib_files()]
     expected = pack(texts, ByteTokenizer(), 256)  # the default job's stream, built here
@@ -391,7 +392,7 @@ def test_the_loader_benchmark_runs_and_says_whether_it_reaches_the_target(tmp_pa
 # pytest's resident memory.) Training needs no JAX compile the second time (the session's cache).
 PEAKS = """
 import json, sys
-from jaxpar.corpus import shards
+from jaxpar.corpus import prepare
 
 def peak():
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -400,7 +401,7 @@ def peak():
 corpora, outs = sys.argv[1::2], sys.argv[2::2]
 peaks = []
 for corpus, out in zip(corpora, outs):
-    shards.prepare([corpus], out, shard_tokens=1 << 24, progress=False)
+    prepare.prepare([corpus], out, shard_tokens=1 << 24, progress=False)
     peaks.append(peak())
 from jaxpar.run.train import main
 for out in outs:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.config import ConfigError, MoEDispatch, load_config, validate
+from jaxpar.checks import validate
+from jaxpar.config import ConfigError, MoEDispatch, load_config
 from jaxpar.parallel import experts
 from jaxpar.parallel.experts import moe_mlp, ragged_receive_rows
 from tests.test_experts import (

@@ -11,8 +11,10 @@ import time
 import numpy as np
 import pytest
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
-from jaxpar.run.train import NonFiniteLoss, train
+from jaxpar.run.stopping import NonFiniteLoss
+from jaxpar.run.train import train
 from jaxpar.training.checkpoint import CheckpointMismatchError
 from tests.test_train import ROOT
 
@@ -104,7 +106,7 @@ def reference_run(tmp_path_factory):
             "mesh.tensor=1",
         ],
     )
-    train(cfg, config_lib.validate(cfg, 8))
+    train(cfg, checks_lib.validate(cfg, 8))
     return run_dir
 
 
@@ -122,7 +124,7 @@ def test_restore_onto_another_mesh_continues_the_run(reference_run, tmp_path):
             "mesh.tensor=2",
         ],
     )
-    summary = train(cfg, config_lib.validate(cfg, 8))
+    summary = train(cfg, checks_lib.validate(cfg, 8))
     assert summary["start_step"] == 6
     want, got = losses(reference_run), losses(tmp_path)
     # Six AdamW steps of the float32 tiny model from the same state on another layout: only sums
@@ -151,7 +153,7 @@ def test_checkpoint_of_another_shape_is_a_clear_error(reference_run, tmp_path):
         match=r"params.blocks.attn.wq: checkpoint has shape \(2, 32, 4, 8\), "
         r"the model has shape \(2, 64, 4, 16\)",
     ):
-        train(cfg, config_lib.validate(cfg, 8))
+        train(cfg, checks_lib.validate(cfg, 8))
 
 
 @pytest.mark.parametrize("on_nan", ["stop", "skip"])
@@ -172,7 +174,7 @@ def test_weights_blown_up_by_the_lr_stop_the_run_unsaved(on_nan, tmp_path):
             "mesh.tensor=1",
         ],
     )
-    sizes = config_lib.validate(cfg, 8)
+    sizes = checks_lib.validate(cfg, 8)
     if on_nan == "stop":  # lr 1e30 blows step 1's weights up to ~1e30: their norm overflows
         with pytest.raises(NonFiniteLoss, match=r"at step (\d+)") as info:
             train(cfg, sizes)
@@ -205,13 +207,13 @@ def test_the_host_reads_the_guard_every_log_every_steps_not_every_step(tmp_path)
         ],
     )
     with pytest.raises(NonFiniteLoss, match=r"at step 1 \(train.on_nan=stop; seen at step 5,"):
-        train(cfg, config_lib.validate(cfg, 8))
+        train(cfg, checks_lib.validate(cfg, 8))
     metrics = tmp_path / "metrics.jsonl"
     assert committed_steps(tmp_path) == [] and (not metrics.exists() or not metrics.read_text())
 
 
 def test_a_second_sigint_stops_at_once():
-    from jaxpar.run.train import Preemption
+    from jaxpar.run.stopping import Preemption
 
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN in a shell's background job
     with Preemption() as preemption:
@@ -227,13 +229,13 @@ def test_a_second_sigint_stops_at_once():
 def test_resume_drops_a_truncated_metrics_line_and_says_so(tmp_path, capsys):
     """A crash in the middle of a metrics write leaves half a JSON line; resuming keeps the
     readable lines up to the checkpoint and warns about the rest."""
-    from jaxpar.run.train import _keep_metrics_until
+    from jaxpar.run.records import keep_metrics_until
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(
         '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n{"step": 3, "loss": 3.0}\n{"step": 4, "lo'
     )
-    _keep_metrics_until(str(tmp_path), 2)
+    keep_metrics_until(str(tmp_path), 2)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     err = capsys.readouterr().err
     assert "dropped 1 unreadable line(s) (4)" in err and str(path) in err

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpar.checks import validate
 from jaxpar.compiled import hlo
 from jaxpar.compiled import targets as targets_lib
-from jaxpar.config import ConfigError, load_config, validate
+from jaxpar.config import ConfigError, load_config
 from jaxpar.models import attention
 from jaxpar.models.attention import attend, slot_bucket, slot_buckets
 from jaxpar.run import train as train_lib

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.run.train import train
 
@@ -21,7 +22,7 @@ def test_twenty_steps_lower_the_loss_and_write_the_run_dir(tmp_path):
     cfg = config_lib.load_config(
         TINY_YAML, TINY + ["train.steps=20", "train.log_every=5", f"train.run_dir={tmp_path}"]
     )
-    summary = train(cfg, config_lib.validate(cfg, 8))
+    summary = train(cfg, checks_lib.validate(cfg, 8))
     # first_loss is the loss logged at step 5, after four updates
     assert summary["final_loss"] < summary["first_loss"] - 0.5
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -111,7 +112,7 @@ def test_default_yaml_is_the_embedded_default():
 def test_presets_load_and_validate(preset):
     cfg = config_lib.load_config(preset)
     devices = cfg.runtime.cpu_devices
-    sizes = config_lib.validate(cfg, devices)
+    sizes = checks_lib.validate(cfg, devices)
     assert (
         sizes["pipe"] * sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["expert"] * sizes["context"]
         == devices

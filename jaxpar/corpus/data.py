@@ -39,14 +39,15 @@ follow as above. Evaluation (`train.eval_every`) reads the val split of prepared
 (`prepare --val-fraction`), the same batches every time (`eval_dataset`).
 
 Sources: `stdlib` (the running interpreter's own standard library `.py` files: real text on every
-machine, no download), a plain-text file or glob (one document per file), JSONL (one document
-per line, in `data.text_field`) or Parquet (column `data.text_field`), `.gz`/`.zst` decompressed;
-these are read and packed in memory. A directory of prepared token shards (`python -m jaxpar.data
-prepare`, jaxpar.corpus.shards) is read a sequence at a time instead, and the whole `stdlib` prepares
-itself into a cache on first use: the same samples as packing the same documents here, with memory
-that does not grow with the corpus. Tokenizers: bytes (ids 0-255, end-of-document 256) or a local
-Hugging Face `tokenizer.json` (`python -m jaxpar.data train-tokenizer` trains one). Reading
-sources and the tokenizers live in jaxpar.corpus.documents, below both this module and jaxpar.corpus.shards.
+machine, no download), a plain-text file or glob (one document per file), JSONL (one document per
+line, in `data.text_field`) or Parquet (column `data.text_field`), `.gz`/`.zst` decompressed; these
+are read and packed in memory. A directory of prepared token shards (`python -m jaxpar.data
+prepare`, jaxpar.corpus.prepare) is read a sequence at a time instead (jaxpar.corpus.reader), and
+the whole `stdlib` prepares itself into a cache on first use: the same samples as packing the same
+documents here, with memory that does not grow with the corpus. Tokenizers: bytes (ids 0-255,
+end-of-document 256) or a local Hugging Face `tokenizer.json` (`python -m jaxpar.data
+train-tokenizer` trains one). Reading sources and the tokenizers live in jaxpar.corpus.documents,
+below both this module and jaxpar.corpus.shards.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ import numpy as np
 
 from jaxpar import cli
 from jaxpar.config import ConfigError, DataConfig, source_names
-from jaxpar.corpus import chat, shards
+from jaxpar.corpus import chat, prepare, reader, shards, verify
 from jaxpar.corpus.documents import EOD_TOKEN, packed_rows, pad_rows, read_documents, row_index, split_rows
 
 # Tokenizers and documents live in jaxpar.corpus.documents; the two that users of this module have always
@@ -177,12 +178,12 @@ def packed_source(cfg: DataConfig, tokenizer, seq_len: int):
     into a cache on first use), memory-mapped; else the source's documents, packed in memory."""
     source = os.path.expanduser(cfg.source)
     if cfg.source != "stdlib" and os.path.isdir(source):
-        return shards.PreparedSequences(
+        return reader.PreparedSequences(
             source, cfg.tokenizer, seq_len, cfg.max_documents, train_on=cfg.train_on, packing=cfg.packing
         )
     if cfg.source == "stdlib" and cfg.max_documents is None:
-        if (directory := shards.stdlib_prepared(cfg.tokenizer)) is not None:
-            return shards.PreparedSequences(directory, cfg.tokenizer, seq_len, packing=cfg.packing)
+        if (directory := prepare.stdlib_prepared(cfg.tokenizer)) is not None:
+            return reader.PreparedSequences(directory, cfg.tokenizer, seq_len, packing=cfg.packing)
     template = functools.partial(chat.load_template, cfg.chat_template, cfg.tokenizer)
     return pack(read_documents(cfg), tokenizer, seq_len, functools.cache(template), cfg.train_on, cfg.packing)
 
@@ -389,7 +390,7 @@ def training_source(cfg: DataConfig, tokenizer, seq_len: int):
         check_targets(packed, f"data.source={cfg.source}")
         return packed
     sources = [
-        shards.PreparedSequences(
+        reader.PreparedSequences(
             os.path.expanduser(s.path),
             cfg.tokenizer,
             seq_len,
@@ -435,7 +436,7 @@ def eval_dataset(
                 "or set train.eval_every=0"
             )
         vals.append(
-            shards.PreparedSequences(
+            reader.PreparedSequences(
                 directory, cfg.tokenizer, seq_len, split="val", train_on=cfg.train_on, packing=cfg.packing
             )
         )
@@ -653,21 +654,21 @@ def _train_tokenizer_command(args) -> int:
 
 
 def _verify_command(args) -> int:
-    """`verify`: each directory of shards read whole and checked (jaxpar.corpus.shards.verify)."""
+    """`verify`: each directory of shards read whole and checked (jaxpar.corpus.verify.verify)."""
     for directory in args.directories:
-        print(shards.verify(directory))
+        print(verify.verify(directory))
     return 0
 
 
 def _prepare_command(args) -> int:
-    """`prepare`: jaxpar.corpus.shards.prepare; a full disk is exit 1 and Ctrl-C 130, each one line
+    """`prepare`: jaxpar.corpus.prepare.prepare; a full disk is exit 1 and Ctrl-C 130, each one line
     saying what is kept (the same command resumes)."""
     if args.tokenizer != "byte" and not os.path.isfile(args.tokenizer):
         raise ConfigError(
             f"--tokenizer={args.tokenizer} does not exist; use 'byte' or the path of a tokenizer.json"
         )
     try:
-        shards.prepare(
+        prepare.prepare(
             args.sources,
             args.out,
             tokenizer=args.tokenizer,
@@ -676,13 +677,13 @@ def _prepare_command(args) -> int:
             errors=args.errors,
             val_fraction=args.val_fraction,
             max_documents=args.max_documents,
-            shard_tokens=args.shard_tokens or shards.DEFAULT_SHARD_TOKENS,
+            shard_tokens=args.shard_tokens or prepare.DEFAULT_SHARD_TOKENS,
             chat_template=args.chat_template,
         )
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        print(f"error: {shards.no_space_message(args.out)}", file=sys.stderr)
+        print(f"error: {prepare.no_space_message(args.out)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(

@@ -51,6 +51,7 @@ import sys
 
 import numpy as np
 
+from jaxpar import checks as checks_lib
 from jaxpar import cli
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError, ModelConfig
@@ -118,7 +119,7 @@ def param_targets(cfg, sizes: dict[str, int], devices) -> tuple[dict, dict]:
 def _check_out(out: str) -> None:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"--out {out} exists and is not an empty directory; give a new one")
-    config_lib.check_writable_dir(os.path.dirname(os.path.abspath(out)), "--out's parent")
+    checks_lib.check_writable_dir(os.path.dirname(os.path.abspath(out)), "--out's parent")
 
 
 def _user_model_keys(settings: dict) -> dict:

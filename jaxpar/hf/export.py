@@ -50,7 +50,8 @@ import time
 import numpy as np
 
 from jaxpar import cli
-from jaxpar.config import ConfigError, ModelConfig, check_writable_dir
+from jaxpar.checks import check_writable_dir
+from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.models.families import registry as families
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default "5GB"

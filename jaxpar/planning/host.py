@@ -5,16 +5,16 @@ On a CPU every emulated device's buffers live in the host's memory, so a preset 
 machine, and a step that an H100 runs in 40 ms takes minutes. Both are predicted here from the
 config alone, before anything compiles:
 
-- memory: the planner's per-device prediction for XLA:CPU's program (`jaxpar.planning.plan.predict_memory`,
+- memory: the planner's per-device prediction for XLA:CPU's program (`jaxpar.planning.memory.predict_memory`,
   backend "cpu"; with finetune.lora, the adapters and their gradients and Adam state), times the
   emulated devices of this process, times `COMPILER_MARGIN`, plus `PROCESS_BYTES` for the Python
   process, the JAX runtime and the data loader; compared with
   `runtime.host_memory_gib` when set, else with `USABLE_SHARE` of the memory available to this
   process: the kernel's MemAvailable, or less where a cgroup limits the process (Slurm's --mem,
   a container's memory limit).
-- time per step: the step's executed FLOPs (`jaxpar.planning.plan.hardware_flops`, recomputation included)
-  over this machine's float32 matmul rate, measured here in a fraction of a second, times
-  `STEP_EFFICIENCY`, the share of that rate a whole train step reaches on a CPU.
+- time per step: the step's executed FLOPs (`jaxpar.planning.step_time.hardware_flops`,
+  recomputation included) over this machine's float32 matmul rate, measured here in a fraction
+  of a second, times `STEP_EFFICIENCY`, the share of that rate a whole train step reaches on a CPU.
 
 Calibration (2-core x86-64 machines, jax 0.12.0.1; the matmul probe read 190-200 GFLOP/s there):
 the gpt2-124m preset on one device ran 254-278 s per step and peaked at 22.0 GB resident
@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import Config
-from jaxpar.planning import plan as plan_lib
+from jaxpar.planning import memory as memory_lib
+from jaxpar.planning import step_time as step_time_lib
 from jaxpar.training.metrics import format_duration
 
 GIB = 2**30
@@ -126,8 +127,8 @@ def limit_bytes(cfg: Config, available: float | None) -> float | None:
 
 def memory_bytes(cfg: Config, sizes: dict[str, int], local_devices: int) -> float:
     """The predicted peak resident memory of one process running `local_devices` of the mesh."""
-    kernel = plan_lib.attention_kernel(cfg, sizes, None)
-    per_device = plan_lib.predict_memory(cfg, sizes, kernel, backend="cpu")["total"]
+    kernel = memory_lib.attention_kernel(cfg, sizes, None)
+    per_device = memory_lib.predict_memory(cfg, sizes, kernel, backend="cpu")["total"]
     return COMPILER_MARGIN * per_device * local_devices + PROCESS_BYTES
 
 
@@ -150,7 +151,7 @@ def forecast(cfg: Config, sizes: dict[str, int], local_devices: int, rate: float
     """Predicted peak memory of this process and time per step of `cfg` on this CPU host."""
     memory = memory_bytes(cfg, sizes, local_devices)
     t = cfg.train
-    per_token = plan_lib.hardware_flops(cfg.model, t.seq_len, cfg.parallel.remat, lora=cfg.finetune.lora)
+    per_token = step_time_lib.hardware_flops(cfg.model, t.seq_len, cfg.parallel.remat, lora=cfg.finetune.lora)
     flops = per_token * t.batch_size * t.seq_len
     rate = matmul_rate() if rate is None else rate
     available = available_bytes()

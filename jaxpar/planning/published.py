@@ -3,10 +3,11 @@
 One home for every result the model is compared with: each entry names where it comes from
 (project, document, table), the model's shape, the GPUs, the parallel layout, the sequence length,
 the global batch and the measured throughput. `role` says what the entry is for: "fit" entries
-are the ones `benchmarks/plan_fit.py` fits the model's constants to (`jaxpar.planning.plan.FITTED`: d_half,
-host_s_per_layer, exposed_fraction, attention_backward) and from whose residuals the stated band
-comes (`jaxpar.planning.plan.STEP_TIME_BAND`); "check" entries were used for neither and must fall inside
-the band (tests/test_plan.py). No entry is both.
+are the ones `benchmarks/plan_fit.py` fits the model's constants to
+(`jaxpar.planning.step_time.FITTED`: d_half, host_s_per_layer, exposed_fraction,
+attention_backward) and from whose residuals the stated band comes
+(`jaxpar.planning.step_time.STEP_TIME_BAND`); "check" entries were used for neither and must fall
+inside the band (tests/test_plan.py). No entry is both.
 
 What is and is not the runs' own:
 - every published run used a flash-attention kernel: they are predicted at cuDNN's measured rate

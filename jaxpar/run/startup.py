@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 
+from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import Config
 from jaxpar.hf import convert as convert_lib
@@ -24,11 +25,11 @@ def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[
     settings = config_lib.user_settings(path, overrides)
     cfg = config_lib.build_config(settings)
     if num_devices is None:
-        config_lib.validate_runtime(cfg)  # before the backend starts with those devices
+        checks_lib.validate_runtime(cfg)  # before the backend starts with those devices
         emulate_cpu_devices(cfg.runtime)
         start_distributed(cfg.distributed)
         num_devices = jax.device_count()
     if "mesh" not in settings:  # no layout asked for: the default one, or DP over what exists
         cfg = dataclasses.replace(cfg, mesh=config_lib.fit_default_mesh(num_devices))
     cfg = convert_lib.apply_init_from(cfg, settings)  # train.init_from: its shape and tokenizer
-    return cfg, config_lib.validate(cfg, num_devices)
+    return cfg, checks_lib.validate(cfg, num_devices)

@@ -3,26 +3,25 @@
 The data path is one way: config -> mesh -> sharded state (born sharded, inside a jitted init)
 -> jitted train step (state, batch) -> (state, metrics) -> writers. Everything up to the compiled
 step is jaxpar.training.trainer's `build_trainer`; this module runs it: data, resume, checkpoints,
-evaluation, metrics, stopping on a signal, and the command line.
+evaluation, the loop and the command line. How a run stops (a signal, a non-finite loss, a full
+disk) is jaxpar.run.stopping's; what it records (metrics lines, step times, the summary)
+jaxpar.run.records'.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import functools
-import json
 import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxpar import checks as checks_lib
 from jaxpar import cli
 from jaxpar import config as config_lib
 from jaxpar.config import Config, ConfigError
@@ -30,6 +29,7 @@ from jaxpar.hf import base as base_lib
 from jaxpar.hf import convert as convert_lib
 from jaxpar.models.attention import documents_per_row
 from jaxpar.planning import host as host_lib
+from jaxpar.run import records, stopping
 from jaxpar.run import rundir as rundir_lib
 from jaxpar.run.startup import load_and_validate
 from jaxpar.training import checkpoint as checkpoint_lib
@@ -112,174 +112,6 @@ def make_eval_data(cfg: Config):
     )
 
 
-class Preemption:
-    """SIGTERM or SIGINT asks the run to stop: during start-up before the first step (nothing is
-    written), in the loop after the current step, with a checkpoint. A second SIGINT stops at
-    once: with `exit_at_once` (the command line) the process exits 130 on the spot, without
-    unwinding (a crash-free stop even inside a compile or a save; the last committed checkpoint
-    is intact), otherwise KeyboardInterrupt is raised.
-
-    With `exit_at_once`, a SIGINT is also seen by a watcher thread the moment it arrives (through
-    `signal.set_wakeup_fd`): Python runs its handlers only between bytecodes, so while the main
-    thread waits on a step, a handler would wait out the step. When the wait for the next safe
-    point (`expected_wait_s`: the forecast or measured time of a step) is longer than `PROMPT_S`,
-    the watcher answers the first SIGINT at once: it exits when nothing would be lost (no step
-    since the last checkpoint was issued, `unsaved_steps`, as in start-up), else says that the
-    run stops after the step with a checkpoint and that a second SIGINT stops now. It exits on a
-    second SIGINT whatever the main thread is doing."""
-
-    PROMPT_S = 5.0
-    POLL_EVERY = 10  # steps between stop agreements of a multi-process run (see `poll`)
-
-    def __init__(self, exit_at_once: bool = False):
-        self.requested: str | None = None
-        self.exit_at_once = exit_at_once
-        self.expected_wait_s = 0.0
-        self.polls = self.agreements = 0  # loop steps polled; all-gathers they made
-        self.unsaved_steps = 0  # steps dispatched since the last checkpoint was issued (the loop counts)
-        self._previous = {}
-        self._wakeup = None  # (read end, write end, the wakeup fd it replaced)
-
-    def _handle(self, signum, frame):
-        if self.requested is not None and signum == signal.SIGINT:
-            if self.exit_at_once:
-                _exit_at_once(
-                    b"\ninterrupted again: stopped at once, without a checkpoint (the "
-                    b"last complete one, if any, is intact)\n"
-                )
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def _watch(self, read_end: int) -> None:
-        interrupts = 0
-        while chunk := os.read(read_end, 64):  # b"" once __exit__ closes the write end
-            interrupts += chunk.count(signal.SIGINT)
-            if interrupts >= 2:
-                _exit_at_once(
-                    b"\ninterrupted again: stopped at once, without a checkpoint (the "
-                    b"last complete one, if any, is intact)\n"
-                )
-            if interrupts == 1 and self.expected_wait_s > self.PROMPT_S:
-                self._answer_long_wait()
-        os.close(read_end)
-
-    def _answer_long_wait(self) -> None:
-        """The first Ctrl-C while a step-sized wait is ahead: with nothing to lose (no step since
-        the last checkpoint was issued, as in start-up) stop at once; otherwise say at once what
-        waiting saves and that a second Ctrl-C stops now."""
-        wait = f"about {self.expected_wait_s:.0f} s"
-        if self.unsaved_steps == 0:
-            _exit_at_once(
-                f"\nstopped at once: a step takes {wait} here and no step had run since the last "
-                "checkpoint (if any), so nothing was lost; the same command resumes from it, or "
-                "starts over with train.resume=never where there is none\n".encode()
-            )
-        os.write(
-            2,
-            f"\nCtrl-C: stopping after the step in flight ({wait} per step) with a "
-            f"checkpoint of the {self.unsaved_steps} step(s) since the last one; Ctrl-C "
-            "again stops at once and loses them\n".encode(),
-        )
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-            if self.exit_at_once:
-                read_end, write_end = os.pipe()
-                os.set_blocking(write_end, False)
-                replaced = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-                self._wakeup = (read_end, write_end, replaced)
-                threading.Thread(
-                    target=self._watch, args=(read_end,), daemon=True, name="jaxpar-interrupt-watcher"
-                ).start()
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        if self._wakeup is not None:
-            read_end, write_end, replaced = self._wakeup
-            signal.set_wakeup_fd(replaced)
-            os.close(write_end)  # the watcher's read returns b"": it closes the read end and ends
-            self._wakeup = None
-
-    def agreed(self) -> str | None:
-        """The stop request, agreed by every process (signals reach nodes at different times; all
-        must stop after the same step, or one waits forever in the next step's collectives)."""
-        if jax.process_count() == 1:
-            return self.requested
-        from jax.experimental import multihost_utils
-
-        anyone = multihost_utils.process_allgather(np.int32(self.requested is not None)).any()
-        return (self.requested or "SIGTERM (on another process)") if anyone else None
-
-    def poll(self, step: int, host_waits: bool) -> str | None:
-        """The agreed stop request after `step`. One process: every step (nothing to agree on).
-        Several: agreeing is a blocking all-gather, a host sync that would drain the queue of
-        dispatched steps, so it is made only where the host waits on the device anyway
-        (`host_waits`: a logged or saved step) and every `POLL_EVERY` steps; every process
-        takes the same decision at the same steps. A signal waits at most that many steps."""
-        self.polls += 1
-        if jax.process_count() == 1 or host_waits or step % self.POLL_EVERY == 0:
-            self.agreements += jax.process_count() > 1
-            return self.agreed()
-        return None
-
-    def check_startup(self, before_step: int) -> None:
-        """Raises `Interrupted` if a stop was asked for during start-up (on any process: every
-        process passes the same checks in the same order)."""
-        if (signame := self.agreed()) is not None:
-            raise Interrupted(signame, before_step)
-
-
-_EXITING = threading.Lock()  # the watcher and the signal handler may both decide to exit
-
-
-def _exit_at_once(message: bytes) -> None:
-    if _EXITING.acquire(blocking=False):  # one message: the other caller waits to be ended
-        os.write(2, message)
-        os._exit(130)
-    time.sleep(60)
-
-
-class Interrupted(Exception):
-    """A signal stopped the run during start-up, before its first step: nothing was trained."""
-
-    def __init__(self, signame: str, before_step: int):
-        super().__init__(
-            f"stopped by {signame} during start-up, before step {before_step}: "
-            f"nothing trained or saved; run the same command to start again"
-        )
-        self.signame = signame
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite (train.on_nan=stop)."""
-
-
-class DiskFull(RuntimeError):
-    """No space left where the run writes; the message is one line that says what to do."""
-
-
-def _no_space(error: BaseException) -> bool:
-    """Whether `error` (or what caused it) is ENOSPC: an OSError, or the message orbax's writers
-    (tensorstore) pass on from the file system."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(error) or "os_error_code='28'" in str(error):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _megabytes(n: float) -> str:
-    return f"{n / 2**20:,.1f} MB"
-
-
 def _on_main(fn, what: str):
     """Runs `fn` (an int or None, or a ConfigError) on process 0 only; every process returns its
     outcome: the run directory is decided once, by the process that writes its files."""
@@ -333,40 +165,6 @@ def _check_documents_per_row(segment_ids: np.ndarray, limit: int, step: int) -> 
     return most
 
 
-def _keep_metrics_until(run_dir: str, step: int) -> None:
-    """On resume, drop metrics.jsonl lines of steps after the checkpoint (they are rerun).
-
-    A line that does not parse (what a crash in the middle of a write leaves, normally the last)
-    is dropped with a warning instead of stopping the resume. The file is rewritten atomically:
-    a crash here leaves either the old file or the new one."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return
-    kept, garbled = [], []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                keep = record["step"] <= step
-            except (json.JSONDecodeError, KeyError, TypeError):
-                garbled.append(number)
-                continue
-            if keep:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    if garbled:
-        print(
-            f"warning: {path}: dropped {len(garbled)} unreadable line(s) ({', '.join(map(str, garbled[:5]))}"
-            f"{', ...' if len(garbled) > 5 else ''}), e.g. a write cut short by a crash",
-            file=sys.stderr,
-        )
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-
-
 def _check_data_position(cfg: Config, saved: dict | None, step: int) -> None:
     """The data position saved with checkpoint `step` (a count of global batches) means the same
     sequences only with the same batch size and sequence length, and the same data and seed as
@@ -395,48 +193,17 @@ def _check_data_position(cfg: Config, saved: dict | None, step: int) -> None:
         )
 
 
-def _checkpoint_bytes(ckpt: checkpoint_lib.Checkpointer, state_shape) -> int:
-    """What one more checkpoint takes on disk: the newest committed one's size, else the train
-    state's bytes (an upper bound: orbax may compress)."""
-    for step in reversed(ckpt.all_steps()):
-        root = os.path.join(ckpt.directory, str(step))
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state_shape))
-
-
-def _disk_full(ckpt, trainer, run_dir: str, at: int | None = None) -> DiskFull:
-    """The one-line report of a full disk: where, how much a checkpoint needs, what is intact."""
-    if ckpt is None:
-        return DiskFull(
-            f"no space left on the device of {run_dir}; free some space and run the same command again"
-        )
-    needed = _checkpoint_bytes(ckpt, trainer.stored(trainer.state_shape))
-    free = shutil.disk_usage(ckpt.directory).free
-    intact = ckpt.latest_intact_step()
-    kept = (
-        f"the previous checkpoint (step {intact}) is intact"
-        if intact is not None
-        else "no checkpoint was complete yet"
-    )
-    what = "a checkpoint" if at is None else f"checkpoint step {at}"
-    return DiskFull(
-        f"no space left on the device of {ckpt.directory}: {what} needs about "
-        f"{_megabytes(needed)}, {_megabytes(free)} is free; {kept}; free some space "
-        f"and run the same command to resume"
-    )
-
-
-def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = None) -> dict:
+def train(cfg: Config, sizes: dict[str, int], preemption: stopping.Preemption | None = None) -> dict:
     """Runs training (resuming from run_dir's checkpoints); returns a summary. Writes config.yaml,
     metrics.jsonl, TensorBoard events, loss.png and checkpoints into train.run_dir, whose rules
     (one run's history, one run at a time) are jaxpar.run.rundir's. `preemption`: the signal handler
     the caller installed (the CLI, from its first moment); by default one is installed here."""
     if preemption is None:
-        with Preemption() as preemption:
+        with stopping.Preemption() as preemption:
             return train(cfg, sizes, preemption)
     cfg = config_lib.resolve_paths(cfg)  # config.yaml stores absolute paths
     t = cfg.train
-    config_lib.check_run_dir(t.run_dir)
+    checks_lib.check_run_dir(t.run_dir)
     dataset = make_data(cfg)  # before compiling: data errors are config errors
     eval_data = make_eval_data(cfg)
     preemption.check_startup(1)
@@ -468,8 +235,8 @@ def train(cfg: Config, sizes: dict[str, int], preemption: Preemption | None = No
         finished = True
         return summary
     except Exception as e:
-        if _no_space(e) and not isinstance(e, DiskFull):
-            raise _disk_full(ckpt, trainer, t.run_dir) from None
+        if stopping.no_space(e) and not isinstance(e, stopping.DiskFull):
+            raise stopping.disk_full(ckpt, trainer, t.run_dir) from None
         raise
     finally:
         try:
@@ -529,7 +296,7 @@ def _initial_state(
     if resume is not None:
         state, data_state, start = base_lib.restore(trainer, ckpt, resume)
         if is_main:
-            _keep_metrics_until(t.run_dir, start)
+            records.keep_metrics_until(t.run_dir, start)
             print(f"resumed from step {start} ({ckpt.directory})", file=sys.stderr)
             if (note := _schedule_change(cfg, t.run_dir, start)) is not None:
                 print(note, file=sys.stderr)
@@ -557,8 +324,8 @@ def _close(ckpt, trainer: Trainer, run_dir: str, report: bool) -> None:
     except Exception as e:
         if not report:
             return
-        if _no_space(e):
-            raise _disk_full(ckpt, trainer, run_dir) from None
+        if stopping.no_space(e):
+            raise stopping.disk_full(ckpt, trainer, run_dir) from None
         raise
 
 
@@ -575,123 +342,6 @@ def _evaluate(trainer: Trainer, params, eval_data) -> float:
     return nll / max(count, 1.0)
 
 
-class _StepClock:
-    """Time per step over the window since the last logged step, with the first step (which holds
-    the compilation), the compilation of a later slot bucket's step (`compiling`) and any
-    evaluation or checkpoint save kept out: each is its own figure."""
-
-    def __init__(self):
-        self.started = self.ended = time.perf_counter()
-        self.compile_s: float | None = None
-        self.window_start, self.window_steps = self.started, 0
-        self.eval_s = self.save_s = 0.0  # in all, for the summary
-
-    def stepped(self, metrics) -> None:
-        self.window_steps += 1
-        if self.compile_s is None:  # the first step holds the compilation: time the rest
-            jax.block_until_ready(metrics)
-            now = time.perf_counter()
-            self.compile_s, self.window_start, self.window_steps = now - self.started, now, 0
-
-    def compiling(self, fn, *args):
-        """fn(*args), a step whose program compiles in this call (a new slot bucket,
-        `Trainer.step_for`): after the first step, its time (the compilation: the step itself
-        runs asynchronously) counts as compile time, kept out of the step window."""
-        if self.compile_s is None:  # the first step: `stepped` times its compilation
-            return fn(*args)
-        start = time.perf_counter()
-        result = fn(*args)
-        spent = time.perf_counter() - start
-        self.window_start += spent
-        self.compile_s += spent
-        return result
-
-    def timed(self, what: str, fn, *args):
-        """Runs fn(*args) with its time kept out of the step window; returns (result, seconds)."""
-        start = time.perf_counter()
-        result = fn(*args)
-        spent = time.perf_counter() - start
-        self.window_start += spent
-        setattr(self, what, getattr(self, what) + spent)
-        return result, spent
-
-    def step_time(self) -> float | None:
-        """Mean seconds per step since the last call (None when no step was timed); restarts."""
-        now = time.perf_counter()
-        mean = (now - self.window_start) / self.window_steps if self.window_steps else None
-        self.window_start, self.window_steps = now, 0
-        return mean
-
-
-class _Profiler:
-    """`train.profile_steps` [first, last]: a jax.profiler trace from before step `first` to
-    after step `last` has run (waited for, so its device work is in the trace), written under
-    run_dir/profile/plugins/profile/<time>/ (TensorBoard's layout; Perfetto opens the
-    .trace.json.gz). A run stopped inside the window ends the trace there."""
-
-    def __init__(self, steps: list[int] | None, run_dir: str):
-        self.first, self.last = steps if steps else (None, None)
-        self.directory = os.path.join(run_dir, "profile")
-        self.tracing = False
-
-    def before(self, step: int) -> None:
-        if step == self.first:
-            jax.profiler.start_trace(self.directory)
-            self.tracing = True
-
-    def after(self, step: int, metrics) -> None:
-        if self.tracing and step == self.last:
-            jax.block_until_ready(metrics)
-            self.close()
-
-    def close(self) -> None:
-        if self.tracing:
-            self.tracing = False
-            jax.profiler.stop_trace()
-
-
-def _read_device(metrics, t, step: int, ckpt) -> tuple[float, int]:
-    """The step's loss and skipped-step count, read from the device; NonFiniteLoss if the state
-    froze on a non-finite value since the last read."""
-    loss, first_bad = float(metrics["loss"]), int(metrics["first_bad_step"])
-    if first_bad:  # the state is frozen since that step
-        what = (
-            "the loss, a gradient or the updated weights' norm"
-            if t.on_nan == "stop"
-            else "the updated weights' norm"
-        )
-        raise NonFiniteLoss(
-            f"{what} became non-finite at step {first_bad} (train.on_nan={t.on_nan}; seen at step "
-            f"{step}, the first read of the device since; no later update reached the weights); "
-            + _last_good(ckpt)
-        )
-    return loss, int(metrics["skipped_steps"])
-
-
-def _last_good(ckpt) -> str:
-    """Where a run stopped by a non-finite value can go back to: its newest intact checkpoint."""
-    step = ckpt.latest_valid_step()
-    if step is None:
-        return f"there is no checkpoint yet in {ckpt.directory} (checkpoint.every)"
-    return f"the last good checkpoint is step {step} in {ckpt.directory}"
-
-
-def _record(
-    step: int, loss: float, metrics, step_time: float | None, tokens_per_step: int, flops_tok: float, devices
-) -> dict:
-    """One metrics.jsonl line: the step's figures (the device's extra metrics included)."""
-    tokens_per_sec = tokens_per_step / step_time if step_time else None
-    return {
-        "step": step,
-        "loss": loss,
-        "tokens_per_sec": tokens_per_sec,
-        "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
-        "step_time_s": step_time,
-        "memory_bytes": metrics_lib.device_memory_bytes(jax.local_devices()[0]),
-        **{k: float(v) for k, v in metrics.items() if k not in ("loss", "tokens", "first_bad_step")},
-    }
-
-
 def _saver(cfg: Config, trainer: Trainer, ckpt, iterator):
     """save(step, state, force): a checkpoint when `checkpoint.every` (or `force`) says so;
     returns whether one was written."""
@@ -702,10 +352,10 @@ def _saver(cfg: Config, trainer: Trainer, ckpt, iterator):
             return False
         # Checked before the save starts: orbax's own failure would come later, from a
         # background thread (the previous checkpoint intact, but pages of tracebacks).
-        if shutil.disk_usage(ckpt.directory).free < _checkpoint_bytes(
+        if shutil.disk_usage(ckpt.directory).free < stopping.checkpoint_bytes(
             ckpt, trainer.stored(trainer.state_shape)
         ):
-            raise _disk_full(ckpt, trainer, t.run_dir, at)
+            raise stopping.disk_full(ckpt, trainer, t.run_dir, at)
         data = {
             "grain": iterator.get_state(),
             "process_count": jax.process_count(),
@@ -718,19 +368,6 @@ def _saver(cfg: Config, trainer: Trainer, ckpt, iterator):
         return True
 
     return save
-
-
-@dataclasses.dataclass
-class _Outcome:
-    """What a run's loop learned, for its summary."""
-
-    step: int
-    first_loss: float | None = None
-    loss: float | None = None
-    eval_loss: float | None = None
-    tokens_seen: dict | None = None
-    stopped_by: str | None = None
-    skipped_steps: int = 0
 
 
 def _loop(
@@ -748,9 +385,9 @@ def _loop(
     # A mixture's samples per source are a function of the global sample count (the mixing is
     # a fixed interleave), so the tokens seen per source need no bookkeeping, and survive a resume.
     source_counts = data_lib.source_counter(cfg.data)
-    clock, save = _StepClock(), _saver(cfg, trainer, ckpt, iterator)
-    profiler = _Profiler(t.profile_steps, t.run_dir)
-    run = _Outcome(step=start)
+    clock, save = records.StepClock(), _saver(cfg, trainer, ckpt, iterator)
+    profiler = records.Profiler(t.profile_steps, t.run_dir)
+    run = records.Outcome(step=start)
     writer = metrics_lib.MetricsWriter(t.run_dir, purge_after=start) if is_main else None
     progress = metrics_lib.Progress(t.steps, initial=start, enabled=is_main and t.progress)
     try:
@@ -766,7 +403,7 @@ def _loop(
             stop = preemption.poll(step, logged or ckpt.should_save(step))
             # The host reads the device only here (logging, saving, stopping), never per step.
             if logged or ckpt.should_save(step) or stop:
-                run.loss, run.skipped_steps = _read_device(metrics, t, step, ckpt)
+                run.loss, run.skipped_steps = stopping.read_device(metrics, t, step, ckpt)
             saved, save_s = clock.timed("save_s", save, step, state, step == t.steps or stop is not None)
             if saved:
                 preemption.unsaved_steps = 0
@@ -775,7 +412,7 @@ def _loop(
             else:
                 step_time = clock.step_time()  # before evaluating: its time is its own figure
                 preemption.expected_wait_s = step_time or preemption.expected_wait_s
-                record = _record(
+                record = records.step_record(
                     step, run.loss, metrics, step_time, t.batch_size * t.seq_len, flops_tok, devices
                 )
                 if saved:
@@ -804,10 +441,10 @@ def _loop(
         progress.close()
         if writer is not None:
             writer.close()
-    return _summary(cfg, clock, run, start, devices, sizes, flops_tok)
+    return records.summary(cfg, clock, run, start, devices, sizes, flops_tok)
 
 
-def _step(trainer: Trainer, clock: _StepClock, state, local: dict, step: int):
+def _step(trainer: Trainer, clock: records.StepClock, state, local: dict, step: int):
     """Dispatches train step `step` on this process's rows `local`: where the step depends on
     the documents per row (`Trainer.bucketed`), checked here first and run by the step of their
     slot bucket, whose first call compiles it (that time is the clock's compile time)."""
@@ -822,55 +459,7 @@ def _step(trainer: Trainer, clock: _StepClock, state, local: dict, step: int):
     return fn(state, batch)
 
 
-def _summary(cfg: Config, clock: _StepClock, run: _Outcome, start: int, devices, sizes, flops_tok) -> dict:
-    t = cfg.train
-    total_s = clock.ended - clock.started
-    run_steps = run.step - start - 1
-    run_s = total_s - (clock.compile_s or 0.0) - clock.eval_s - clock.save_s
-    tokens_per_sec = t.batch_size * t.seq_len * run_steps / run_s if run_steps > 0 else None
-    return {
-        "steps": run.step,
-        "start_step": start,
-        "first_loss": run.first_loss,
-        "final_loss": run.loss,
-        "seconds": total_s,
-        "compile_seconds": clock.compile_s or 0.0,
-        "tokens_per_sec": tokens_per_sec,
-        "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
-        "devices": len(devices),
-        "mesh": {a: s for a, s in sizes.items() if s > 1} or {"data": 1},
-        "run_dir": t.run_dir,
-        "stopped_by": run.stopped_by,
-        "skipped_steps": run.skipped_steps,
-        "eval_loss": run.eval_loss,
-        "eval_seconds": clock.eval_s,
-        "checkpoint_seconds": clock.save_s,
-        "tokens_seen": run.tokens_seen,
-    }
-
-
-def format_summary(s: dict) -> str:
-    mesh = " ".join(f"{a}={n}" for a, n in s["mesh"].items())
-    if s["stopped_by"]:
-        return (
-            f"stopped by {s['stopped_by']} after step {s['steps']}: checkpoint written to "
-            f"{checkpoint_lib.checkpoint_dir(s['run_dir'])}; run the same command to resume"
-        )
-    if s["first_loss"] is None:
-        return f"nothing to do: {s['run_dir']} is already at step {s['steps']} (train.steps)"
-    rate = metrics_lib.format_rate(s["tokens_per_sec"], s["mfu"])
-    data = "" if s.get("eval_loss") is None else f" | eval loss {s['eval_loss']:.3f}"
-    if seen := s.get("tokens_seen"):
-        total = max(sum(seen.values()), 1)
-        data += " | tokens seen: " + ", ".join(
-            f"{name} {n:,} ({100 * n / total:.0f}%)" for name, n in seen.items()
-        )
-    return (
-        f"done: {s['steps']} steps in {s['seconds']:.1f} s (compile {s['compile_seconds']:.1f} s)"
-        f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}{data} | {rate}"
-        f" | {s['devices']} devices ({mesh}) | {s['run_dir']}"
-        + (f" | {s['skipped_steps']} non-finite steps skipped" if s.get("skipped_steps") else "")
-    )
+# --- The command line ---------------------------------------------------------------------------
 
 
 USAGE = """usage: python -m jaxpar.train [CONFIG.yaml] [dotted.key=value ...]
@@ -885,7 +474,7 @@ memory (on a CPU), 130 stopped by Ctrl-C.
 Settings (key, default, meaning):"""
 
 
-def _preflight(cfg: Config, sizes: dict[str, int], preemption: Preemption) -> None:
+def _preflight(cfg: Config, sizes: dict[str, int], preemption: stopping.Preemption) -> None:
     """On a CPU: jaxpar.planning.host.DoesNotFit for a run predicted not to fit in the host's memory; a
     warning with the expected time per step for a slow one. Before anything compiles."""
     forecast = host_lib.check(cfg, sizes)
@@ -904,18 +493,18 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `--help | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    # From the first moment, a signal only asks for a stop (Preemption): start-up checks for it
+    # From the first moment, a signal only asks for a stop (stopping.Preemption): start-up checks for it
     # between its phases, the loop after each step; nothing is interrupted half-way.
     # For the process's lifetime: orbax's leftovers are logged at its end.
     checkpoint_lib.DropNoSpace().__enter__()
     sys.unraisablehook = functools.partial(checkpoint_lib.quiet_closed_loop, sys.unraisablehook)
-    with Preemption(exit_at_once=True) as preemption:
+    with stopping.Preemption(exit_at_once=True) as preemption:
         try:
             return cli.run(
                 lambda: _run(argv, preemption),
-                failures={host_lib.DoesNotFit: 3, NonFiniteLoss: 1, DiskFull: 1},
+                failures={host_lib.DoesNotFit: 3, stopping.NonFiniteLoss: 1, stopping.DiskFull: 1},
             )
-        except Interrupted as e:
+        except stopping.Interrupted as e:
             print(e, file=sys.stderr)
             return 128 + signal.Signals[e.signame].value
         except KeyboardInterrupt:  # a second Ctrl-C where the handler could not run (exit_at_once)
@@ -923,14 +512,14 @@ def main(argv: list[str] | None = None) -> int:
             return 130
 
 
-def _run(argv: list[str], preemption: Preemption) -> int:
+def _run(argv: list[str], preemption: stopping.Preemption) -> int:
     """The command's work: settings, the host check, training, the summary line."""
     cfg, sizes = load_and_validate(argv)
     _preflight(cfg, sizes, preemption)
     preemption.check_startup(1)
     summary = train(cfg, sizes, preemption)
     if jax.process_index() == 0:
-        print(format_summary(summary))
+        print(records.format_summary(summary))
     # A Ctrl-C stop exits 130 (the shell's convention), after its checkpoint; SIGTERM, which
     # schedulers send to preempt, exits 0 so that a requeued job simply resumes.
     return 130 if summary["stopped_by"] == "SIGINT" else 0

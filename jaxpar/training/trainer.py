@@ -388,7 +388,7 @@ def eval_step(parts: StepParts, params, batch: dict):
 
 def build_trainer(cfg: Config, sizes: dict[str, int], devices=None) -> Trainer:
     """Layout, shardings, born-sharded init and the jitted train step for `cfg` (not compiled)
-    on a mesh of these axis sizes (config.validate's) with the default rules (`trainer_for`).
+    on a mesh of these axis sizes (checks.validate's) with the default rules (`trainer_for`).
     It keeps taking `(cfg, sizes)`: the command lines, tests and notebooks call it so; past
     here the trainer asks the Layout."""
     p = cfg.parallel
