@@ -38,13 +38,16 @@ from jaxpar.config import (
     LoRATarget,
     MeshConfig,
     OptimizerConfig,
+    WandbConfig,
     check_types,
     data_files,
     source_names,
 )
+from jaxpar.mesh import compile_cache
 from jaxpar.parallel.schedule import validate_pipeline
 
 INT32_MAX = 2**31 - 1  # the train state's step counters are int32
+WANDB_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in a project name
 
 
 def validate(cfg: Config, num_devices: int) -> dict[str, int]:
@@ -56,6 +59,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     validate_runtime(cfg)
     sizes = resolve_mesh(cfg.mesh, num_devices)
     _validate_run(cfg)
+    _validate_wandb(cfg.train.wandb)
     _validate_optimizer(cfg.optimizer)
     _validate_counts(cfg)
     _validate_model(cfg)
@@ -81,7 +85,9 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
 
 
 def validate_runtime(cfg: Config) -> None:
-    """What must hold before the backend starts (`jaxpar.mesh.emulate_cpu_devices` uses it)."""
+    """What must hold before the backend starts (`jaxpar.mesh.emulate_cpu_devices` uses it) and
+    before anything compiles: the compilation cache's size, and that a directory the settings or
+    JAX_COMPILATION_CACHE_DIR name for it can be written (`jaxpar.mesh.compile_cache`)."""
     check_types(cfg.runtime, "runtime.")
     if cfg.runtime.cpu_devices < 1:
         raise ConfigError(
@@ -94,6 +100,15 @@ def validate_runtime(cfg: Config) -> None:
             f"runtime.host_memory_gib={memory}: give the GiB of RAM the run may take "
             "(a positive number, e.g. 16), or null for what the machine has available"
         )
+    size = cfg.runtime.compile_cache_gib
+    if not (math.isfinite(size) and size > 0):
+        raise ConfigError(
+            f"runtime.compile_cache_gib={size:g}: give the GiB the compilation cache may hold "
+            "(a positive number, e.g. 4); runtime.compile_cache=off turns the cache off"
+        )
+    cache = compile_cache(cfg.runtime)
+    if cache.directory is not None and not cache.default:  # the default: use_compile_cache
+        check_writable_dir(cache.directory, cache.key)
 
 
 def resolve_mesh(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
@@ -176,6 +191,31 @@ def _validate_run(cfg: Config) -> None:
         raise ConfigError(
             f"train.profile_steps={window}: give [first, last] with "
             f"1 <= first <= last <= train.steps={t.steps}, e.g. [5, 7]"
+        )
+
+
+def _validate_wandb(w: WandbConfig) -> None:
+    """train.wandb.*: a project name W&B accepts (at most 128 characters, none of
+    WANDB_FORBIDDEN), tags of 1 to 64 characters, and no W&B setting without a project (which
+    would log nothing) unless the mode is disabled. (The mode is a Literal: loading and
+    `check_types` check it.)"""
+    bad = sorted(set(w.project) & set(WANDB_FORBIDDEN))
+    if bad or len(w.project) > 128:
+        why = f"it holds {' '.join(bad)}" if bad else f"{len(w.project)} characters, more than 128"
+        raise ConfigError(
+            f"train.wandb.project={w.project!r}: {why}; W&B takes a name of at most 128 characters, "
+            f"none of {' '.join(WANDB_FORBIDDEN)}"
+        )
+    for tag in w.tags:
+        if not 1 <= len(tag) <= 64:
+            raise ConfigError(f"train.wandb.tags: {tag!r} has {len(tag)} characters; W&B takes 1 to 64")
+    unused = [k for k in ("entity", "name", "tags") if getattr(w, k)] + (
+        ["mode"] if w.mode == "offline" else []
+    )
+    if unused and not w.project and w.mode != "disabled":
+        raise ConfigError(
+            f"train.wandb.{unused[0]} is set but train.wandb.project is empty, so nothing goes to "
+            "W&B; set train.wandb.project=NAME, or train.wandb.mode=disabled to keep W&B off"
         )
 
 

@@ -50,6 +50,7 @@ OnNaN = Literal["stop", "skip"]
 RopeScaling = Literal["none", "llama3", "linear"]
 MoEDispatch = Literal["auto", "padded", "ragged"]
 LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 class ConfigError(ValueError):
@@ -245,6 +246,23 @@ class OptimizerConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases beside metrics.jsonl and TensorBoard (jaxpar/training/wandb_log.py): process 0
+    logs every metrics.jsonl record at its step, and the config with the layout; a resumed run
+    continues its W&B run. Without the wandb package or a login, one line says so and the run
+    goes on without it."""
+
+    project: str = ""  # the W&B project to log to; "" = no W&B
+    entity: str = ""  # the W&B team or user; "" = the login's default entity
+    name: str = ""  # the W&B run's display name; "" = the run directory's name
+    # online: to the W&B server (needs `wandb login` or WANDB_API_KEY); offline: files under
+    # run_dir/wandb/ (or WANDB_DIR) to upload later with `wandb sync`; disabled: nothing. This
+    # setting, not WANDB_MODE, decides.
+    mode: WandbMode = "online"  # online | offline | disabled (see above)
+    tags: list[str] = field(default_factory=list)  # the W&B run's tags, each 1 to 64 characters
+
+
+@dataclass
 class TrainConfig:
     steps: int = 300  # optimizer steps; the learning-rate schedule ends here
     seed: int = 0  # fixes the initial parameters and the data order
@@ -269,6 +287,7 @@ class TrainConfig:
     # directory); the model's shape and tokenizer come from there, the optimizer state is fresh and
     # the run starts at step 0. Ignored on resume.
     init_from: str | None = None  # a run directory, a Hugging Face model directory or Hub id (see above)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases (off while project is "")
 
 
 @dataclass
@@ -321,6 +340,13 @@ class RuntimeConfig:
     # On a CPU, a run predicted to need more host memory than this is refused (exit 3) before it
     # compiles (jaxpar/planning/host.py); None = what the kernel reports as available (MemAvailable).
     host_memory_gib: float | None = None  # GiB of RAM this run may take on a CPU (see above)
+    # JAX's persistent compilation cache: programs compiled once are loaded from this directory
+    # by later processes (a restart, the next run, inspect). auto: JAX_COMPILATION_CACHE_DIR when
+    # set (JAX's cache left as the environment configured it), else $JAXPAR_CACHE/compile
+    # (~/.cache/jaxpar/compile); a directory; off. jaxpar/mesh.py (use_compile_cache) sets it. The
+    # bound below holds for jaxpar's caches, not for one the environment configured.
+    compile_cache: str = "auto"  # auto | a directory | off (see above)
+    compile_cache_gib: float = 4.0  # GiB the cache may hold; the least recently used go first (see above)
 
 
 @dataclass
@@ -448,7 +474,12 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             pass
     if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
-    raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
+    quote = (  # YAML 1.1's booleans: `compile_cache: off` in a file reads as False
+        "; YAML reads a bare off, on, yes or no as a boolean: quote the word, e.g. 'off'"
+        if hint is str and isinstance(value, bool)
+        else ""
+    )
+    raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__}){quote}")
 
 
 def _coerce_item(key: str, value: Any, item: Any) -> Any:

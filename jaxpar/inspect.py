@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from jaxpar import cli
+from jaxpar import mesh as mesh_lib
 from jaxpar.compiled import hlo, ruler
 from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import ConfigError
@@ -381,7 +382,12 @@ def _inspect(argv: list[str]) -> int:
     # A ConfigError here is what the devices cannot run (model.fp8 on an older GPU).
     trainer = build_trainer(cfg, sizes, devices=target and targets_lib.devices(target))
     documents = _documents(values.get("--documents"), flags, trainer)
+    mark = len(mesh_lib.COMPILED)
     compiled = compile_step(trainer, documents)
+    if line := mesh_lib.compile_line(
+        mesh_lib.compiled_since(mark), mesh_lib.compile_cache_in_use(), "the train step"
+    ):
+        print(line, file=sys.stderr, flush=True)  # stdout holds the report alone
     result = report(trainer, compiled, compare="--compare" in flags, target=target)
     if documents is not None:  # what the program was compiled for
         result.update(documents_per_row=documents, document_slots=trainer.bucket(documents))

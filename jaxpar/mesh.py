@@ -1,4 +1,7 @@
-"""The device mesh: six named axes from the config, outermost first (docs/design.md says why)."""
+"""The device mesh: six named axes from the config, outermost first (docs/design.md says why);
+and what a process sets before its backend starts and before it compiles: the emulated CPU
+devices, the multi-process run, the persistent compilation cache (`use_compile_cache`, with the
+record of what each program cost, `COMPILED`)."""
 
 from __future__ import annotations
 
@@ -9,11 +12,13 @@ import math
 import os
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh
 
 from jaxpar.cli import CONFIG_ERROR
@@ -51,6 +56,199 @@ def emulate_cpu_devices(runtime: RuntimeConfig) -> None:
     ):
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", runtime.cpu_devices)
+
+
+# --- The persistent compilation cache ----------------------------------------------------------
+
+# The least compile time of a program that jaxpar's cache keeps (jax's
+# jax_persistent_cache_min_compile_time_secs, whose own default is 1 s); see use_compile_cache.
+COMPILE_CACHE_MIN_SECONDS = 0.0
+COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCache:
+    """Where this process keeps and finds compiled programs: `directory` (None: no cache), `why`
+    that one (for the start-up line), and `key`, the setting or variable that names it (for
+    errors). `own`: jaxpar sets the cache's size and threshold (runtime.compile_cache_gib,
+    COMPILE_CACHE_MIN_SECONDS); not for JAX_COMPILATION_CACHE_DIR's, left as JAX reads them.
+    `default`: the per-user default, which nobody named."""
+
+    directory: str | None
+    why: str
+    key: str = "runtime.compile_cache"
+    own: bool = True
+    default: bool = False
+
+
+def compile_cache(runtime: RuntimeConfig) -> CompileCache:
+    """The cache runtime.compile_cache names, read from the settings and the environment alone
+    (nothing is created or written). off: none. A directory: that one. auto: none where the
+    environment turns JAX's cache off (JAX_ENABLE_COMPILATION_CACHE=false), else its
+    JAX_COMPILATION_CACHE_DIR when set (so JAX's own cache, the tests' one per session, is kept),
+    else the per-user default, $JAXPAR_CACHE/compile or $XDG_CACHE_HOME/jaxpar/compile
+    (~/.cache/jaxpar/compile). An explicit setting wins over the environment."""
+    choice = runtime.compile_cache
+    if choice == "off":
+        return CompileCache(None, "runtime.compile_cache=off")
+    if choice != "auto":
+        return CompileCache(os.path.abspath(os.path.expanduser(choice)), "runtime.compile_cache")
+    if os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").strip().lower() in ("0", "false", "no", "off"):
+        return CompileCache(None, "JAX_ENABLE_COMPILATION_CACHE, which runtime.compile_cache=auto defers to")
+    if env := os.environ.get(COMPILE_CACHE_ENV):
+        return CompileCache(
+            os.path.abspath(os.path.expanduser(env)),
+            f"{COMPILE_CACHE_ENV}, which runtime.compile_cache=auto defers to",
+            key=COMPILE_CACHE_ENV,
+            own=False,
+        )
+    from jaxpar.corpus.shards import cache_root
+
+    return CompileCache(os.path.join(cache_root(), "compile"), "runtime.compile_cache=auto", default=True)
+
+
+_in_use: CompileCache | None = None
+
+
+def use_compile_cache(runtime: RuntimeConfig, devices_here: bool = True) -> CompileCache:
+    """Sets JAX's persistent compilation cache for this whole process as runtime.compile_cache
+    asks (`compile_cache`), before its first compile: every program it compiles after this (the
+    train step, the init, inspect's program, a restart's, checkpoint saving's small ones) is
+    looked up there first and written there after compiling. Returns the cache in use.
+
+    A directory set or named by JAX_COMPILATION_CACHE_DIR was checked to be writable before
+    (`jaxpar.checks.validate_runtime`: exit 2); the per-user default is created here, and where
+    it cannot be, the run goes on without a cache and says why. jaxpar's own caches are bounded
+    by runtime.compile_cache_gib (jax evicts the least recently used programs, under a file
+    lock, so that processes can share the directory) and keep every program however fast it
+    compiled (COMPILE_CACHE_MIN_SECONDS = 0: the small ones add up; benchmarks/RESULTS.md).
+
+    `devices_here=False` (compiling for GPUs that are not here, `jaxpar.compiled.targets`): no
+    cache of jaxpar's. jax 0.12 writes such programs but cannot read them back ("PjRtCompiler
+    must be constructed with a Client to call DeserializeLoadedExecutable"): every entry would be
+    a wasted write, and every later lookup a warning and a compile anyway. A cache the
+    environment configured (JAX_COMPILATION_CACHE_DIR under auto) is left as it is, as always."""
+    global _in_use
+    cache = compile_cache(runtime)
+    if not devices_here and cache.directory is not None and cache.own:
+        cache = CompileCache(
+            None, "compiling for devices that are not here, which jax cannot load from a cache"
+        )
+    if cache.default:
+        try:
+            os.makedirs(cache.directory, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".jaxpar-write-probe-", dir=cache.directory)
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            cache = CompileCache(
+                None,
+                f"runtime.compile_cache=auto: {cache.directory} is not writable ({e.strerror}); "
+                "set runtime.compile_cache to a writable directory",
+            )
+    wanted = {"jax_enable_compilation_cache": cache.directory is not None}
+    if cache.directory is not None:
+        wanted["jax_compilation_cache_dir"] = cache.directory
+    if cache.directory is not None and cache.own:
+        wanted["jax_compilation_cache_max_size"] = int(runtime.compile_cache_gib * 2**30)
+        wanted["jax_persistent_cache_min_compile_time_secs"] = COMPILE_CACHE_MIN_SECONDS
+    changed = {name: value for name, value in wanted.items() if getattr(jax.config, name) != value}
+    for name, value in changed.items():
+        jax.config.update(name, value)
+    if changed:  # jax opens its cache once, at the first compile: a caller that compiled before
+        compilation_cache.reset_cache()  # (a test, a notebook) has it opened again
+    _watch_compiles()
+    _in_use = cache
+    return cache
+
+
+def compile_cache_in_use() -> CompileCache:
+    """The cache `use_compile_cache` set; where it was not called (a library caller), JAX's."""
+    if _in_use is not None:
+        return _in_use
+    on = jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+    return CompileCache(jax.config.jax_compilation_cache_dir if on else None, "JAX's settings", own=False)
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One program XLA compiled, or loaded from the persistent cache, in this process."""
+
+    name: str  # the jitted function's name
+    seconds: float  # XLA's compile, or the cache's read and load
+    loaded: bool = False  # read from the persistent cache
+    written: bool = False  # compiled and written to it
+
+
+# Every program of this process, in order (`_watch_compiles`); `compiled_since` reads a stretch.
+COMPILED: list[Compiled] = []
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's, per program
+_pending: dict[int, Compiled] = {}  # by thread: what the cache said of the program compiling there
+_watching = False
+
+
+def _on_event(event: str, **kwargs) -> None:
+    """jax's cache events come before the program's compile event, on the thread compiling it."""
+    flag = {"/jax/compilation_cache/cache_hits": "loaded", "/jax/compilation_cache/cache_misses": "written"}
+    if event in flag:
+        setattr(_pending.setdefault(threading.get_ident(), Compiled("", 0.0)), flag[event], True)
+
+
+def _on_duration(event: str, seconds: float, **kwargs) -> None:
+    if event == _BACKEND_COMPILE:
+        done = _pending.pop(threading.get_ident(), Compiled("", 0.0))
+        COMPILED.append(dataclasses.replace(done, name=str(kwargs.get("fun_name", "")), seconds=seconds))
+
+
+def _watch_compiles() -> None:
+    """Records every program compiled from now on into COMPILED, once per process: jax.monitoring's
+    events say, for each, whether it came from the persistent cache or was written to it."""
+    global _watching
+    if not _watching:
+        jax.monitoring.register_event_listener(_on_event)
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _watching = True
+
+
+def compiled_since(mark: int) -> list[Compiled]:
+    """The programs compiled (or loaded) since `len(COMPILED)` was `mark`."""
+    return COMPILED[mark:]
+
+
+def cache_line(cache: CompileCache, runtime: RuntimeConfig) -> str:
+    """The start-up line: which cache the process uses, and why that one."""
+    if cache.directory is None:
+        return f"compile cache: off ({cache.why})"
+    bound = f", up to {runtime.compile_cache_gib:g} GiB" if cache.own else ""
+    return f"compile cache: {cache.directory} ({cache.why}{bound})"
+
+
+def compile_line(programs: list[Compiled], cache: CompileCache, what: str, scope: str = "") -> str | None:
+    """Whether `what` (`programs`, e.g. those up to a run's first step) was compiled or loaded
+    from the persistent cache, as jax's cache events said of each program, and in how long:
+    XLA's time, compiling or reading and loading (tracing and lowering are not counted). None
+    where nothing compiled (this process had them all already)."""
+    if not programs:
+        return None
+    seconds = sum(p.seconds for p in programs)
+    loaded, written = sum(p.loaded for p in programs), sum(p.written for p in programs)
+    names = list(dict.fromkeys(p.name.removeprefix("jit(").removesuffix(")") for p in programs))
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    counted = f"{len(programs)} program{'s' if len(programs) > 1 else ''}{scope}: {shown}"
+    if loaded == len(programs):
+        return f"loaded {what} from the compile cache in {seconds:.1f} s ({counted}; {cache.directory})"
+    if cache.directory is None:
+        return f"compiled {what} in {seconds:.1f} s ({counted}; compile cache off: {cache.why})"
+    if loaded:
+        kept = f"{loaded} of them loaded from the compile cache {cache.directory}"
+    elif written:
+        kept = f"written to the compile cache {cache.directory}"
+    else:
+        least = jax.config.jax_persistent_cache_min_compile_time_secs
+        kept = (
+            f"none written to the compile cache {cache.directory}, which keeps those of {least:g} s or more"
+        )
+    return f"compiled {what} in {seconds:.1f} s ({counted}; {kept})"
 
 
 def distributed_settings(dist: DistributedConfig) -> DistributedConfig:

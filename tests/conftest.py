@@ -116,6 +116,7 @@ FILE_SECONDS = {
     "test_hf_failsafe.py": 12,
     "test_chat_failsafe.py": 6,
     "test_gpu_check.py": 160,
+    "test_compile_cache.py": 45,
 }
 
 

@@ -339,8 +339,10 @@ def test_a_full_disk_is_one_line_and_the_previous_checkpoint_is_intact(small_dis
     )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]
-    # Beside the start-up line on precision, one line: the error.
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("precision: ")]
+    # Beside the start-up lines (precision, the compile cache and the step's compile), one line:
+    # the error.
+    startup = ("precision: ", "compile cache: ", "compiled the train step", "loaded the train step")
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(startup)]
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     (line,) = lines
     intact = int(line.split("the previous checkpoint (step ")[1].split(")")[0])

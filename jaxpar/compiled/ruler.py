@@ -308,7 +308,7 @@ def _read_bytes(param: hlo.Instr, users: dict[str, list[hlo.Instr]], in_place: s
 
 # --- Sources, the estimate, the table ------------------------------------------------------------
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 def _source(ins: hlo.Instr, frames: dict[int, tuple[str, int]], comps: dict[str, hlo.Computation]) -> str:

@@ -1,6 +1,7 @@
 """What a run records: each logged step's line of metrics.jsonl (`step_record`), timed by the
 step clock (`StepClock`: compilation, evaluation and checkpoint saves kept out of the time per
-step), a profiler trace of train.profile_steps (`Profiler`), the run's summary and its one line
+step; at the first step, whether its programs were compiled or loaded from the compile cache), a
+profiler trace of train.profile_steps (`Profiler`), the run's summary and its one line
 (`summary`, `format_summary`), and on resume the metrics of the steps to be rerun dropped
 (`keep_metrics_until`). The loop that writes them is jaxpar.run.train's.
 """
@@ -15,19 +16,37 @@ import time
 
 import jax
 
+from jaxpar import mesh as mesh_lib
 from jaxpar.config import Config
 from jaxpar.training import checkpoint as checkpoint_lib
 from jaxpar.training import metrics as metrics_lib
+
+_run_start = 0  # len(jaxpar.mesh.COMPILED) where the current run began
+
+
+def mark_run_start() -> None:
+    """Marks where the current run's programs begin in `jaxpar.mesh.COMPILED`: the StepClock of
+    its loop reports those compiled up to its first step (`jaxpar.run.train.train` calls this
+    first)."""
+    global _run_start
+    _run_start = len(mesh_lib.COMPILED)
 
 
 class StepClock:
     """Time per step over the window since the last logged step, with the first step (which holds
     the compilation), the compilation of a later slot bucket's step (`compiling`) and any
-    evaluation or checkpoint save kept out: each is its own figure."""
+    evaluation or checkpoint save kept out: each is its own figure.
 
-    def __init__(self):
+    At the first step it also takes the programs XLA compiled, or loaded from the persistent
+    compilation cache, since the run began (`mark_run_start`; a new run's init among them), and with
+    `report` says on stderr whether they were compiled or loaded."""
+
+    def __init__(self, report: bool = False):
         self.started = self.ended = time.perf_counter()
         self.compile_s: float | None = None
+        self.compiled_from = _run_start
+        self.programs: list[mesh_lib.Compiled] = []  # up to the first step
+        self.report = report
         self.window_start, self.window_steps = self.started, 0
         self.eval_s = self.save_s = 0.0  # in all, for the summary
 
@@ -37,6 +56,14 @@ class StepClock:
             jax.block_until_ready(metrics)
             now = time.perf_counter()
             self.compile_s, self.window_start, self.window_steps = now - self.started, now, 0
+            self.programs = mesh_lib.compiled_since(self.compiled_from)
+            line = mesh_lib.compile_line(
+                self.programs, mesh_lib.compile_cache_in_use(), "the train step", " up to the first step"
+            )
+            if self.report and line is not None:
+                from tqdm import tqdm  # above the progress bar, if one is shown
+
+                tqdm.write(line, file=sys.stderr)
 
     def compiling(self, fn, *args):
         """fn(*args), a step whose program compiles in this call (a new slot bucket,
@@ -140,6 +167,7 @@ def summary(cfg: Config, clock: StepClock, run: Outcome, start: int, devices, si
         "final_loss": run.loss,
         "seconds": total_s,
         "compile_seconds": clock.compile_s or 0.0,
+        "compile_cache": compile_record(clock.programs),
         "tokens_per_sec": tokens_per_sec,
         "mfu": tokens_per_sec and metrics_lib.mfu(tokens_per_sec, flops_tok, devices),
         "devices": len(devices),
@@ -151,6 +179,19 @@ def summary(cfg: Config, clock: StepClock, run: Outcome, start: int, devices, si
         "eval_seconds": clock.eval_s,
         "checkpoint_seconds": clock.save_s,
         "tokens_seen": run.tokens_seen,
+    }
+
+
+def compile_record(programs: list[mesh_lib.Compiled]) -> dict:
+    """The summary's account of the programs up to the first step: the compilation cache's
+    directory (None: off), how many programs there were, how many were loaded from the cache and
+    how many written to it, and XLA's seconds on them (compiling, or reading and loading)."""
+    return {
+        "directory": mesh_lib.compile_cache_in_use().directory,
+        "programs": len(programs),
+        "loaded": sum(p.loaded for p in programs),
+        "written": sum(p.written for p in programs),
+        "xla_seconds": sum(p.seconds for p in programs),
     }
 
 

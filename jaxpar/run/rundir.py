@@ -1,7 +1,9 @@
 """A run directory holds one run's history; this module decides what a new start does with it.
 
 What a run writes into `train.run_dir`: config.yaml, metrics.jsonl, TensorBoard event files,
-loss.png and checkpoints/ (jaxpar.training.checkpoint). The rules, applied before anything is written:
+loss.png and checkpoints/ (jaxpar.training.checkpoint), and with W&B (train.wandb.project) the W&B
+run's id, `wandb-run-id`, and W&B's own files, wandb/ (jaxpar.training.wandb_log). The rules, applied
+before anything is written:
 
 - An unused directory (none of those files, no checkpoint) starts a fresh run.
 - `train.resume=auto` (the default) continues from the newest intact checkpoint. If the
@@ -49,12 +51,14 @@ import yaml
 
 from jaxpar.config import ConfigError
 from jaxpar.training import checkpoint as checkpoint_lib
+from jaxpar.training import wandb_log
 
 LOCK = "jaxpar.lock"
 HEARTBEAT_S = 30.0  # how often a holder touches its lock
 STALE_S = 300.0  # another host's lock untouched this long is stale
 METRICS = "metrics.jsonl"
-HISTORY = ("config.yaml", METRICS, "loss.png")  # plus events.out.tfevents.* and checkpoints/
+HISTORY = ("config.yaml", METRICS, "loss.png", wandb_log.ID_FILE)  # + events.out.tfevents.*, checkpoints/
+WANDB_FILES = "wandb"  # W&B's own files (unless WANDB_DIR puts them elsewhere)
 REPLACED = "replaced-"
 RECORD = "config.yaml"  # the run's settings, rewritten at every start
 # The record before a resume onto other data; a second such resume from the same step keeps its
@@ -223,7 +227,7 @@ class RunLock:
 @dataclasses.dataclass
 class History:
     run_dir: str
-    files: list[str]  # history files at the top level (config.yaml, metrics, events, plot)
+    files: list[str]  # history at the top level (config.yaml, metrics, events, plot, W&B's)
     metrics_last_step: int | None  # the last readable step of metrics.jsonl
     checkpoints: list[int]  # committed checkpoint steps, oldest first
     unfinished: list[int]  # steps whose save never committed
@@ -271,6 +275,7 @@ def survey(run_dir: str) -> History:
             os.path.basename(p) for p in glob.glob(os.path.join(run_dir, pattern.format(step="*")))
         )
     files += sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
+    files += [WANDB_FILES] if os.path.isdir(os.path.join(run_dir, WANDB_FILES)) else []
     committed, unfinished = checkpoint_lib.list_steps(checkpoint_lib.checkpoint_dir(run_dir))
     return History(run_dir, files, _last_metrics_step(os.path.join(run_dir, METRICS)), committed, unfinished)
 

@@ -13,19 +13,21 @@ from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import Config
 from jaxpar.hf import convert as convert_lib
-from jaxpar.mesh import emulate_cpu_devices, start_distributed
+from jaxpar.mesh import emulate_cpu_devices, start_distributed, use_compile_cache
 
 
 def load_and_validate(argv: list[str], num_devices: int | None = None) -> tuple[Config, dict[str, int]]:
-    """Parses the command line, starts the backend with the emulated devices, validates.
+    """Parses the command line, sets the compilation cache (`jaxpar.mesh.use_compile_cache`),
+    starts the backend with the emulated devices, validates.
 
     `num_devices` validates for that many devices instead of the ones present (compiling for
     GPUs that are not here: `python -m jaxpar.inspect --target h100:8`)."""
     path, overrides = config_lib.parse_cli(argv)
     settings = config_lib.user_settings(path, overrides)
     cfg = config_lib.build_config(settings)
+    checks_lib.validate_runtime(cfg)  # before the backend starts with those devices
+    use_compile_cache(cfg.runtime, devices_here=num_devices is None)  # before anything compiles
     if num_devices is None:
-        checks_lib.validate_runtime(cfg)  # before the backend starts with those devices
         emulate_cpu_devices(cfg.runtime)
         start_distributed(cfg.distributed)
         num_devices = jax.device_count()

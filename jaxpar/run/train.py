@@ -24,6 +24,7 @@ import numpy as np
 from jaxpar import checks as checks_lib
 from jaxpar import cli
 from jaxpar import config as config_lib
+from jaxpar import mesh as mesh_lib
 from jaxpar.config import Config, ConfigError
 from jaxpar.hf import base as base_lib
 from jaxpar.hf import convert as convert_lib
@@ -34,6 +35,7 @@ from jaxpar.run import rundir as rundir_lib
 from jaxpar.run.startup import load_and_validate
 from jaxpar.training import checkpoint as checkpoint_lib
 from jaxpar.training import metrics as metrics_lib
+from jaxpar.training import wandb_log
 from jaxpar.training.optim import lr_schedule
 from jaxpar.training.trainer import Trainer, build_trainer
 
@@ -203,6 +205,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: stopping.Preemption | 
             return train(cfg, sizes, preemption)
     cfg = config_lib.resolve_paths(cfg)  # config.yaml stores absolute paths
     t = cfg.train
+    records.mark_run_start()  # the first step's line covers what this run compiles from here
     checks_lib.check_run_dir(t.run_dir)
     dataset = make_data(cfg)  # before compiling: data errors are config errors
     eval_data = make_eval_data(cfg)
@@ -212,6 +215,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: stopping.Preemption | 
     is_main = jax.process_index() == 0
     if is_main:
         print(config_lib.precision_line(cfg), file=sys.stderr, flush=True)
+        print(mesh_lib.cache_line(mesh_lib.compile_cache_in_use(), cfg.runtime), file=sys.stderr, flush=True)
     lock = rundir_lib.RunLock(t.run_dir)
     ckpt, finished = None, False
     no_space_logs = checkpoint_lib.DropNoSpace().__enter__()
@@ -385,10 +389,10 @@ def _loop(
     # A mixture's samples per source are a function of the global sample count (the mixing is
     # a fixed interleave), so the tokens seen per source need no bookkeeping, and survive a resume.
     source_counts = data_lib.source_counter(cfg.data)
-    clock, save = records.StepClock(), _saver(cfg, trainer, ckpt, iterator)
+    writer = _writer(cfg, sizes, start) if is_main else None  # before the clock: W&B's start is not training
+    clock, save = records.StepClock(report=is_main), _saver(cfg, trainer, ckpt, iterator)
     profiler = records.Profiler(t.profile_steps, t.run_dir)
     run = records.Outcome(step=start)
-    writer = metrics_lib.MetricsWriter(t.run_dir, purge_after=start) if is_main else None
     progress = metrics_lib.Progress(t.steps, initial=start, enabled=is_main and t.progress)
     try:
         for run.step in range(start + 1, t.steps + 1):
@@ -442,6 +446,17 @@ def _loop(
         if writer is not None:
             writer.close()
     return records.summary(cfg, clock, run, start, devices, sizes, flops_tok)
+
+
+def _writer(cfg: Config, sizes: dict[str, int], start: int) -> metrics_lib.MetricsWriter:
+    """Process 0's writer of the logged steps' records: metrics.jsonl, TensorBoard, the plot, and
+    the W&B run where train.wandb.project is set and there are steps to train
+    (jaxpar.training.wandb_log; started after metrics.jsonl exists, so that its id file is never a
+    run directory's only history)."""
+    writer = metrics_lib.MetricsWriter(cfg.train.run_dir, purge_after=start)
+    if start < cfg.train.steps and (sink := wandb_log.start(cfg, sizes)) is not None:
+        writer.sinks.append(sink)
+    return writer
 
 
 def _step(trainer: Trainer, clock: records.StepClock, state, local: dict, step: int):

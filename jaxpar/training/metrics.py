@@ -69,7 +69,9 @@ def device_memory_bytes(device: jax.Device) -> int | None:
 class MetricsWriter:
     """One JSON object per logged step in metrics.jsonl, TensorBoard scalars, and a loss plot
     (the training loss, and eval_loss where a record has it). TensorBoard names: train/KEY,
-    eval/loss for eval_loss, train/KEY/NAME for a mapping (tokens_seen per source)."""
+    eval/loss for eval_loss, train/KEY/NAME for a mapping (tokens_seen per source). Each of
+    `sinks` (objects with write(record) and close(): the W&B run, jaxpar.training.wandb_log) gets
+    every record written to metrics.jsonl, and is closed with the writer."""
 
     def __init__(self, run_dir: str, purge_after: int = 0):
         """`purge_after`: the step the run resumed from; TensorBoard hides the earlier session's
@@ -88,6 +90,7 @@ class MetricsWriter:
         self.losses: list[float] = []
         self.eval_steps: list[int] = []  # the records that hold an eval_loss
         self.eval_losses: list[float] = []
+        self.sinks: list = []  # more writers of each record (see above)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             for line in filter(str.strip, f):
                 try:
@@ -108,6 +111,8 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         self._add(record["step"], record["loss"], record.get("eval_loss"))
+        for sink in self.sinks:
+            sink.write(record)
         if self._tb is not None:
             for key, value in record.items():
                 if key == "eval_loss" and value is not None:
@@ -120,6 +125,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._jsonl.close()
+        for sink in self.sinks:
+            sink.close()
         if self._tb is not None:
             try:
                 self._tb.close()
