@@ -40,14 +40,18 @@ that cannot start in time is skipped with that reason.
 
 `--dry-run --out PATH` runs the same sequence on CPU with tiny stand-ins (configs/tiny.yaml with
 overrides; 1 step; the ruler's side of `profile` compiled for an H100 here, since a CPU program
-is not one the ruler costs) so that the code cannot rot; tests/test_gpu_check.py runs it.
+is not one the ruler costs) so that the code cannot rot; tests/test_gpu_check.py runs it. It
+calls the same commands, but in its own process (`launch`) except for those that set XLA flags
+(the command-buffer arms) and nanoGPT's, which run as children as on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -241,6 +245,20 @@ def child(command: list[str], timeout: float, env: dict[str, str], json_path: Pa
     return json.loads(json_path.read_text())
 
 
+def in_this_process(command: list[str], json_path: Path) -> dict:
+    """Runs `python -m MODULE ARGS` (`command`) as `MODULE.main(ARGS)` in this process, its
+    stdout sent to stderr; returns the JSON it wrote to `json_path`."""
+    module = importlib.import_module(command[2])
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            code = module.main(command[3:])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    if code != 0:
+        raise RuntimeError(f"{' '.join(command[1:3])} in this process: exit code {code}")
+    return json.loads(json_path.read_text())
+
+
 # --- The pieces ------------------------------------------------------------------------------
 
 
@@ -250,6 +268,20 @@ class Context:
     plan: Plan
     env: dict[str, str]
     work_dir: Path
+    # A dry run calls the pieces' `python -m` commands in its own process (`launch`), but for
+    # those whose flags need a fresh backend, which run as children as on a GPU: each child
+    # would cost its own start (Python, jax, jaxpar: ~4 s of CPU) and compile the programs
+    # another piece compiled. The commands and their JSON are the same either way.
+    in_process: bool = False
+
+
+def launch(ctx: Context, command: list[str], timeout: float, json_path: Path) -> dict:
+    """A piece's command, `[python, -m, MODULE, ...]`: a child (`child`), or in a dry run for
+    a command setting no XLA flag (XLA reads its flags once, when the backend starts), in this
+    process."""
+    if ctx.in_process and command[1] == "-m" and not any(a.startswith("--xla-flag") for a in command):
+        return in_this_process(command, json_path)
+    return child(command, timeout, ctx.env, json_path)
 
 
 def bench_piece(ctx: Context, words: tuple[str, ...], tag: str, flags: tuple[str, ...] = ()):
@@ -260,7 +292,7 @@ def bench_piece(ctx: Context, words: tuple[str, ...], tag: str, flags: tuple[str
         command = [sys.executable, "-m", "benchmarks.bench", *words, "--tag", tag, "--json", str(out)]
         command += ["--steps", str(ctx.plan.steps), "--warmup", str(ctx.plan.warmup)]
         command += [f"--xla-flag={flag}" for flag in flags]
-        return child(command, min(left, ctx.args.piece_timeout), ctx.env, out)
+        return launch(ctx, command, min(left, ctx.args.piece_timeout), out)
 
     return work
 
@@ -283,7 +315,7 @@ def nanogpt_piece(ctx: Context, batch: int):
         out = ctx.work_dir / f"nanogpt-{batch}.json"
         command = [python, "benchmarks/nanogpt_step.py", "--nanogpt", checkout, "--batch", str(batch)]
         command += ["--steps", str(ctx.plan.steps), "--warmup", str(ctx.plan.warmup), "--json", str(out)]
-        return child(command, min(left, ctx.args.piece_timeout), ctx.env, out)
+        return launch(ctx, command, min(left, ctx.args.piece_timeout), out)
 
     return work
 
@@ -305,7 +337,7 @@ def plain_piece(ctx: Context, script: str | None, option: str, batch: int, seq: 
             str(batch),
             str(seq),
         ]
-        return child(command, min(left, ctx.args.piece_timeout), ctx.env, out)
+        return launch(ctx, command, min(left, ctx.args.piece_timeout), out)
 
     return work
 
@@ -317,7 +349,7 @@ def profile_piece(ctx: Context, words: tuple[str, ...]):
         command = [sys.executable, "-m", "benchmarks.gpu_check", "--worker", "profile", "--json", str(out)]
         command += ["--steps", str(ctx.plan.profile_steps), "--warmup", str(ctx.plan.profile_warmup)]
         command += ["--trace-dir", str(trace_dir), *words]
-        return child(command, min(left, ctx.args.piece_timeout), ctx.env, out)
+        return launch(ctx, command, min(left, ctx.args.piece_timeout), out)
 
     return work
 
@@ -797,12 +829,12 @@ def check(args: argparse.Namespace) -> int:
     record = Record(
         out, header(args, device, now), plan, args.budget, sorted(set(scrub), key=len, reverse=True)
     )
+    if args.dry_run:  # CPUs only, whatever this machine has, here and in the children
+        os.environ.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     env = dict(os.environ)
-    if args.dry_run:  # CPUs only, whatever this machine has
-        env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     signal.signal(signal.SIGTERM, _cut_short)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as work_dir:
-        ctx = Context(args, plan, env, Path(work_dir))
+        ctx = Context(args, plan, env, Path(work_dir), in_process=args.dry_run)
         try:
             for name, work in sequence(ctx):
                 if isinstance(work, str):

@@ -957,9 +957,10 @@ CHAT_FINETUNE = [
         as a Hugging Face-style chat dataset, prepares it into shards with a chat template,
         trains a model on the replies alone, and asks it questions it has never seen, before
         and after. `python -m benchmarks.chat_sft` runs the same as a benchmark (its figures
-        are in the README). With `JAXPAR_NOTEBOOK_SMALL=1` (CI) it trains a few steps only and
-        the answers stay wrong; the full run is 1500 steps of 16 rows of 512 tokens (on a 2-core
-        CPU machine about 1.4 s a step on one device, longer on the 8 emulated ones).
+        are in the README). With `JAXPAR_NOTEBOOK_SMALL=1` (CI) it trains a few short steps
+        only, asks 3 questions, and the answers stay wrong; the full run is 1500 steps of 16
+        rows of 512 tokens (on a 2-core CPU machine about 1.4 s a step on one device, longer on
+        the 8 emulated ones).
     """,
     ),
     code(SETUP),
@@ -984,7 +985,7 @@ CHAT_FINETUNE = [
         from benchmarks.chat_sft import MODEL
 
         train_rows = chat_task.conversations(2000 if SMALL else 40000, "train", seed=0)
-        held_out = chat_task.conversations(6 if SMALL else 200, "held_out", seed=0)
+        held_out = chat_task.conversations(3 if SMALL else 200, "held_out", seed=0)
         for message in train_rows[0]:
             print(f"{message['role']:>9}: {message['content']}")
     """),
@@ -1041,6 +1042,8 @@ CHAT_FINETUNE = [
         overrides = [*MODEL, f"data.source={work / 'shards'}", f"train.steps={STEPS}",
                      f"checkpoint.every={STEPS}", f"train.run_dir={run_dir}", "train.log_every=50",
                      "train.progress=false"]
+        if SMALL:  # shorter rows, fewer of them: every conversation here fits in 256 tokens
+            overrides += ["train.batch_size=8", "train.seq_len=256"]
         cfg = config_lib.load_config(str(checkout / "configs" / "sft.yaml"), overrides)
         tokenizer = ByteTokenizer()
 

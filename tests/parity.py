@@ -59,10 +59,20 @@ SGD = [
     "optimizer.min_lr_ratio=1.0",
 ]
 
-# The two forms of the layer loop (model.scan_layers): every layout's parity test runs in both,
-# against the one reference, the single device's scanned run (test_model checks that on one device
-# the unrolled form trains exactly as the scanned one).
+# The two forms of the layer loop (model.scan_layers), each checked against the one reference, the
+# single device's scanned run. Every layout's parity test runs scanned. The unrolled form
+# (jaxpar.models.llama.unrolled: one lax.split of each stacked weight, the layer written out once
+# per slice, the stacked gradient one concatenate) is one function whatever the layout: test_model
+# checks on one device that it trains exactly as the scan, and each parity file runs it on the
+# layouts that take it down a path of its own (each file's UNROLLED says which, and why), not on
+# every layout (that doubled the parity files' compiles).
 LAYER_FORMS = {"scanned": [], "unrolled": ["model.scan_layers=false"]}
+# What an unrolled parity run catches, and was shown to catch by planting each bug (monkeypatching
+# llama.unrolled in the test process) and seeing the run fail: "reversed", the split's slices taken
+# in the wrong order (layer i run with layer L-1-i's weights); "twice", one layer's slice used for
+# two layers (the last never); "sliding", the per-layer sliding-window flags taken in the wrong
+# order while the weights are right. A chunk of one layer (or one MoE group) hides the first two:
+# every UNROLLED layout runs chunks of at least two.
 
 
 def tiny_config(overrides: list[str] = ()) -> config_lib.Config:

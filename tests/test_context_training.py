@@ -32,10 +32,9 @@ def single_device():
         ({"context": 8}, ["parallel.context_layout=contiguous"], False),
     ],
 )
-@pytest.mark.parametrize("form", LAYER_FORMS)
-def test_context_parallel_training_matches_single_device(mesh, extra, own_init, form, single_device):
+def test_context_parallel_training_matches_single_device(mesh, extra, own_init, single_device):
+    """Scanned layers; unrolled ones: the sliding-window test below."""
     # own_init: the layout's born-sharded init; else the single-device one (one compile fewer).
-    extra = extra + LAYER_FORMS[form]
     got, r = run(mesh, extra, init=None if own_init else single_device.init, along=single_device)
     assert_parity(got, single_device)
     # K/V blocks travel the ring by collective-permute; nothing gathers the sequence.
@@ -70,7 +69,13 @@ def _gemma_style_reference():
 def test_sliding_window_layers_train_the_single_device_model_on_a_ring(form):
     """A sliding layer's ring (masked by the window, its unneeded hops left out: 64 positions in
     8 chunks of 8, a window of 8) and a global layer's full ring, chosen per layer inside the
-    layer loop, give the one-device gradients."""
+    layer loop, give the one-device gradients.
+
+    Unrolled, the file's one run of that form (tests/parity.py, LAYER_FORMS): a sliding and a
+    global layer, each with its ring, written out on the first layout above (context 4 x data 2,
+    zigzag). It fails on a layer run with another's weights or window flag (the bugs "reversed",
+    "twice" and "sliding", planted and seen failing). The layouts above ran unrolled too; the
+    layer loop does nothing different on them."""
     assert needed_shifts(64, 4, "zigzag", 8) == (0, 1, 3)  # the path taken: not every hop
     extra = [*GEMMA_STYLE, "train.seq_len=64"]
     want = _gemma_style_reference()

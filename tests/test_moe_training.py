@@ -13,7 +13,15 @@ from jaxpar.config import ConfigError
 from jaxpar.inspect import compile_step, report
 from tests.parity import LAYER_FORMS, assert_parity, parity_trainer, random_batches, run_parity, tiny_config
 
-MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.every=2", "model.moe.shared_experts=1"]
+# 4 layers in 2 groups of a dense and an MoE block (the scanned unit): the unrolled loop below
+# then runs two units, which it could run in the wrong order.
+MOE = [
+    "model.n_layers=4",
+    "model.moe.num_experts=8",
+    "model.moe.top_k=2",
+    "model.moe.every=2",
+    "model.moe.shared_experts=1",
+]
 LAYOUTS = {
     "expert2": {"expert": 2, "data": 4},
     "expert4_data2": {"expert": 4, "data": 2},
@@ -23,6 +31,12 @@ LAYOUTS = {
 # Starts from its own born-sharded init (experts split over `expert`); the others from the
 # single-device initial state put onto their shardings (one init compile fewer each).
 OWN_INIT = "expert2_tensor2_fsdp2"
+# The unrolled layer loop (tests/parity.py, LAYER_FORMS) with MoE groups as its units, each
+# unit's router statistics stacked, on the layout with the most axes inside the layer (experts
+# over expert, their weights over tensor and fsdp). It fails on a group run with another's
+# weights (the bugs "reversed" and "twice", planted and seen failing). The other layouts ran it
+# too; they split the experts over fewer axes of the same kinds.
+UNROLLED = "expert2_tensor2_fsdp2"
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +45,7 @@ def single_device():
     return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
 
 
-@pytest.mark.parametrize("form", LAYER_FORMS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, form", [(n, "scanned") for n in LAYOUTS] + [(UNROLLED, "unrolled")])
 def test_expert_parallel_training_matches_single_device(layout, form, single_device):
     trainer = parity_trainer(MOE + LAYER_FORMS[form], LAYOUTS[layout])
     compiled = compile_step(trainer)

@@ -32,7 +32,7 @@ NOTEBOOKS = [
     "05_experts",
     "06_chat_finetune",
 ]
-CELL_TIMEOUT_S = 300  # a generous bound per cell; a whole notebook takes ~10-25 s on 2 cores
+CELL_TIMEOUT_S = 300  # a generous bound per cell; a whole notebook takes ~15-60 s on 2 cores
 
 
 def read(name: str) -> nbformat.NotebookNode:

@@ -72,6 +72,21 @@ LAYOUTS = {
 # Starts from its own born-sharded init; the others from the single-device initial state put
 # onto their shardings (one init compile fewer each).
 OWN_INIT = "pipe2_fsdp4_zero3"
+# The unrolled layer loop (tests/parity.py, LAYER_FORMS) inside a pipeline stage: a chunk's
+# jax.vjp then stashes the split's slices as residuals (the scan's residuals hold the chunk's
+# weights themselves), and a layer run with another's weights or the stacked gradient assembled
+# out of order (the bugs "reversed" and "twice") shows only where a chunk has two layers or more.
+# Each path of the pipeline runtime meets the unrolled chunk once, in chunks of two:
+# - here, stage-dependent zero-bubble (the B and W branches of the per-stage switch);
+# - test_pipelined_moe_training_matches_single_device, zero-bubble's uniform ticks (B without the
+#   weight gradient, W) with MoE groups and their statistics, expert and fsdp inside the chunk;
+# - test_pipelined_sliding_window_layers_match_single_device, interleaved virtual stages on
+#   uniform ticks (B with the weight gradient), ring attention inside the chunk, and the sliding
+#   layers' flags split with the weights (the bug "sliding").
+# Each of these fails on each of those bugs (planted, run, seen failing). The other layouts'
+# unrolled runs (every layout here ran both forms) checked nothing the layer loop does
+# differently there: their schedules, axes and ZeRO stages run the same chunk function.
+UNROLLED = {"pipe4_data2_zb"}
 
 
 # Compiled once and shared by the parity test and the masked-token test below.
@@ -99,8 +114,9 @@ def single_device():
     return run_parity(trainer, compiled, random_batches(trainer.cfg))
 
 
-@pytest.mark.parametrize("form", LAYER_FORMS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout, form", [(n, "scanned") for n in LAYOUTS] + [(n, "unrolled") for n in sorted(UNROLLED)]
+)
 def test_pipelined_training_matches_single_device(layout, form, single_device):
     trainer, compiled = (_shared if layout in SHARED else _compile)(layout, form)
     got = run_parity(
@@ -187,12 +203,14 @@ def test_pipeline_config_errors(overrides, match):
         checks_lib.validate(cfg, 8)
 
 
-def test_inspect_prints_the_schedule_and_its_bubble():
+def test_inspect_prints_the_schedule_and_its_bubble(capsys):
+    """In this process, as the test below (its command line is tests/test_entry_points.py's):
+    two child processes, each importing JAX, took longer than the rest of the test."""
     import json
 
-    from tests.test_train import _run
+    from jaxpar.inspect import main
 
-    args = (
+    args = [
         TINY_YAML,
         *PIPE,
         "mesh.pipe=4",
@@ -201,18 +219,17 @@ def test_inspect_prints_the_schedule_and_its_bubble():
         "mesh.tensor=1",
         "parallel.microbatches=8",
         "--schedule",
-    )
-    proc = _run("jaxpar.inspect", *args, devices=8)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    described = json.loads(proc.stdout)
+    ]
+    assert main(args) == 0
+    described = json.loads(capsys.readouterr().out)
     assert described["bubble"] == pytest.approx(3 / 11)  # (p-1)/(m+p-1) for 1f1b, p=4, m=8
     assert described["costs"] == {"F": 1, "B": 2}
-    proc = _run("jaxpar.inspect", *args, "--human", devices=8)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.splitlines()
+    assert main([*args, "--human"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     assert sum(line.startswith("stage ") for line in lines) == 4
-    assert "F7" in proc.stdout and "B0 ==" in proc.stdout
-    assert f"bubble {3 / 11:.4f}" in proc.stdout
+    assert "F7" in out and "B0 ==" in out
+    assert f"bubble {3 / 11:.4f}" in out
 
 
 def test_inspect_schedule_reports_the_control_flow_zero_bubble_runs(capsys):
@@ -253,11 +270,11 @@ def test_bf16_pipeline_hands_off_bf16_and_splits_the_vocabulary_over_tensor(sing
     )
     assert "tensor" in str(trainer.state_shardings["params"]["embedding"].spec)
     # The program hands bf16 between stages (XLA:CPU then runs its collectives in float32).
-    lowered = trainer.step.lower(trainer.state_shape, trainer.batch_shape()).as_text()
-    permutes = [line for line in lowered.splitlines() if "stablehlo.collective_permute" in line]
+    lowered = trainer.step.lower(trainer.state_shape, trainer.batch_shape())  # (compile_step's, once)
+    permutes = [line for line in lowered.as_text().splitlines() if "stablehlo.collective_permute" in line]
     assert permutes and all(line.rstrip().endswith("bf16>") for line in permutes), permutes[:2]
     got = run_parity(
-        trainer, compile_step(trainer), random_batches(trainer.cfg), single_device.init, along=single_device
+        trainer, lowered.compile(), random_batches(trainer.cfg), single_device.init, along=single_device
     )
     # bf16 matmuls against the float32 single-device run: the same gradients and trajectory, to
     # bf16's precision.
@@ -274,6 +291,8 @@ MOE_LAYOUTS = {
     # Zero-bubble: a stage's router losses reach its weights in the W slot.
     "pipe2_expert2_fsdp2_zb": ({"pipe": 2, "expert": 2, "fsdp": 2}, ["parallel.pipeline_schedule=zb"]),
 }
+# Unrolled layers (UNROLLED above): chunks of two MoE groups, on zero-bubble's uniform ticks.
+MOE_UNROLLED = {"pipe2_expert2_fsdp2_zb"}
 ROUTER_METRICS = ("aux_loss", "z_loss", "dropped_fraction", "expert_load_min", "expert_load_max")
 
 
@@ -284,8 +303,10 @@ def moe_single_device():
     return run_parity(trainer, compile_step(trainer), random_batches(trainer.cfg))
 
 
-@pytest.mark.parametrize("form", LAYER_FORMS)
-@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+@pytest.mark.parametrize(
+    "layout, form",
+    [(n, "scanned") for n in MOE_LAYOUTS] + [(n, "unrolled") for n in sorted(MOE_UNROLLED)],
+)
 def test_pipelined_moe_training_matches_single_device(layout, form, moe_single_device):
     mesh, extra = MOE_LAYOUTS[layout]
     schedule = [f"parallel.microbatches={MOE_MICROBATCHES}", *extra]
@@ -325,7 +346,9 @@ def _gemma_style_reference():
 @pytest.mark.parametrize("form", LAYER_FORMS)
 def test_pipelined_sliding_window_layers_match_single_device(form):
     """Interleaved chunks of two layers (each the pattern's slide-then-global), with ring
-    attention inside each stage: the one-device gradients and losses."""
+    attention inside each stage: the one-device gradients and losses. Unrolled, the only
+    interleaved (virtual stages) and the only sliding-window pipeline run of that form
+    (UNROLLED)."""
     want = _gemma_style_reference()
     schedule = [
         "parallel.pipeline_schedule=interleaved",
