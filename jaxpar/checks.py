@@ -40,9 +40,8 @@ from jaxpar.config import (
     OptimizerConfig,
     WandbConfig,
     check_types,
-    data_files,
-    source_names,
 )
+from jaxpar.corpus.sources import data_files, source_names
 from jaxpar.mesh import compile_cache
 from jaxpar.parallel.schedule import validate_pipeline
 
@@ -63,6 +62,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     _validate_optimizer(cfg.optimizer)
     _validate_counts(cfg)
     _validate_model(cfg)
+    _validate_latent(cfg)
     _validate_window(cfg, sizes)
     _validate_splits(cfg, sizes)
     _validate_moe(cfg, sizes)
@@ -278,10 +278,11 @@ def _validate_model(cfg: Config) -> None:
         if value is not None and not value > 0:
             raise ConfigError(f"{key}={value}: must be positive (or null)")
     if m.head_dim is None:
-        _require_divides("model.n_heads", m.n_heads, "model.d_model", m.d_model)
+        if not m.mla.kv_lora_rank:  # latent attention's heads have their own widths
+            _require_divides("model.n_heads", m.n_heads, "model.d_model", m.d_model)
     elif m.head_dim < 2:
         raise ConfigError(f"model.head_dim={m.head_dim}: must be at least 2 (or null: d_model / n_heads)")
-    if m.head_width % 2:
+    if m.head_width % 2 and not m.mla.kv_lora_rank:  # latent attention: its rotated width (below)
         what = "model.head_dim" if m.head_dim else "model.d_model/model.n_heads"
         raise ConfigError(f"{what} = {m.head_width} is odd; rotary embeddings need an even head dimension")
     rs = m.rope_scaling
@@ -301,6 +302,57 @@ def _validate_model(cfg: Config) -> None:
             f"train.seq_len={t.seq_len} is above model.max_seq_len={m.max_seq_len}; "
             f"lower train.seq_len or raise model.max_seq_len"
         )
+
+
+def _validate_latent(cfg: Config) -> None:
+    """Latent attention (model.mla) and YaRN: widths, and what MLA does not combine with."""
+    m, a, rs = cfg.model, cfg.model.mla, cfg.model.rope_scaling
+    if rs.type == "yarn" and not (
+        rs.factor >= 1 and rs.beta_fast > rs.beta_slow > 0 and rs.original_max_len >= 1
+    ):
+        raise ConfigError(
+            f"model.rope_scaling: factor={rs.factor}, beta_fast={rs.beta_fast}, beta_slow={rs.beta_slow}, "
+            f"original_max_len={rs.original_max_len}; yarn needs factor >= 1, beta_fast > beta_slow > 0 "
+            "and original_max_len >= 1"
+        )
+    if not a.kv_lora_rank:
+        return
+    widths = {"q_lora_rank": a.q_lora_rank or 1, "qk_nope_dim": a.qk_nope_dim + 1, "v_head_dim": a.v_head_dim}
+    bad = [f"model.mla.{k}" for k, v in widths.items() if v < 1] + ["model.mla.qk_rope_dim"] * (
+        a.qk_rope_dim < 2 or a.qk_rope_dim % 2
+    )
+    if a.kv_lora_rank < 0 or bad:
+        raise ConfigError(
+            f"model.mla: kv_lora_rank={a.kv_lora_rank}, q_lora_rank={a.q_lora_rank}, qk_nope_dim="
+            f"{a.qk_nope_dim}, qk_rope_dim={a.qk_rope_dim}, v_head_dim={a.v_head_dim} "
+            f"({', '.join(bad) or 'kv_lora_rank'}); "
+            "latent attention needs kv_lora_rank >= 1, q_lora_rank null (one q projection) or >= 1, "
+            "qk_nope_dim >= 0, an even qk_rope_dim >= 2 and v_head_dim >= 1"
+        )
+    if a.v_head_dim > m.head_width:
+        raise ConfigError(
+            f"model.mla.v_head_dim={a.v_head_dim} is wider than a query/key head (qk_nope_dim + "
+            f"qk_rope_dim = {m.head_width}); jaxpar pads values to the query/key width, not the reverse"
+        )
+    if m.n_kv_heads != m.n_heads:
+        raise ConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} with model.mla.kv_lora_rank={a.kv_lora_rank}: latent "
+            f"attention expands keys and values for every head; set model.n_kv_heads={m.n_heads}"
+        )
+    others = {
+        "model.qk_norm": m.qk_norm,
+        "model.qkv_bias": m.qkv_bias,
+        "model.sliding_window": m.sliding_window is not None,
+        "model.attn_scale_dim": m.attn_scale_dim is not None,
+        "finetune.lora on q, k, v or o": cfg.finetune.lora.rank > 0
+        and bool({"q", "k", "v", "o"} & set(cfg.finetune.lora.targets)),
+    }
+    for key, on in others.items():
+        if on:
+            raise ConfigError(
+                f"{key} with model.mla.kv_lora_rank={a.kv_lora_rank}: latent attention has its own "
+                "projections, norms and logit scale; turn one of them off"
+            )
 
 
 def _validate_window(cfg: Config, sizes: dict[str, int]) -> None:
@@ -369,6 +421,7 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
         )
     _require_divides("mesh.expert", sizes["expert"], "model.moe.num_experts", moe.num_experts)
     _require_divides("mesh.tensor", sizes["tensor"], "model.moe.d_ff", moe.d_ff or m.d_ff)
+    _validate_router(moe)
     if moe.capacity_factor is not None and moe.capacity_factor <= 0:
         raise ConfigError(
             f"model.moe.capacity_factor={moe.capacity_factor}: use a positive "
@@ -400,6 +453,37 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
                 f"model.moe.capacity_factor={moe.capacity_factor} route padded; set it to null, "
                 "or use model.moe.dispatch=ragged (or auto on GPU) with capacity_factor=null"
             )
+
+
+def _validate_router(moe) -> None:
+    """DeepSeek-V3 routing settings (docs/experts.md): groups of at least two experts (a group
+    scores its top two) of which each token keeps 1..groups, enough experts in the kept groups
+    for top_k, a positive routed_scale, non-negative rates, a correction bias only with sigmoid."""
+    per_group = moe.num_experts // moe.groups if moe.groups >= 1 else 0
+    if moe.groups < 1 or moe.num_experts % moe.groups or (moe.groups > 1 and per_group < 2):
+        raise ConfigError(
+            f"model.moe.groups={moe.groups} must divide model.moe.num_experts={moe.num_experts} "
+            f"into groups of at least 2 experts; try groups in {_divisors(moe.num_experts)}"
+        )
+    if moe.groups > 1 and not 1 <= moe.topk_groups <= moe.groups:
+        raise ConfigError(
+            f"model.moe.topk_groups={moe.topk_groups} must be between 1 and model.moe.groups={moe.groups}"
+        )
+    if moe.groups > 1 and moe.top_k > moe.topk_groups * per_group:
+        raise ConfigError(
+            f"model.moe.top_k={moe.top_k} exceeds the {moe.topk_groups * per_group} experts of "
+            f"model.moe.topk_groups={moe.topk_groups} groups of {per_group}: raise topk_groups or lower top_k"
+        )
+    if not moe.routed_scale > 0:
+        raise ConfigError(f"model.moe.routed_scale={moe.routed_scale} must be positive (1.0 = unscaled)")
+    for key in ("bias_update_rate", "seq_aux_loss_weight"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be 0 (off) or more")
+    if moe.bias_update_rate > 0 and moe.score != "sigmoid":
+        raise ConfigError(
+            f"model.moe.bias_update_rate={moe.bias_update_rate} moves the sigmoid router's "
+            f"correction bias, but model.moe.score={moe.score}: set model.moe.score=sigmoid or the rate to 0"
+        )
 
 
 def _validate_lora(cfg: Config, sizes: dict[str, int]) -> None:

@@ -11,9 +11,16 @@ Each `main` parses its arguments, then hands the work to a library function thro
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import io
 import sys
+import textwrap
+import tokenize
 from collections.abc import Callable, Mapping
 
+from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 
 CONFIG_ERROR = 2  # the exit code of a configuration error: a restart would repeat it
@@ -41,3 +48,44 @@ def run(
     except tuple(failures or ()) as e:
         code = next(code for kind, code in failures.items() if isinstance(e, kind))
         return fail(e, code)
+
+
+# --- --help: every setting, read from the dataclasses of jaxpar.config ------------------------
+
+
+def _trailing_comments(cls) -> dict[str, str]:
+    """{field name: the comment on its line(s)} in the source of dataclass `cls`."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    at_line = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+
+    def comment(node):
+        return " ".join(at_line[n] for n in range(node.lineno, node.end_lineno + 1) if n in at_line)
+
+    return {
+        node.target.id: comment(node)
+        for node in ast.parse(source).body[0].body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+
+
+def settings_help(cls=None, prefix: str = "") -> str:
+    """Every setting, one line each: `dotted.key=default  comment`, read from the dataclasses
+    of `jaxpar.config` (their defaults and the comment on each field's line): what `--help` prints."""
+    cls = config_lib.Config if cls is None else cls
+    comments, lines = _trailing_comments(cls), []
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        sub = config_lib.dataclass_type(cls, f)
+        if sub is not None:
+            lines.append(f"{prefix}{f.name}: {comments.get(f.name, '')}".rstrip(": "))
+            lines.append(settings_help(sub, f"{prefix}{f.name}."))
+            continue
+        default = getattr(defaults, f.name)
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+        comment = comments.get(f.name, "").replace("(see above)", "(see jaxpar/config.py)")
+        lines.append(f"  {prefix}{f.name}={shown}".ljust(44) + f"  {comment}".rstrip())
+    return "\n".join(lines)

@@ -12,15 +12,9 @@ itself and the device count, before anything is compiled.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import glob
-import inspect
-import io
 import os
-import textwrap
-import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -47,8 +41,9 @@ Packing = Literal["wrap", "whole"]
 CHAT_TEMPLATES = ("simple",)  # jaxpar's own chat templates: jaxpar/corpus/templates/<name>.jinja
 OptimizerName = Literal["adamw", "sgd"]
 OnNaN = Literal["stop", "skip"]
-RopeScaling = Literal["none", "llama3", "linear"]
+RopeScaling = Literal["none", "llama3", "linear", "yarn"]
 MoEDispatch = Literal["auto", "padded", "ragged"]
+MoEScore = Literal["softmax", "sigmoid"]
 LoRATarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
 WandbMode = Literal["online", "offline", "disabled"]
 
@@ -68,6 +63,12 @@ class MoEConfig:
     d_ff: int | None = None  # expert hidden size; None = model.d_ff
     aux_loss_weight: float = 0.01  # load-balancing loss (Switch Transformer)
     z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
+    score: MoEScore = "softmax"  # router scores: softmax | sigmoid (DeepSeek-V3; docs/experts.md)
+    groups: int = 1  # expert groups; > 1: pick from the topk_groups best (top-2 sum) groups
+    topk_groups: int = 1  # groups a token may pick from (groups > 1)
+    routed_scale: float = 1.0  # routed experts' weights times this (routed_scaling_factor)
+    bias_update_rate: float = 0.0  # sigmoid: bias += rate*sign(mean-load) each step; 0 = off
+    seq_aux_loss_weight: float = 0.0  # DeepSeek-V3 sequence-wise balance loss (alpha)
     dispatch: MoEDispatch = (
         "auto"  # auto (ragged on GPU if dropless, no costlier: experts.py) | padded | ragged
     )
@@ -81,13 +82,32 @@ class RopeScalingConfig:
     """Rotary frequencies rescaled for long context, as Llama 3.1+ checkpoints ship them
     (Hugging Face rope_type "llama3"): wavelengths above original_max_len / low_freq_factor are
     divided by `factor`, those below original_max_len / high_freq_factor kept, the ones between
-    interpolated. "linear" (Gemma 3's global layers): every frequency divided by `factor`."""
+    interpolated. "linear" (Gemma 3's global layers): every frequency divided by `factor`.
+    "yarn" (DeepSeek-V3): frequencies blended between kept and divided by `factor` over the band
+    beta_fast..beta_slow rotations in original_max_len, the rotated parts scaled by mscale(factor,
+    mscale) / mscale(factor, mscale_all_dim) and the logits by mscale(factor, mscale_all_dim)^2."""
 
-    type: RopeScaling = "none"  # none | llama3 | linear
-    factor: float = 8.0  # llama3, linear: how much longer the context became
+    type: RopeScaling = "none"  # none | llama3 | linear | yarn
+    factor: float = 8.0  # llama3, linear, yarn: how much longer the context became
     low_freq_factor: float = 1.0  # llama3: low-frequency band edge
     high_freq_factor: float = 4.0  # llama3: high-frequency band edge
-    original_max_len: int = 8192  # llama3: the context length the model was pre-trained with
+    original_max_len: int = 8192  # llama3, yarn: the context length the model was pre-trained with
+    beta_fast: float = 32.0  # yarn: rotations (in original_max_len) above which frequencies are kept
+    beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by factor
+    mscale: float | None = None  # yarn: null = the rotated parts scaled by mscale(factor, 1)
+    mscale_all_dim: float | None = None  # yarn: null = no logit scale, mscale alone unused
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values through a shared latent."""
+
+    kv_lora_rank: int = 0  # the key/value latent's width (the cache's); 0 = off (GQA attention)
+    q_lora_rank: int | None = None  # the query latent's width; null = one q projection
+    qk_nope_dim: int = 128  # each head's query/key width without rotation
+    qk_rope_dim: int = 64  # each head's rotated query width; the rotated key is one shared head
+    v_head_dim: int = 128  # each head's value width
+    rope_interleave: bool = False  # only the Hugging Face layout of rotated dims (families/deepseek_v3.py)
 
 
 @dataclass
@@ -132,11 +152,14 @@ class ModelConfig:
     # to save into and load from, no while loop; compiles longer). The weights are stacked either way.
     scan_layers: bool = True  # true: one lax.scan over the layers | false: unrolled (see above)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (off by default)
+    mla: MLAConfig = field(default_factory=MLAConfig)  # latent attention (off by default)
 
     @property
     def head_width(self) -> int:
-        """The width of one attention head, model.head_dim or else d_model / n_heads: every use
-        reads it here."""
+        """The width of one attention head, model.head_dim or else d_model / n_heads (a query/key
+        head's under latent attention, model.mla): every use reads it here."""
+        if self.mla.kv_lora_rank:
+            return self.mla.qk_nope_dim + self.mla.qk_rope_dim
         return self.head_dim or self.d_model // self.n_heads
 
     def slides(self, layer: int) -> bool:
@@ -149,7 +172,8 @@ class ModelConfig:
 
 @dataclass
 class MeshConfig:
-    """Device mesh, outermost axis first. One axis may be -1: it takes the remaining devices."""
+    """Device mesh, outermost axis first. One axis may be -1: it takes the remaining devices.
+    `mesh: auto` (or an axis set to auto) leaves the axes to the planner (`auto_axes`)."""
 
     pipe: int = 1  # pipeline stages, each holding a contiguous run of layers
     data: int = 2  # data-parallel replicas: whole batch rows, gradients all-reduced
@@ -346,6 +370,7 @@ class RuntimeConfig:
     # (~/.cache/jaxpar/compile); a directory; off. jaxpar/mesh.py (use_compile_cache) sets it. The
     # bound below holds for jaxpar's caches, not for one the environment configured.
     compile_cache: str = "auto"  # auto | a directory | off (see above)
+    auto_candidates: int = 3  # mesh: auto compiles this many of the planner's best layouts here first
     compile_cache_gib: float = 4.0  # GiB the cache may hold; the least recently used go first (see above)
 
 
@@ -370,52 +395,14 @@ class Config:
 def _all_keys(cls, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
-        sub = _dataclass_type(cls, f)
+        sub = dataclass_type(cls, f)
         keys.append(prefix + f.name)
         if sub is not None:
             keys += _all_keys(sub, prefix + f.name + ".")
     return keys
 
 
-def _trailing_comments(cls) -> dict[str, str]:
-    """{field name: the comment on its line(s)} in the source of dataclass `cls`."""
-    source = textwrap.dedent(inspect.getsource(cls))
-    at_line = {
-        tok.start[0]: tok.string.lstrip("#").strip()
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-        if tok.type == tokenize.COMMENT
-    }
-
-    def comment(node):
-        return " ".join(at_line[n] for n in range(node.lineno, node.end_lineno + 1) if n in at_line)
-
-    return {
-        node.target.id: comment(node)
-        for node in ast.parse(source).body[0].body
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-    }
-
-
-def settings_help(cls=None, prefix: str = "") -> str:
-    """Every setting, one line each: `dotted.key=default  comment`, read from the dataclasses
-    here (their defaults and the comment on each field's line): what `--help` prints."""
-    cls = Config if cls is None else cls
-    comments, lines = _trailing_comments(cls), []
-    defaults = cls()
-    for f in dataclasses.fields(cls):
-        sub = _dataclass_type(cls, f)
-        if sub is not None:
-            lines.append(f"{prefix}{f.name}: {comments.get(f.name, '')}".rstrip(": "))
-            lines.append(settings_help(sub, f"{prefix}{f.name}."))
-            continue
-        default = getattr(defaults, f.name)
-        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
-        comment = comments.get(f.name, "").replace("(see above)", "(see jaxpar/config.py)")
-        lines.append(f"  {prefix}{f.name}={shown}".ljust(44) + f"  {comment}".rstrip())
-    return "\n".join(lines)
-
-
-def _dataclass_type(cls, f) -> type | None:
+def dataclass_type(cls, f) -> type | None:
     hint = typing.get_type_hints(cls)[f.name]
     return hint if dataclasses.is_dataclass(hint) else None
 
@@ -526,7 +513,7 @@ def _build(cls, values: dict, prefix: str = ""):
         key = prefix + str(name)
         if name not in names:
             raise _unknown_key(key)
-        sub = _dataclass_type(cls, names[name])
+        sub = dataclass_type(cls, names[name])
         if sub is not None:
             if isinstance(value, _Override):
                 value = value.value
@@ -611,7 +598,9 @@ def parse_overrides(overrides: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override '{item}': value does not parse: {e}") from None
-        if isinstance(value, dict):  # section={key: value, ...}: merged key by key, in order
+        if key.strip() == "mesh" and value == "auto":  # every axis auto; a later mesh.<axis> pins one
+            _set_mapping(tree, "mesh", dict.fromkeys(MESH_AXES, "auto"))
+        elif isinstance(value, dict):  # section={key: value, ...}: merged key by key, in order
             _set_mapping(tree, key.strip(), value)
         else:
             _set_dotted(tree, key.strip(), _Override(raw, value))
@@ -633,12 +622,27 @@ def _set_mapping(tree: dict, key: str, mapping: dict) -> None:
 def user_settings(path: str | None = None, overrides: list[str] = ()) -> dict:
     """What the user set: the YAML file (if any) with the overrides merged over it."""
     values = load_yaml(path) if path else {}
+    if values.get("mesh") == "auto":
+        values["mesh"] = dict.fromkeys(MESH_AXES, "auto")
     return _merge(values, parse_overrides(list(overrides)))
+
+
+def auto_axes(settings: dict) -> tuple[dict, list[str]]:
+    """(`settings` with the mesh axes left to the planner set to 1 and one of them to -1, a
+    placeholder `jaxpar.planning.auto` replaces; those axes). Once one axis is auto, so is every
+    axis not set: the defaults' 2 x 2 x 2 is the default job's, not a choice."""
+    auto = lambda v: (v.value if isinstance(v, _Override) else v) == "auto"
+    mesh = settings.get("mesh")
+    if not isinstance(mesh, dict) or not any(auto(v) for v in mesh.values()):
+        return settings, []
+    axes = [a for a in MESH_AXES if a not in mesh or auto(mesh[a])]
+    fill = "data" if "data" in axes else axes[0]
+    return {**settings, "mesh": {**mesh, **{a: -1 if a == fill else 1 for a in axes}}}, axes
 
 
 def build_config(settings: dict) -> Config:
     """The defaults with `settings` (from `user_settings`) applied; type-checked, not validated."""
-    return _build(Config, settings)
+    return _build(Config, auto_axes(settings)[0])
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
@@ -721,31 +725,3 @@ def parse_cli(argv: list[str]) -> tuple[str | None, list[str]]:
                 "nor a dotted.key=value override"
             )
     return path, list(argv)
-
-
-# ---------------------------------------------------------------------------------------------
-# Data: the files and the names the data settings stand for
-
-
-def data_files(data: DataConfig) -> list[str]:
-    """The files a non-stdlib source names (a path or a glob), sorted; error if there are none."""
-    source = os.path.expanduser(data.source)
-    if os.path.isdir(source):
-        text, jsonl = os.path.join(data.source, "*.txt"), os.path.join(data.source, "**", "*.jsonl")
-        raise ConfigError(
-            f"data.source='{data.source}' is a directory; name its files with a glob, e.g. "
-            f"data.source='{text}' or '{jsonl}'"
-            ", or give a directory of prepared shards (python -m jaxpar.data prepare SOURCES --out DIR)"
-        )
-    files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
-    if not files:
-        raise ConfigError(f"data.source='{data.source}': no such file (or nothing matches the glob)")
-    return files
-
-
-def source_names(data: DataConfig) -> list[str]:
-    """The metrics' name of each of data.sources: its `name`, else its directory's name."""
-    return [
-        s.name if s.name is not None else os.path.basename(os.path.normpath(s.path))
-        for s in data.sources or []
-    ]

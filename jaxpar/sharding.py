@@ -53,6 +53,9 @@ BASE_RULES: Rules = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
+    # Latent attention's latents (`jaxpar.models.mla`): whole on every tensor device; under ZeRO-3
+    # the up-projections' latent dim is split over fsdp (`make_rules`).
+    "latent": (),
     "mlp": ("tensor",),
     # The input dims of the two output projections (attention's `wo`, the MLP's `w_down`): over
     # tensor like `heads` and `mlp`; where the state is split over fsdp (`make_rules`), over fsdp
@@ -75,6 +78,7 @@ def make_rules(*, shard_embed: bool, sequence_parallel: bool) -> Rules:
     rules = dict(BASE_RULES)
     if shard_embed:
         rules["embed"] = ("fsdp",)
+        rules["latent"] = ("fsdp",)
         for name in OUTER_NAMES:
             rules[name] = (*rules[name], "fsdp")
     if sequence_parallel:

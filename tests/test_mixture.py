@@ -18,6 +18,7 @@ from jaxpar.config import ConfigError, DataConfig, SourceConfig
 from jaxpar.corpus import data, prepare
 from jaxpar.corpus.data import batch_dataset, make_iterator
 from jaxpar.corpus.documents import ByteTokenizer
+from jaxpar.corpus.sources import source_names
 
 KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 LETTERS = {"a": "abcdefgh", "b": "qrstuvwx"}  # source -> its alphabet (bytes 97-104, 113-120)
@@ -160,7 +161,7 @@ def test_weights_are_relative_and_the_config_round_trips(prepared, tmp_path):
         SourceConfig(str(prepared["a"]), 0.7),
         SourceConfig(str(prepared["b"]), 0.3, "web"),
     ]
-    assert config_lib.source_names(cfg.data) == ["a", "web"]
+    assert source_names(cfg.data) == ["a", "web"]
     checks_lib.validate(cfg, 8)
     config_lib.dump_yaml(cfg, str(tmp_path / "config.yaml"))
     assert config_lib.load_config(str(tmp_path / "config.yaml")) == cfg

@@ -49,6 +49,16 @@ def test_predicted_memory_within_10_percent_of_compiled(name):
     assert state == pytest.approx(compiled["arguments"], rel=0.01)
 
 
+MLA = [
+    "model.mla.kv_lora_rank=16",
+    "model.mla.q_lora_rank=12",
+    "model.mla.qk_nope_dim=8",
+    "model.mla.qk_rope_dim=8",
+    "model.mla.v_head_dim=12",
+    "model.n_kv_heads=4",
+]
+
+
 @pytest.mark.parametrize(
     "stage, mesh, extra",
     [
@@ -56,6 +66,7 @@ def test_predicted_memory_within_10_percent_of_compiled(name):
         (1, {"fsdp": 4, "tensor": 2}, []),
         (2, {"fsdp": 2, "expert": 2, "tensor": 2}, ["model.moe.num_experts=4", "model.moe.every=2"]),
         (3, {"fsdp": 4, "context": 2}, []),
+        (3, {"fsdp": 2, "data": 2, "tensor": 2}, MLA),  # latent attention's own table
     ],
 )
 def test_state_per_device_equals_the_trainers_shardings(stage, mesh, extra):

@@ -63,7 +63,7 @@ import grain
 import numpy as np
 
 from jaxpar import cli
-from jaxpar.config import ConfigError, DataConfig, source_names
+from jaxpar.config import ConfigError, DataConfig
 from jaxpar.corpus import chat, prepare, reader, shards, verify
 from jaxpar.corpus.documents import EOD_TOKEN, packed_rows, pad_rows, read_documents, row_index, split_rows
 
@@ -71,6 +71,7 @@ from jaxpar.corpus.documents import EOD_TOKEN, packed_rows, pad_rows, read_docum
 # imported from here stay importable from here (the example notebooks do).
 from jaxpar.corpus.documents import make_tokenizer as make_tokenizer
 from jaxpar.corpus.documents import stdlib_files as stdlib_files
+from jaxpar.corpus.sources import source_names
 
 # --- Packing --------------------------------------------------------------------------------
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config import ConfigError, DataConfig, Packing, data_files
+from jaxpar.config import ConfigError, DataConfig, Packing
 from jaxpar.corpus import chat
+from jaxpar.corpus.sources import data_files
 
 EOD_TOKEN = "<|endoftext|>"
 

@@ -90,9 +90,21 @@ ARCHITECTURE_KEYS = (
     "sliding_window",
     "global_every",
     "rope_local_theta",
+    "mla",
 )
 # model.moe.* of the weights' shape and routing; the layer's training settings stay the user's.
-MOE_ARCHITECTURE_KEYS = ("num_experts", "top_k", "every", "d_ff", "norm_topk", "shared_experts")
+MOE_ARCHITECTURE_KEYS = (
+    "num_experts",
+    "top_k",
+    "every",
+    "d_ff",
+    "norm_topk",
+    "shared_experts",
+    "score",
+    "groups",
+    "topk_groups",
+    "routed_scale",
+)
 
 
 def param_targets(cfg, sizes: dict[str, int], devices) -> tuple[dict, dict]:

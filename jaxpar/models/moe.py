@@ -3,6 +3,7 @@ all-to-all in `jaxpar.parallel.experts` (one shard_map over the mesh)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -10,6 +11,36 @@ from jaxpar.config import ModelConfig
 from jaxpar.models.params import param
 from jaxpar.ops.swiglu import block_swiglu
 from jaxpar.parallel.experts import moe_mlp
+from jaxpar.parallel.routing import RouterSpec
+
+BIAS = "router_bias"  # the MoE MLP's attribute (and params key) holding the correction bias
+
+
+class RouterBias(nnx.Variable):
+    """The router's per-expert correction bias (model.moe.score=sigmoid): not an `nnx.Param`,
+    and the model reads it through `stop_gradient`, so it gets no gradient; the optimizer masks
+    it (`jaxpar.training.optim`), and the train step moves it (`update_router_bias`)."""
+
+
+def router_spec(cfg: ModelConfig) -> RouterSpec:
+    m = cfg.moe
+    return RouterSpec(
+        m.norm_topk, m.score, m.groups, m.topk_groups, m.routed_scale, m.seq_aux_loss_weight > 0
+    )
+
+
+def update_router_bias(params: dict, expert_load, rate: float) -> dict:
+    """Loss-free balancing (DeepSeek-V3, Wang et al. 2024): every correction bias leaf
+    [MoE layers, E] moved by rate * sign(mean load - load), `expert_load` [MoE layers, E] the
+    step's (token, choice) pairs per expert, summed over all devices and microsteps: an
+    underloaded expert's bias rises, an overloaded one's falls."""
+    load = expert_load.astype(jnp.float32)
+    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+    def update(path, leaf):
+        return leaf + step.astype(leaf.dtype) if getattr(path[-1], "key", None) == BIAS else leaf
+
+    return jax.tree_util.tree_map_with_path(update, params)
 
 
 def expert_d_ff(cfg: ModelConfig) -> int:
@@ -50,6 +81,10 @@ class MoEMLP(nnx.Module):
             self.shared_gate = param(rngs, (e, shared), ("embed", "mlp"), cfg)
             self.shared_up = param(rngs, (e, shared), ("embed", "mlp"), cfg)
             self.shared_down = param(rngs, (shared, e), ("mlp", "embed"), cfg, out_std)
+        if cfg.moe.score == "sigmoid":  # float32 whatever param_dtype: its steps are ~1e-3
+            self.router_bias = RouterBias(
+                jnp.zeros((n,), jnp.float32), out_sharding=(None,), eager_sharding=False
+            )
 
     def __call__(self, x):
         """x [batch, seq, embed] -> (y [batch, seq, embed], router statistics)."""
@@ -60,6 +95,8 @@ class MoEMLP(nnx.Module):
             "up": self.up[...],
             "down": self.down[...],
         }
+        if self.cfg.moe.score == "sigmoid":
+            weights["bias"] = jax.lax.stop_gradient(self.router_bias[...])
         # The mesh is the one the step runs under (`Layout.scope`); none: one device.
         y, stats = moe_mlp(
             x,
@@ -71,6 +108,7 @@ class MoEMLP(nnx.Module):
             dispatch=self.cfg.moe.dispatch,
             buffer_factor=self.cfg.moe.ragged_buffer_factor,
             normalize=self.cfg.moe.norm_topk,
+            router=router_spec(self.cfg),
         )
         if self.cfg.moe.shared_experts:
             y = y + block_swiglu(

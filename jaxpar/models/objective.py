@@ -33,17 +33,22 @@ from jaxpar.parallel.pipeline import (
 )
 from jaxpar.parallel.schedule import Schedule, schedule_for_mesh
 
-MOE_MEANS = ("aux_loss", "z_loss", "dropped_fraction")  # router statistics reported as means
+# Router statistics reported as means (seq_aux_loss: only with model.moe.seq_aux_loss_weight > 0)
+MOE_MEANS = ("aux_loss", "z_loss", "dropped_fraction", "seq_aux_loss")
 
 
 def router_penalty(moe, stats: dict, count, layers: int):
-    """count * (aux_loss_weight * aux + z_loss_weight * z), where aux and z are the router
-    losses in `stats` (stacked over layers) summed and divided by the model's MoE `layers`: the
-    model's means when `stats` holds every MoE layer, a pipeline chunk's share of them when it
-    holds the chunk's. `count` carries no gradient (the caller stops it)."""
+    """count * (aux_loss_weight * aux + z_loss_weight * z [+ seq_aux_loss_weight * seq]), where
+    aux, z (and seq, DeepSeek-V3's sequence-wise loss, where the router computes it) are the
+    router losses in `stats` (stacked over layers) summed and divided by the model's MoE
+    `layers`: the model's means when `stats` holds every MoE layer, a pipeline chunk's share of
+    them when it holds the chunk's. `count` carries no gradient (the caller stops it)."""
     aux = jnp.sum(stats["aux_loss"]) / layers
     z = jnp.sum(stats["z_loss"]) / layers
-    return count * (moe.aux_loss_weight * aux + moe.z_loss_weight * z)
+    penalty = moe.aux_loss_weight * aux + moe.z_loss_weight * z
+    if "seq_aux_loss" in stats:
+        penalty = penalty + moe.seq_aux_loss_weight * jnp.sum(stats["seq_aux_loss"]) / layers
+    return count * penalty
 
 
 def objective(graphdef, params, batch: dict, *, chunks: int):
@@ -59,7 +64,8 @@ def objective(graphdef, params, batch: dict, *, chunks: int):
     aux = {"nll": nll, "count": count}
     if not moe_stats:
         return nll, aux
-    aux.update({k: jnp.mean(moe_stats[k]) for k in MOE_MEANS}, expert_load=moe_stats["expert_load"])
+    aux.update({k: jnp.mean(moe_stats[k]) for k in MOE_MEANS if k in moe_stats})
+    aux["expert_load"] = moe_stats["expert_load"]
     penalty = router_penalty(model.cfg.moe, moe_stats, jax.lax.stop_gradient(count), moe_layers(model.cfg))
     return nll + penalty, aux
 
@@ -140,6 +146,6 @@ def pipelined_grads(
     if layers:
         per_layer = unstack_stages(stats, p, v)  # [MoE layers, ...], summed over microbatches
         aux["nll"] = value - jnp.sum(per_layer["penalty"])
-        aux.update({k: jnp.mean(per_layer[k]) / m for k in MOE_MEANS})
+        aux.update({k: jnp.mean(per_layer[k]) / m for k in MOE_MEANS if k in per_layer})
         aux["expert_load"] = per_layer["expert_load"]
     return grads, aux

@@ -31,9 +31,9 @@ the worst case since a token picks `top_k` distinct experts, so nothing is ever 
 
 Without a mesh (none passed, none set with `jax.set_mesh`) the layer runs as on one device: no
 shard_map, no collectives. On a mesh without an `expert` axis (or with one of size 1) every
-device holds all experts and the all-to-alls are skipped. Routing: softmax, top_k experts per
-token, weights renormalised over the top_k when top_k > 1 and the plain probability when
-top_k = 1 (see `route`).
+device holds all experts and the all-to-alls are skipped. Routing (`jaxpar.parallel.routing`):
+softmax or DeepSeek-V3's sigmoid with a correction bias and expert groups, top_k experts per
+token, weights renormalised over the top_k when top_k > 1 and the plain score when top_k = 1.
 
 Two dispatches (`moe_mlp(dispatch=...)`, model.moe.dispatch). The above is "padded": fixed
 shapes, and in dropless mode E x local tokens rows of mostly padding per device. "ragged"
@@ -84,63 +84,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.ops.fp8 import fp8_einsum
+from jaxpar.ops.fp8 import _varying, fp8_einsum
 from jaxpar.ops.swiglu import swiglu
+from jaxpar.parallel.routing import RouterSpec, Routing, route  # noqa: F401 (route: re-exported)
 from jaxpar.sharding import rules_in_force
-
-
-class Routing(NamedTuple):
-    """Router output for `tokens` tokens and `num_experts` experts."""
-
-    expert_index: jax.Array  # [tokens, top_k] int32, best first
-    expert_weight: jax.Array  # [tokens, top_k] float32: top_k > 1 sums to 1, top_k = 1 the prob
-    aux_loss: jax.Array  # [] load-balancing loss, 1.0 when perfectly balanced
-    z_loss: jax.Array  # [] mean of logsumexp(logits)^2
-    expert_load: jax.Array  # [num_experts] int32, (token, choice) pairs routed to each expert
-
-
-def route(x, router_w, *, top_k, token_axes=(), normalize=True):
-    """Top-k softmax router, in float32.
-
-    x: [tokens, embed]; router_w: [embed, num_experts]. logits = x @ router_w, probs = softmax.
-    Weights: for top_k > 1 the top_k probs renormalised to sum 1 (Mixtral; `normalize`=False:
-    the probs themselves, Qwen3-MoE's norm_topk_prob=false); for top_k = 1 the chosen expert's
-    prob itself (Switch Transformer), since renormalising would make every weight 1 and leave
-    the router without a gradient from the output. Statistics are global
-    over `token_axes` (mesh axes the tokens are split over; `psum` when called inside a
-    shard_map, none outside):
-
-      aux_loss = E * sum_e f_e * p_e, f_e = fraction of (token, choice) pairs routed to e,
-                 p_e = mean router prob of e (Switch Transformer, Fedus et al. 2021, eq. 4;
-                 f_e carries no gradient);
-      z_loss   = mean over tokens of logsumexp(logits)^2 (ST-MoE, Zoph et al. 2022, eq. 5).
-    """
-    num_experts = router_w.shape[-1]
-    logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32))  # [tokens, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, expert_index = jax.lax.top_k(probs, top_k)  # [tokens, top_k]
-    if top_k > 1 and normalize:
-        expert_weight = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-    else:
-        expert_weight = top_probs
-
-    def total(value):
-        return jax.lax.psum(value, token_axes) if token_axes else value
-
-    tokens = total(jnp.float32(x.shape[0]))
-    expert_load = total(jnp.zeros(num_experts, jnp.int32).at[expert_index.reshape(-1)].add(1))
-    routed_fraction = jax.lax.stop_gradient(expert_load.astype(jnp.float32) / (tokens * top_k))
-    mean_prob = total(jnp.sum(probs, axis=0)) / tokens
-    aux_loss = num_experts * jnp.sum(routed_fraction * mean_prob)
-    z_loss = total(jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)) / tokens
-    return Routing(expert_index.astype(jnp.int32), expert_weight, aux_loss, z_loss, expert_load)
 
 
 def slot_positions(expert_index, num_experts):
@@ -185,6 +138,7 @@ def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
             project_in=lambda x, w: fp8_einsum("esd,edm->esm", x, w, amax_axes),
             project_out=lambda x, w: fp8_einsum("esm,emd->esd", x, w, amax_axes, jnp.float32),
         )
+    h, gate, up, down = _varying_alike(h, gate, up, down)
     h, gate, up, down = (a.astype(compute_dtype) for a in (h, gate, up, down))
     return swiglu(
         h,
@@ -194,6 +148,25 @@ def swiglu_experts(h, gate, up, down, compute_dtype, fp8=False, amax_axes=()):
         project_in=functools.partial(jnp.einsum, "esd,edm->esm"),
         project_out=lambda x, w: float32_out(functools.partial(jnp.einsum, "esm,emd->esd"), x, w),
     )
+
+
+def _varying_alike(*arrays):
+    """`arrays` (the tokens and the expert weights) each marked varying (inside a shard_map)
+    along every manual axis any of them varies along, in float32 where a mark is added, before
+    their cast to compute_dtype -- as the einsums would mark them after it. Each mark's transpose,
+    the psum of that array's gradient over those axes, then runs in float32, not in a 16-bit
+    compute_dtype: a bfloat16 psum inside a shard_map manual over only some of the mesh's axes
+    lowers its reducer with a sharding op (a `copy` root after the partitioner), and XLA:CPU's
+    AllReducePromotion (bf16 -> f32) aborts on it ("Invalid binary instruction opcode copy"):
+    the weights' gradients over the token axes, the tokens' over tensor. A float32 model is
+    unchanged (the same marks, moved before a no-op cast)."""
+    axes = frozenset().union(*(_varying(a) for a in arrays))
+
+    def mark(a):
+        missing = tuple(sorted(axes - _varying(a)))
+        return jax.lax.pcast(a.astype(jnp.float32), missing, to="varying") if missing else a
+
+    return tuple(mark(a) for a in arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -336,14 +309,15 @@ def moe_mlp(
     dispatch="auto",
     buffer_factor=None,
     normalize=True,
+    router=None,
 ):
     """Mixture-of-experts SwiGLU MLP with the experts split over mesh axis `axis_name`.
 
     x: GLOBAL [batch, seq, embed]; batch split over `token_axes` and the expert axis, seq over
       `seq_axes`, embed whole (x is moved there if it arrives laid out otherwise).
-    params: {"router": [embed, E], "gate": [E, embed, mlp], "up": [E, embed, mlp],
-      "down": [E, mlp, embed]}, any dtype (float32 master weights); experts dim split over
-      the expert axis, mlp over `tensor_axes`.
+    params: {"router": [embed, E], "gate": [E, embed, mlp], "up": [E, embed, mlp], "down":
+      [E, mlp, embed], "bias": [E] (optional: the router's correction bias, `route`)}, any dtype
+      (float32 master weights); experts dim split over the expert axis, mlp over `tensor_axes`.
     mesh: a Mesh or AbstractMesh; None (the default): the mesh set with `jax.set_mesh`, and with
       none set, one device (all experts local, no collectives, the numbers of a one-device mesh).
       Its axes may be Explicit or Auto; axes it has besides the ones below are left alone (on
@@ -366,10 +340,10 @@ def moe_mlp(
       "auto": ragged on GPU devices when dropless without fp8 and no more matmul work than
       padded (`resolve_dispatch`), padded otherwise. Explicit "ragged" with an expert axis on CPU devices is a
       ConfigError (XLA:CPU has no ragged-all-to-all).
-    normalize: top_k > 1: the chosen experts' weights renormalised to sum 1 (`route`).
+    normalize: top_k > 1: the chosen experts' weights renormalised to sum 1 (`route`); router:
+    a `RouterSpec` (scoring, groups, scale, sequence-wise loss), None: softmax.
     buffer_factor: ragged dispatch with an expert axis: the receive buffer's rows, as a multiple
-      of the balanced load tokens * top_k; None: the worst case, never dropping
-      (`ragged_receive_rows`).
+      of the balanced load tokens * top_k; None: the worst case (`ragged_receive_rows`).
 
     Collectives: all_to_all (padded; ragged: an all_gather of the per-expert row counts, then
     ragged_all_to_all) over the expert axis twice forward (dispatch, return) and twice
@@ -377,22 +351,22 @@ def moe_mlp(
     the token axes. Returns (y [batch, seq, embed] in x.dtype, laid out like x on Explicit axes,
     stats) with stats = {aux_loss [], z_loss [], dropped_fraction [] (dropped (token, choice)
     pairs / all pairs), expert_load [E] int32 ((token, choice) pairs routed to each expert,
-    before dropping)}, all global.
+    before dropping), and with router.seq_aux seq_aux_loss []}, all global.
     """
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     expert_axes, token_axes, seq_axes, tensor_axes = _layer_axes(
         mesh, axis_name, token_axes, seq_axes, tensor_axes
     )
-    sizes = dict(mesh.shape)
-    _check_shapes(x, params, sizes, expert_axes, token_axes, seq_axes, tensor_axes)
-    expert_devices = math.prod(sizes[a] for a in expert_axes)
+    _check_shapes(x, params, dict(mesh.shape), expert_axes, token_axes, seq_axes, tensor_axes)
+    expert_devices = math.prod(dict(mesh.shape)[a] for a in expert_axes)
     dispatch = _dispatch_on(
         mesh, dispatch, capacity_factor, fp8, top_k, params, expert_axes, expert_devices, buffer_factor
     )
     layout = (expert_axes, expert_devices, token_axes, seq_axes, tensor_axes)
     options = (top_k, capacity_factor, jnp.dtype(compute_dtype), fp8, dispatch, buffer_factor)
-    program, in_specs = _moe_program(mesh, *layout, *options, _ragged_all_to_all, normalize)
-    args = (x, params["router"], params["gate"], params["up"], params["down"])
+    router = (router or RouterSpec())._replace(normalize=normalize)
+    program, in_specs = _moe_program(mesh, *layout, *options, _ragged_all_to_all, router, "bias" in params)
+    args = (x, *(params[k] for k in ("router", "gate", "up", "down", "bias") if k in params))
     if mesh.empty:
         return program(*args)
     x_spec = tuple(jax.typeof(x).sharding.spec)
@@ -411,18 +385,18 @@ def _expert_parallel_layer(
     capacity_factor,
     compute_dtype,
     fp8=False,
-    normalize=True,
+    router=RouterSpec(),
 ):
     """The layer on one device's block of tokens, with all experts' weights for the experts it
     holds (all of them when `expert_axes` is empty)."""
     all_token_axes = token_axes + seq_axes
 
-    def local(x_block, router_w, gate, up, down):
+    def local(x_block, router_w, gate, up, down, bias=None):
         batch, seq, embed = x_block.shape
         num_experts = router_w.shape[-1]
         local_experts = num_experts // expert_devices
         tokens = x_block.reshape(batch * seq, embed)  # [T, embed]
-        routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes, normalize=normalize)
+        routing = _route(tokens, router_w, bias, top_k, router, all_token_axes, seq_axes, batch)
         capacity = expert_capacity(batch * seq, num_experts, top_k, capacity_factor)
 
         # Buffer row of each (token, choice): expert * capacity + position; E * capacity if dropped.
@@ -468,18 +442,33 @@ def _expert_parallel_layer(
     return local
 
 
+def _route(tokens, router_w, bias, top_k, router, token_axes, seq_axes, rows):
+    return route(
+        tokens,
+        router_w,
+        top_k=top_k,
+        token_axes=token_axes,
+        normalize=router.normalize,
+        spec=router,
+        bias=bias,
+        rows=rows,
+        seq_axes=seq_axes,
+    )
+
+
 def _layer_stats(routing, dropped, token_axes):
     """The layer's router statistics (`moe_mlp`'s stats), `dropped` this device's dropped
     (token, choice) rows, summed over the token axes."""
     dropped = dropped.astype(jnp.float32)
     if token_axes:
         dropped = jax.lax.psum(dropped, token_axes)
-    return {
+    stats = {
         "aux_loss": routing.aux_loss,
         "z_loss": routing.z_loss,
         "dropped_fraction": dropped / jnp.sum(routing.expert_load).astype(jnp.float32),
         "expert_load": routing.expert_load,
     }
+    return stats if routing.seq_aux_loss is None else {**stats, "seq_aux_loss": routing.seq_aux_loss}
 
 
 # --- Ragged dispatch: exactly the routed rows, grouped GEMMs ------------------------------------
@@ -542,6 +531,7 @@ def grouped_swiglu(rows, group_sizes, gate, up, down, compute_dtype):
     rows: [rows, embed]; group_sizes: [experts] int32 (summing to at most `rows`; rows past the
     sum are not computed); gate, up: [experts, embed, mlp]; down: [experts, mlp, embed].
     Returns [rows, embed] float32, the same numbers as `swiglu_experts` on the same rows."""
+    rows, gate, up, down = _varying_alike(rows, gate, up, down)
     rows, gate, up, down = (a.astype(compute_dtype) for a in (rows, gate, up, down))
     return swiglu(
         rows,
@@ -567,18 +557,18 @@ def _ragged_layer(
     compute_dtype,
     buffer_factor,
     ragged_all_to_all,
-    normalize=True,
+    router=RouterSpec(),
 ):
     """The ragged (dropless) layer on one device's block of tokens; see the module docstring.
     `ragged_all_to_all`: the exchange, `jax.lax.ragged_all_to_all` or an equivalent."""
     all_token_axes = token_axes + seq_axes
 
-    def local(x_block, router_w, gate, up, down):
+    def local(x_block, router_w, gate, up, down, bias=None):
         batch, seq, embed = x_block.shape
         num_experts = router_w.shape[-1]
         n_tokens = batch * seq
         tokens = x_block.reshape(n_tokens, embed)
-        routing = route(tokens, router_w, top_k=top_k, token_axes=all_token_axes, normalize=normalize)
+        routing = _route(tokens, router_w, bias, top_k, router, all_token_axes, seq_axes, batch)
 
         # This device's (token, choice) rows sorted by expert; inside an expert, choice-major
         # (all first choices in token order, then the second ones), as the padded path queues them.
@@ -705,12 +695,14 @@ def _moe_program(
     dispatch="padded",
     buffer_factor=None,
     exchange=None,
-    normalize=True,
+    router=RouterSpec(),
+    biased=False,
 ):
     """(the jitted layer, its in_specs): one shard_map manual over the axes it uses (a plain
     function when it uses none). Jitted and cached, so that a call outside `jax.jit` compiles
     once rather than running the shard_map's body op by op. `exchange`: the ragged exchange the
-    layer is traced with (part of the cache key, so that swapping it retraces)."""
+    layer is traced with (part of the cache key, so that swapping it retraces). `router`: the
+    `RouterSpec`; `biased`: the layer takes the router's correction bias as a last argument."""
     if dispatch == "ragged":
         local = _ragged_layer(
             expert_axes,
@@ -722,7 +714,7 @@ def _moe_program(
             compute_dtype,
             buffer_factor,
             exchange,
-            normalize,
+            router,
         )
     else:
         local = _expert_parallel_layer(
@@ -735,7 +727,7 @@ def _moe_program(
             capacity_factor,
             compute_dtype,
             fp8,
-            normalize,
+            router,
         )
     tensor = tensor_axes or None
     expert = expert_axes or None
@@ -745,12 +737,13 @@ def _moe_program(
         P(expert, None, tensor),
         P(expert, None, tensor),
         P(expert, tensor, None),
-    )
+    ) + ((P(),) if biased else ())
     manual = set(expert_axes + token_axes + seq_axes + tensor_axes)
     if mesh.empty or not manual:
         program = jax.jit(local)
     else:
-        stats_spec = {"aux_loss": P(), "z_loss": P(), "dropped_fraction": P(), "expert_load": P()}
+        stats_spec = dict.fromkeys(["aux_loss", "z_loss", "dropped_fraction", "expert_load"], P())
+        stats_spec.update(dict.fromkeys(["seq_aux_loss"] if router.seq_aux else [], P()))
         program = jax.jit(
             jax.shard_map(
                 local, mesh=mesh, in_specs=in_specs, out_specs=(in_specs[0], stats_spec), axis_names=manual

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from jaxpar.config import LoRAConfig, ModelConfig
+from jaxpar.models import mla
 from jaxpar.models.llama import scan_length
 from jaxpar.sharding import Rules, fitted_names, make_rules, state_rules
 
@@ -29,12 +30,15 @@ def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | 
         out.append(("lm_head", (e, v), ("embed", "vocab")))
     for i in range(per_unit):
         is_moe = moe.num_experts > 0 and i == per_unit - 1
-        out += [
-            (f"block{i}.norms", (units, 2 * e), L + ("embed",)),
-            (f"block{i}.wq", (units, e, n, h), L + ("embed", "heads", "head_dim")),
-            (f"block{i}.wkv", (units, e, 2 * k, h), L + ("embed", "kv_heads", "head_dim")),
-            (f"block{i}.wo", (units, n, h, e), L + ("heads_in", "head_dim", "embed")),
-        ]
+        out.append((f"block{i}.norms", (units, 2 * e), L + ("embed",)))
+        if m.mla.kv_lora_rank:  # latent attention's own table
+            out += [(f"block{i}.{w}", (units, *shape), L + names) for w, shape, names in mla.weights(m)]
+        else:
+            out += [
+                (f"block{i}.wq", (units, e, n, h), L + ("embed", "heads", "head_dim")),
+                (f"block{i}.wkv", (units, e, 2 * k, h), L + ("embed", "kv_heads", "head_dim")),
+                (f"block{i}.wo", (units, n, h, e), L + ("heads_in", "head_dim", "embed")),
+            ]
         if not is_moe:
             out += [
                 (f"block{i}.w_gate_up", (units, e, 2 * f), L + ("embed", "mlp")),

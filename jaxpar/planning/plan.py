@@ -33,6 +33,7 @@ from jaxpar import config as config_lib
 from jaxpar.compiled import targets as targets_lib
 from jaxpar.compiled.targets import DEVICES, DeviceSpec
 from jaxpar.config import MESH_AXES, Config, ConfigError
+from jaxpar.planning import auto as auto_lib
 from jaxpar.planning.memory import GIB
 from jaxpar.planning.params import state_elements
 from jaxpar.planning.search import Plan, check_config, enumerate_plans, explain, fastest_runnable, missing
@@ -170,7 +171,7 @@ def format_human(result: dict) -> str:
 
 USAGE = (
     """usage: python -m jaxpar.plan [CONFIG.yaml] [dotted.key=value ...] --gpus NxTYPE
-                              [--gpus-per-node 8] [--top 5] [--verify K] [--human]
+                              [--gpus-per-node 8] [--top 5] [--verify K] [--human] [--explain]
   --gpus 64xh100      how many GPUs of which type (known: """
     + ", ".join(DEVICES)
     + """)
@@ -179,6 +180,8 @@ USAGE = (
   --verify K          compile the top K for the target without a GPU (gpu-compile extra) and
                       show predicted against compiled memory; drop a plan that does not fit
   --human             a table instead of JSON
+  --explain           the choice `mesh: auto` would make there, the runners-up (the top 3, or
+                      --top) and why each lost, what was passed over, and the uncertainty
 exit codes: 0 plans printed, 2 bad input, 3 no layout fits"""
 )
 
@@ -193,6 +196,7 @@ class Args:
     top: int
     verify: int
     human: bool
+    explain: bool = False
 
 
 def parse_gpus(text: str) -> tuple[int, DeviceSpec]:
@@ -212,8 +216,8 @@ def parse_gpus(text: str) -> tuple[int, DeviceSpec]:
 
 
 def parse_args(argv: list[str]) -> Args:
-    flags = {"--gpus": None, "--gpus-per-node": "8", "--top": "5", "--verify": "0"}
-    human, rest = False, []
+    flags = {"--gpus": None, "--gpus-per-node": "8", "--top": None, "--verify": "0"}
+    human, explain, rest = False, False, []
     it = iter(argv)
     for arg in it:
         name, eq, value = arg.partition("=")
@@ -224,9 +228,11 @@ def parse_args(argv: list[str]) -> Args:
             flags[name] = value
         elif arg == "--human":
             human = True
+        elif arg == "--explain":
+            explain = True
         elif arg.startswith("--"):
             raise ConfigError(
-                f"unknown flag {arg!r}; known: --gpus, --gpus-per-node, --top, --verify, --human"
+                f"unknown flag {arg!r}; known: --gpus, --gpus-per-node, --top, --verify, --human, --explain"
             )
         else:
             rest.append(arg)
@@ -234,6 +240,7 @@ def parse_args(argv: list[str]) -> Args:
         raise ConfigError(f"--gpus is required, e.g. --gpus 64xh100 (known types: {', '.join(DEVICES)})")
     count, device = parse_gpus(flags["--gpus"])
     numbers = {}
+    flags["--top"] = flags["--top"] or ("3" if explain else "5")
     for name, least in (("--gpus-per-node", 1), ("--top", 1), ("--verify", 0)):
         value = flags[name]
         if not value.isdigit() or int(value) < least:
@@ -248,7 +255,15 @@ def parse_args(argv: list[str]) -> Args:
         )
     path, overrides = config_lib.parse_cli(rest)
     return Args(
-        path, overrides, count, device, min(per_node, count), numbers["--top"], numbers["--verify"], human
+        path,
+        overrides,
+        count,
+        device,
+        min(per_node, count),
+        numbers["--top"],
+        numbers["--verify"],
+        human,
+        explain,
     )
 
 
@@ -301,6 +316,8 @@ def plan_main(args: Args) -> tuple[dict, int]:
     if not chosen:
         result["error"] = missing(cfg, n, device, args.per_node, plans)
         return result, 3
+    if args.explain:
+        result["explain"] = auto_lib.explain_lines(plans, n, device, args.per_node, args.top)
     for p in chosen:
         result["plans"].append(
             to_json(p, explain(p, plans, device), command(p, args.path, args.overrides, args.per_node, n))
@@ -340,13 +357,7 @@ def verify(result: dict, chosen: list[Plan], args: Args, device: DeviceSpec) -> 
         trainer = build_trainer(plan.cfg, plan.sizes, devices=targets_lib.devices(target))
         compiled = compile_step(trainer, documents=1)  # what the loop runs on one-document rows
         _ruler_time(entry, compiled.as_text(), device, args.count)
-        mem = compiled.memory_analysis()
-        total = int(
-            mem.argument_size_in_bytes
-            + mem.output_size_in_bytes
-            - mem.alias_size_in_bytes
-            + mem.temp_size_in_bytes
-        )
+        total = auto_lib.compiled_total(compiled)
         entry["compiled_memory_per_device"] = total
         entry["predicted_over_compiled"] = entry["memory_per_device"]["total"] / total
         if total > target.usable_bytes:
@@ -373,7 +384,9 @@ def _plan(argv: list[str]) -> int:
     args = parse_args(argv)
     result, code = plan_main(args)
     try:
-        print(format_human(result) if args.human else json.dumps(result, indent=2), flush=True)
+        shown = "\n".join(result["explain"]) if "explain" in result else None
+        shown = shown or (format_human(result) if args.human else json.dumps(result, indent=2))
+        print(shown, flush=True)
     except BrokenPipeError:  # `plan ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if code == 3:

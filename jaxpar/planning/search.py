@@ -105,23 +105,29 @@ def _with(cfg: Config, sizes: dict[str, int], settings: dict) -> Config:
     return dataclasses.replace(cfg, mesh=config_lib.MeshConfig(**sizes), parallel=parallel)
 
 
-def enumerate_plans(cfg: Config, n: int, device: DeviceSpec, gpus_per_node: int) -> list[Plan]:
-    """Every layout of `cfg`'s model on n GPUs, predicted (fitting or not), fastest first."""
+def enumerate_plans(
+    cfg: Config, n: int, device: DeviceSpec, gpus_per_node: int, backend: str = "gpu", usable=None
+) -> list[Plan]:
+    """Every layout of `cfg`'s model on n GPUs, predicted (fitting or not), fastest first.
+    `backend`: the compiler whose layout of the program memory predicts ("cpu": XLA:CPU, whose
+    devices the attention kernel is chosen for too); `usable`: bytes a program may take per
+    device (default the device's usable share)."""
+    usable = device.usable_bytes if usable is None else usable
     plans = []
     for sizes in _meshes(cfg.model, cfg.train, n):
         crosses = [a for a in ("tensor", "context") if crosses_nodes(sizes, (a,), gpus_per_node)]
         for settings in _settings(cfg, sizes):
             c = _with(cfg, sizes, settings)
-            kernel = attention_kernel(c, sizes, device)
+            kernel = attention_kernel(c, sizes, None if backend == "cpu" else device)
             plan = Plan(
                 c,
                 sizes,
-                predict_memory(c, sizes, kernel, memory=device.usable_bytes),
-                predict_time(c, sizes, device, gpus_per_node),
+                predict_memory(c, sizes, kernel, backend, None if backend == "cpu" else usable),
+                predict_time(c, sizes, device, gpus_per_node, kernel=kernel),
                 kernel,
                 crosses,
             )
-            plan._usable = device.usable_bytes
+            plan._usable = usable
             plans.append(plan)
     plans.sort(key=_rank)
     return plans
@@ -214,7 +220,7 @@ def _feature_tests(plan: Plan) -> list[tuple[str, callable, str]]:
 def explain(plan: Plan, plans: list[Plan], device: DeviceSpec) -> str:
     """One line: for each thing this plan uses, whether anything without it fits, and if so how
     much slower the best such plan is."""
-    usable = device.usable_bytes / GIB
+    usable = plan._usable / GIB
     parts = []
     for label, without, name in _feature_tests(plan):
         rivals = [q for q in plans if without(q)]

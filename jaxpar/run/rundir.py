@@ -57,7 +57,8 @@ LOCK = "jaxpar.lock"
 HEARTBEAT_S = 30.0  # how often a holder touches its lock
 STALE_S = 300.0  # another host's lock untouched this long is stale
 METRICS = "metrics.jsonl"
-HISTORY = ("config.yaml", METRICS, "loss.png", wandb_log.ID_FILE)  # + events.out.tfevents.*, checkpoints/
+# + events.out.tfevents.*, checkpoints/; layout.json: mesh: auto's choice (jaxpar.planning.auto)
+HISTORY = ("config.yaml", METRICS, "loss.png", wandb_log.ID_FILE, "layout.json")
 WANDB_FILES = "wandb"  # W&B's own files (unless WANDB_DIR puts them elsewhere)
 REPLACED = "replaced-"
 RECORD = "config.yaml"  # the run's settings, rewritten at every start

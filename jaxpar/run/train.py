@@ -30,7 +30,7 @@ from jaxpar.hf import base as base_lib
 from jaxpar.hf import convert as convert_lib
 from jaxpar.models.attention import documents_per_row
 from jaxpar.planning import host as host_lib
-from jaxpar.run import records, stopping
+from jaxpar.run import autolayout, records, stopping
 from jaxpar.run import rundir as rundir_lib
 from jaxpar.run.startup import load_and_validate
 from jaxpar.training import checkpoint as checkpoint_lib
@@ -232,6 +232,7 @@ def train(cfg: Config, sizes: dict[str, int], preemption: stopping.Preemption | 
         preemption.check_startup(start + 1)
         if is_main and start < t.steps:  # a run with nothing to do keeps the record it has
             config_lib.dump_yaml(cfg, os.path.join(t.run_dir, "config.yaml"))
+            autolayout.write(t.run_dir)  # mesh: auto's choice and its reasons
             from jaxpar.corpus import data as data_lib
 
             data_lib.save_run_template(cfg.data, t.run_dir)  # what `sample --chat` renders with
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
         try:
-            print(USAGE + "\n" + config_lib.settings_help(), flush=True)
+            print(USAGE + "\n" + cli.settings_help(), flush=True)
         except BrokenPipeError:  # `--help | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -532,7 +533,12 @@ def _run(argv: list[str], preemption: stopping.Preemption) -> int:
     cfg, sizes = load_and_validate(argv)
     _preflight(cfg, sizes, preemption)
     preemption.check_startup(1)
-    summary = train(cfg, sizes, preemption)
+    try:
+        summary = train(cfg, sizes, preemption)
+    except Exception as e:
+        if (why := autolayout.out_of_memory(e)) is not None:
+            print(why, file=sys.stderr, flush=True)
+        raise
     if jax.process_index() == 0:
         print(records.format_summary(summary))
     # A Ctrl-C stop exits 130 (the shell's convention), after its checkpoint; SIGTERM, which

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.config import Config
+from jaxpar.models.moe import BIAS
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
@@ -33,14 +34,15 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """optimizer.name: AdamW (no weight decay on norm scales), or plain SGD (what parity tests
-    use: its update is the gradient times the learning rate, so a wrong gradient scale shows in
-    the loss); either after global-norm clipping when clip_norm > 0."""
+    """optimizer.name: AdamW (no weight decay on norm scales nor on the MoE router's correction
+    bias, which has no gradient either and moves only by `moe.update_router_bias`), or plain SGD
+    (what parity tests use: its update is the gradient times the learning rate, so a wrong
+    gradient scale shows in the loss); either after global-norm clipping when clip_norm > 0."""
     o = cfg.optimizer
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: not any("norm" in str(k) for k in path), params
+            lambda path, _: not any("norm" in str(k) or BIAS in str(k) for k in path), params
         )
 
     if o.name == "sgd":

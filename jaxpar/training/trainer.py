@@ -30,6 +30,7 @@ from jaxpar import sharding as sharding_lib
 from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import Config
 from jaxpar.models import lora as lora_lib
+from jaxpar.models import moe as moe_lib
 from jaxpar.models import objective as objective_lib
 from jaxpar.models.attention import kernel_for, slot_bucket
 from jaxpar.models.llama import Transformer, check_documents
@@ -359,6 +360,8 @@ def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, 
     train, frozen = parts.split(state["params"])  # LoRA: the adapters, and the frozen weights
     updates, opt_state = parts.optimizer.update(grads, state["opt_state"], train)
     params = parts.join(optax.apply_updates(train, updates), frozen)
+    if cfg.model.moe.bias_update_rate and "expert_load" in aux:  # loss-free balancing
+        params = moe_lib.update_router_bias(params, aux["expert_load"], cfg.model.moe.bias_update_rate)
     metrics = {
         "loss": aux["nll"] / count,
         "grad_norm": optax.tree.norm(grads),
@@ -368,7 +371,7 @@ def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, 
     }
     if "expert_load" in aux:
         accum = cfg.parallel.grad_accum
-        metrics.update({k: aux[k] / accum for k in objective_lib.MOE_MEANS})
+        metrics.update({k: aux[k] / accum for k in objective_lib.MOE_MEANS if k in aux})
         metrics["expert_load_min"] = jnp.min(aux["expert_load"])
         metrics["expert_load_max"] = jnp.max(aux["expert_load"])
     new_state, metrics = guard_non_finite(

@@ -306,7 +306,26 @@ def rope_from_hf(
             "type": "llama3",
             **{field: _required(rope, key, cast, where) for key, field, cast in LLAMA3_ROPE_KEYS},
         }
-    raise refuse(where, f"rope scaling {rope_type!r}: jaxpar has none, linear or llama3")
+    if rope_type == "yarn":
+        return theta, _yarn_from_hf(rope, where)
+    raise refuse(where, f"rope scaling {rope_type!r}: jaxpar has none, linear, llama3 or yarn")
+
+
+def _yarn_from_hf(rope: dict, where: str) -> dict:
+    """model.rope_scaling of a rope_type "yarn" entry: transformers' defaults for what it leaves
+    out (beta_fast 32, beta_slow 1, no mscale keys); an explicit attention_factor or
+    truncate=false, which jaxpar does not compute, refused."""
+    shown = f"{where} (rope scaling)"
+    if rope.get("attention_factor") is not None:
+        raise refuse(
+            where, f"yarn attention_factor={rope['attention_factor']}: jaxpar derives it from mscale"
+        )
+    if rope.get("truncate", True) is not True:
+        raise refuse(where, f"yarn truncate={rope['truncate']!r}: jaxpar truncates the correction range")
+    settings = {"type": "yarn", **{f: _required(rope, k, c, where) for k, f, c in LLAMA3_ROPE_KEYS[::3]}}
+    for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0), ("mscale", None), ("mscale_all_dim", None)):
+        settings[key] = read_float(rope, key, shown, default, positive=True) if rope.get(key) else default
+    return settings
 
 
 def _required(rope: dict, key: str, cast: type, where: str):
@@ -324,6 +343,10 @@ def rope_scaling_config(m: ModelConfig) -> dict | None:
         return None
     if rs.type == "linear":
         return {"rope_type": "linear", "factor": rs.factor}
+    if rs.type == "yarn":
+        keys = {"factor": rs.factor, "original_max_position_embeddings": rs.original_max_len}
+        extra = {k: getattr(rs, k) for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
+        return {"rope_type": "yarn", **keys, **{k: v for k, v in extra.items() if v is not None}}
     return {"rope_type": rs.type, **{key: getattr(rs, field) for key, field, _ in LLAMA3_ROPE_KEYS}}
 
 

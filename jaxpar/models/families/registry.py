@@ -14,9 +14,9 @@ from types import ModuleType
 import numpy as np
 
 from jaxpar.config import ConfigError, ModelConfig
-from jaxpar.models.families import common, gemma3, llama, mixtral, qwen3, qwen3_moe
+from jaxpar.models.families import common, deepseek_v3, gemma3, llama, mixtral, qwen3, qwen3_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, mixtral, qwen3_moe, gemma3)
+FAMILIES: tuple[ModuleType, ...] = (deepseek_v3, llama, qwen3, mixtral, qwen3_moe, gemma3)
 ARCHITECTURES = tuple(a for family in FAMILIES for a in family.ARCHITECTURES)
 
 
