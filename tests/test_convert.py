@@ -569,6 +569,31 @@ FAMILY_CASES = {  # ModelConfig changes covering every branch of each family's t
         "post_norms": True,
         "rope_scaling": config_lib.RopeScalingConfig(type="linear", factor=4.0),
     },
+    "deepseek-v3-dense-qlora-yarn": {
+        "n_kv_heads": 4,
+        "mla": config_lib.MLAConfig(
+            kv_lora_rank=16, q_lora_rank=12, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=12, rope_interleave=True
+        ),
+        "rope_scaling": config_lib.RopeScalingConfig(
+            type="yarn", factor=4.0, original_max_len=512, mscale=1.0, mscale_all_dim=0.5
+        ),
+    },
+    "deepseek-v3-moe-groups": {
+        "n_kv_heads": 4,
+        "mla": config_lib.MLAConfig(kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8),
+        "moe": config_lib.MoEConfig(
+            num_experts=8,
+            top_k=2,
+            shared_experts=1,
+            d_ff=24,
+            score="sigmoid",
+            groups=2,
+            topk_groups=1,
+            routed_scale=2.5,
+            aux_loss_weight=0.0,
+            z_loss_weight=0.0,
+        ),
+    },
 }
 FAMILY_OF_CASE = {
     "llama-gqa-untied": "llama",
@@ -579,6 +604,8 @@ FAMILY_OF_CASE = {
     "qwen3-moe-grouped": "qwen3_moe",
     "gemma3-windows": "gemma3",
     "gemma3-one-rotary-no-window": "gemma3",
+    "deepseek-v3-dense-qlora-yarn": "deepseek_v3",
+    "deepseek-v3-moe-groups": "deepseek_v3",
 }
 
 

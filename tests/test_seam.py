@@ -186,7 +186,7 @@ def test_ring_attention_goes_round_the_axis_of_the_layouts_seq_rule(monkeypatch)
     inside `Layout.scope()` ring attention goes round `data`, on inputs laid out for a ring of
     4, and the logits equal the single-device model's. Read from the static table, the ring
     goes round `context` (2 devices) and the logits come out wrong."""
-    import jaxpar.models.llama as llama_lib
+    import jaxpar.models.layers as layers_lib  # the attention layer, which starts the ring
     from jaxpar.parallel.ring_attention import permute_from_layout, permute_to_layout
 
     layout = _layout_with_activation_rules(seq=("data",), act_seq=("data",), batch=("context",))
@@ -209,7 +209,7 @@ def test_ring_attention_goes_round_the_axis_of_the_layouts_seq_rule(monkeypatch)
         return permute_from_layout(out, context=4, layout="zigzag")
 
     np.testing.assert_allclose(ring_logits(), want, rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(llama_lib, "rules_in_force", lambda: BASE_RULES)  # the static table
+    monkeypatch.setattr(layers_lib, "rules_in_force", lambda: BASE_RULES)  # the static table
     assert float(jnp.max(jnp.abs(ring_logits() - want))) > 1e-2
 
 
