@@ -17,6 +17,7 @@ from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.config import ConfigError
 from jaxpar.corpus import data as data_lib
+from jaxpar.corpus import sources as sources_lib
 from jaxpar.run import rundir
 from jaxpar.run.train import train
 from jaxpar.training.checkpoint import CheckpointWarning, manifest_problem
@@ -202,7 +203,7 @@ def test_config_yaml_stores_the_paths_resolved(finished):
     saved = config_lib.load_config(str(finished / "config.yaml"))
     assert saved.data.source == str(finished.parent / "corpus" / "*.txt")
     assert saved.train.run_dir == str(finished)
-    assert len(config_lib.data_files(saved.data)) == 3  # found from any directory
+    assert len(sources_lib.data_files(saved.data)) == 3  # found from any directory
 
 
 # --- One run at a time -----------------------------------------------------------------------------
@@ -437,7 +438,7 @@ def test_paths_that_are_directories_files_or_read_only_are_named(tmp_path):
     with pytest.raises(
         ConfigError, match=r"is a directory; name its files with a glob, e\.g\. data.source='.*\*\.txt'"
     ):
-        config_lib.data_files(config_lib.DataConfig(source=str(tmp_path)))
+        sources_lib.data_files(config_lib.DataConfig(source=str(tmp_path)))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match=r"train.run_dir='.*file' is a file; give a directory"):
         checks_lib.check_run_dir(str(tmp_path / "file"))
