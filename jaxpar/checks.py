@@ -379,6 +379,11 @@ def _validate_window(cfg: Config, sizes: dict[str, int]) -> None:
             f"model.sliding_window with model.moe.every={m.moe.every}: MoE groups and window patterns "
             "do not combine yet; use moe.every=1"
         )
+    if m.moe.num_experts and m.moe.first_dense:
+        raise ConfigError(
+            f"model.sliding_window with model.moe.first_dense={m.moe.first_dense}: a dense prefix and "
+            "window patterns do not combine yet; use model.moe.first_dense=0"
+        )
 
 
 def _validate_splits(cfg: Config, sizes: dict[str, int]) -> None:
@@ -408,16 +413,21 @@ def _validate_splits(cfg: Config, sizes: dict[str, int]) -> None:
 
 def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
     moe, m = cfg.model.moe, cfg.model
+    _validate_dense_prefix(cfg)
     if moe.num_experts == 0:
         return
     if moe.num_experts < 0 or not 1 <= moe.top_k <= moe.num_experts:
         raise ConfigError(
             f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}"
         )
-    if moe.every < 1 or m.n_layers % moe.every:
+    patterned = m.n_layers - moe.first_dense  # the blocks after the dense prefix
+    if moe.every < 1 or patterned % moe.every:
+        what = f"model.n_layers={m.n_layers}"
+        if moe.first_dense:
+            what = f"the {patterned} blocks after model.moe.first_dense={moe.first_dense} of {what}"
         raise ConfigError(
-            f"model.moe.every={moe.every} must divide model.n_layers={m.n_layers} (an MoE MLP in "
-            f"every {moe.every}-th block); try every in {_divisors(m.n_layers)}"
+            f"model.moe.every={moe.every} must divide {what} (an MoE MLP in "
+            f"every {moe.every}-th block); try every in {_divisors(patterned)}"
         )
     _require_divides("mesh.expert", sizes["expert"], "model.moe.num_experts", moe.num_experts)
     _require_divides("mesh.tensor", sizes["tensor"], "model.moe.d_ff", moe.d_ff or m.d_ff)
@@ -453,6 +463,22 @@ def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
                 f"model.moe.capacity_factor={moe.capacity_factor} route padded; set it to null, "
                 "or use model.moe.dispatch=ragged (or auto on GPU) with capacity_factor=null"
             )
+
+
+def _validate_dense_prefix(cfg: Config) -> None:
+    """model.moe.first_dense: 0, or with experts at least one block fewer than model.n_layers."""
+    moe, layers = cfg.model.moe, cfg.model.n_layers
+    if moe.first_dense and not moe.num_experts:
+        raise ConfigError(
+            f"model.moe.first_dense={moe.first_dense} with model.moe.num_experts=0: every block of a "
+            "dense model is dense already; set model.moe.first_dense=0, or give the model experts"
+        )
+    if not 0 <= moe.first_dense < layers:
+        raise ConfigError(
+            f"model.moe.first_dense={moe.first_dense}: the dense blocks before the MoE ones number 0 "
+            f"to model.n_layers - 1 = {layers - 1} (at least one block keeps the experts); for a "
+            "dense model set model.moe.num_experts=0"
+        )
 
 
 def _validate_router(moe) -> None:
@@ -553,11 +579,12 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
         return
     # The schedule's own rules live beside the schedules (jaxpar.parallel.schedule: plain Python,
     # importing nothing of jaxpar's).
-    try:
-        validate_pipeline(
-            par.pipeline_schedule, p, par.microbatches, par.virtual_stages, layers=cfg.model.n_layers
-        )
+    piped = cfg.model.n_layers - (cfg.model.moe.first_dense if cfg.model.moe.num_experts else 0)
+    try:  # the dense prefix (model.moe.first_dense) runs before the pipeline, on every stage
+        validate_pipeline(par.pipeline_schedule, p, par.microbatches, par.virtual_stages, layers=piped)
     except ValueError as e:
+        if piped != cfg.model.n_layers:
+            e = f"{e} (the layers after model.moe.first_dense={cfg.model.moe.first_dense}, run before it)"
         raise ConfigError(f"mesh.pipe={p}, parallel.pipeline_schedule={par.pipeline_schedule}: {e}") from None
     data_parallel = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     # Each of parallel.grad_accum pipelined passes takes batch / grad_accum rows, in microbatches.
@@ -569,14 +596,14 @@ def _validate_pipeline(cfg: Config, sizes: dict[str, int]) -> None:
             f"data*fsdp*expert={data_parallel}; try a multiple of {per_row}"
         )
     moe, chunks = cfg.model.moe, p * par.virtual_stages
-    if moe.num_experts and (cfg.model.n_layers // moe.every) % chunks:
+    if moe.num_experts and (piped // moe.every) % chunks:
         # The layer scan repeats groups of model.moe.every blocks (one MoE block each); a
         # pipeline chunk holds whole groups.
-        layers = cfg.model.n_layers
-        fits = [e for e in _divisors(layers) if (layers // e) % chunks == 0]
+        fits = [e for e in _divisors(piped) if (piped // e) % chunks == 0]
+        after = f" - model.moe.first_dense={moe.first_dense}" if moe.first_dense else ""
         raise ConfigError(
-            f"model.n_layers={layers} / model.moe.every={moe.every} = {layers // moe.every} "
-            f"MoE groups do not split over mesh.pipe={p} x parallel.virtual_stages="
+            f"model.n_layers={cfg.model.n_layers}{after} / model.moe.every={moe.every} = "
+            f"{piped // moe.every} MoE groups do not split over mesh.pipe={p} x parallel.virtual_stages="
             f"{par.virtual_stages} = {chunks} pipeline chunks (a chunk holds whole groups); "
             f"try model.moe.every in {fits}"
         )

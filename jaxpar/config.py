@@ -58,6 +58,7 @@ class MoEConfig:
     top_k: int = 2  # experts per token
     norm_topk: bool = True  # top_k > 1: the chosen experts' probs renormalised to sum 1 (Mixtral)
     every: int = 1  # an MoE MLP every n-th block (1 = all blocks), dense MLP elsewhere
+    first_dense: int = 0  # leading blocks with a dense MLP of model.d_ff before the MoE ones (DeepSeek-V3)
     capacity_factor: float | None = None  # None = dropless; else slots = cf * tokens * top_k / E
     shared_experts: int = 0  # always-on experts (DeepSeek style), added to the routed output
     d_ff: int | None = None  # expert hidden size; None = model.d_ff

@@ -48,6 +48,7 @@ BASE_RULES: Rules = {
     "seq": ("context",),
     "act_seq": ("context",),  # sequence between blocks; + tensor with sequence parallelism
     "layers": ("pipe",),  # pipeline stages own contiguous runs of layers
+    "dense_layers": (),  # an MoE model's dense prefix (model.moe.first_dense): before the pipeline
     "vocab": ("tensor",),
     "embed": (),
     "heads": ("tensor",),

@@ -79,6 +79,14 @@ VARIANTS = {
         rope_interleave=True,
         **MOE,
     ),
+    # A dense layer (its MLP intermediate_size 96 wide) before an MoE one (experts 32 wide):
+    # first_k_dense_replace 1, jaxpar's model.moe.first_dense; one query projection.
+    "dsv3-moe-dense-prefix": dict(
+        q_lora_rank=None,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        rope_interleave=True,
+        **{**MOE, "first_k_dense_replace": 1},
+    ),
 }
 
 

@@ -182,6 +182,25 @@ VARIANTS = {
         "<|endoftext|>",
         None,
     ),
+    # Qwen3-MoE with mlp_only_layers [0]: a dense layer (intermediate_size) before an MoE one
+    # (decoder_sparse_step 1), jaxpar's model.moe.first_dense = 1; float32. Only
+    # tests/test_convert.py's test_qwen3_moe_dense_prefix_* reads it.
+    "qwen3-moe-dense-prefix": (
+        "Qwen3MoeConfig",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        "float32",
+        "<|endoftext|>",
+        None,
+    ),
     # Gemma 3 (text): 4 layers, the third global and the others sliding over 6 positions (the
     # sequence is 24), heads wider than hidden / heads, a query scale of its own, linear rope
     # scaling on the global layer, tied embeddings; float32.

@@ -321,6 +321,30 @@ def imported(hf, tmp_path_factory):
     return work
 
 
+def test_qwen3_moe_dense_prefix_matches_transformers_and_round_trips(hf, tmp_path):
+    """mlp_only_layers [0] with decoder_sparse_step 1 (model.moe.first_dense = 1: layer 0's MLP
+    dense and intermediate_size wide, layer 1's the experts): transformers' logits and expert
+    choices on one device and on the expert mesh; to-hf writes the same bytes and the same
+    mlp_only_layers back. An import that read the dense layer as an MoE one, or counted the MoE
+    layers from 0, fails on the tensors' names before any logit."""
+    root, ref = hf
+    variant = "qwen3-moe-dense-prefix"
+    cfg = _config(root / variant)
+    assert (cfg.model.moe.first_dense, cfg.model.moe.every) == (1, 1)
+    tokens = jnp.asarray(ref["tokens"], jnp.int32)
+    for mesh, copies in (({}, 1), (MOE_MESH, 2)):  # the mesh's four token rows: the two, twice
+        layout, shapes, shardings = _on_mesh(cfg, mesh)
+        params = hf_load.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
+        got, stats = _forward(cfg, layout)(params, jnp.concatenate([tokens] * copies))
+        assert _max_diff(got, np.concatenate([ref[f"{variant}/logits"]] * copies)) <= ATOL, mesh
+        np.testing.assert_array_equal(stats["expert_load"], copies * ref[f"{variant}/expert_load"])
+    convert.from_hf(str(root / variant), str(tmp_path / "run"), ["model.dtype=float32"])
+    export_lib.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert _tensor_bytes(tmp_path / "hf") == _tensor_bytes(root / variant)
+    written = json.load(open(tmp_path / "hf" / "config.json"))
+    assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == ([0], 1)
+
+
 def test_round_trip_is_bit_identical_and_transformers_loads_the_export(hf, imported, tmp_path):
     root, ref = hf
     for variant in VARIANTS:
@@ -492,7 +516,7 @@ BAD = {  # case -> (variant, how to break the copy, what the message must name)
     "qwen3-moe dense layers off the pattern": (
         "qwen3-moe",
         lambda d: _edit_json(d / "config.json", mlp_only_layers=[1]),
-        ["mlp_only_layers=[1], jaxpar has []"],
+        ["mlp_only_layers=[1] with decoder_sparse_step=2", "as a prefix [0, 1, ..., k-1]"],
     ),
     "qwen3 attention biases": (
         "qwen3-wide-heads",
@@ -543,6 +567,23 @@ FAMILY_CASES = {  # ModelConfig changes covering every branch of each family's t
         "n_layers": 4,
         "moe": config_lib.MoEConfig(
             num_experts=4, top_k=2, every=2, d_ff=40, norm_topk=False, z_loss_weight=0.0
+        ),
+    },
+    "qwen3-moe-dense-prefix": {
+        "qk_norm": True,
+        "moe": config_lib.MoEConfig(num_experts=4, top_k=2, first_dense=2, d_ff=40, z_loss_weight=0.0),
+    },
+    "deepseek-v3-moe-dense-prefix": {
+        "n_kv_heads": 4,
+        "mla": config_lib.MLAConfig(kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8),
+        "moe": config_lib.MoEConfig(
+            num_experts=4,
+            top_k=2,
+            first_dense=1,
+            d_ff=24,
+            score="sigmoid",
+            aux_loss_weight=0.0,
+            z_loss_weight=0.0,
         ),
     },
     "gemma3-windows": {
@@ -602,6 +643,8 @@ FAMILY_OF_CASE = {
     "qwen3-wide-heads": "qwen3",
     "mixtral": "mixtral",
     "qwen3-moe-grouped": "qwen3_moe",
+    "qwen3-moe-dense-prefix": "qwen3_moe",
+    "deepseek-v3-moe-dense-prefix": "deepseek_v3",
     "gemma3-windows": "gemma3",
     "gemma3-one-rotary-no-window": "gemma3",
     "deepseek-v3-dense-qlora-yarn": "deepseek_v3",

@@ -4,6 +4,7 @@ transformers builds from a config alone (tests/hf_deepseek.py, in the .venv-hf s
 with transformers' float32 logits, on one device and on a mesh that splits heads and latents;
 greedy decoding through jaxpar's latent cache gives transformers' tokens; export -> import is
 bit-identical and transformers loads the export; and the traps of the format are refused by name.
+One model has a dense layer before its MoE one (first_k_dense_replace 1: model.moe.first_dense).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jaxpar.sample import generate
 from tests.hf_reference import HF_PYTHON, require_sidecar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ["dsv3-dense-qlora-yarn", "dsv3-dense-plain", "dsv3-moe"]
+VARIANTS = ["dsv3-dense-qlora-yarn", "dsv3-dense-plain", "dsv3-moe", "dsv3-moe-dense-prefix"]
 # Float32 logits up to 11 in size: 1.9e-5 at worst measured (jax 0.12.0.1, torch 2.13 CPU).
 ATOL = 5e-5
 MESH = {"fsdp": 2, "tensor": 2}  # heads and the up-projections split, latents whole per device
@@ -171,7 +172,6 @@ REFUSED = {
     "q-lora-zero": ({"q_lora_rank": 0}, "q_lora_rank=0"),
     "default-groups-too-few-experts": ({"n_group": 8}, "n_group=8 with n_routed_experts=8"),
     "top-k-past-the-groups": ({"num_experts_per_tok": 6}, "num_experts_per_tok=6 from topk_group=1"),
-    "dense-prefix": ({"first_k_dense_replace": 1}, "first_k_dense_replace=1"),
     "top-1-normalised": ({"num_experts_per_tok": 1}, "norm_topk_prob=true with one expert per token"),
     "grouped-kv-heads": ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
     "yarn-attention-factor": (
@@ -193,6 +193,22 @@ def test_the_formats_traps_are_refused_naming_the_key(case):
     change, named = REFUSED[case]
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
         families.settings_from_hf({**BASE, **change}, "config.json")
+
+
+def test_a_dense_prefix_is_model_moe_first_dense_both_ways():
+    """first_k_dense_replace between 0 and num_hidden_layers is a dense prefix: its layers'
+    MLPs are `dense_blocks` of intermediate_size, the MoE tensors start at layer k (the logits
+    against transformers: dsv3-moe-dense-prefix above); k >= num_hidden_layers stays a dense
+    model. A prefix read as 0 (all MoE) or written back as 0 fails here."""
+    m = families.settings_from_hf({**BASE, "num_hidden_layers": 3, "first_k_dense_replace": 1}, "c")
+    assert (m["moe"]["first_dense"], m["d_ff"], m["moe"]["d_ff"]) == (1, 96, 32)
+    model = config_lib.build_config({"model": m}).model
+    assert families.hf_config(model)["first_k_dense_replace"] == 1
+    names = hf_load.expected_tensors(model)
+    assert names["model.layers.0.mlp.gate_proj.weight"] == (96, 64)
+    assert "model.layers.0.mlp.gate.weight" not in names and "model.layers.1.mlp.gate.weight" in names
+    dense = families.settings_from_hf({**BASE, "first_k_dense_replace": 2}, "c")
+    assert dense["moe"] == {"num_experts": 0}
 
 
 def test_kimi_style_and_default_keys_read_as_transformers_reads_them():

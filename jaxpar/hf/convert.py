@@ -97,6 +97,7 @@ MOE_ARCHITECTURE_KEYS = (
     "num_experts",
     "top_k",
     "every",
+    "first_dense",
     "d_ff",
     "norm_topk",
     "shared_experts",

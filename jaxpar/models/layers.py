@@ -150,7 +150,8 @@ def attention_kernel(cfg: ModelConfig) -> str:
 class KVCache(NamedTuple):
     """Keys and values of the tokens seen so far, for generation (a pytree).
 
-    For the whole model k, v are [layers, batch, max_len, kv_heads, head_dim]; inside one
+    For the whole model k, v are [layers, batch, max_len, kv_heads, head_dim] (every layer, in
+    order: an MoE model's dense prefix, model.moe.first_dense, first); inside one
     attention layer they are that layer's slice [batch, max_len, kv_heads, head_dim]. `length`
     (int32 []) counts the filled slots; slots from `length` on are masked out.
     """

@@ -13,7 +13,8 @@ along a leading `layers` axis and run with `lax.scan`, so compile time does not 
 `model.scan_layers: false` writes the same loop out, layer by layer, over the same stacked weights.
 
 Pieces, for callers that run the model in parts (the pipeline, jaxpar.parallel.pipeline):
-`embed(tokens)`, `run_blocks(layer_params, x, ...)` for any run of the stacked layers, and
+`embed(tokens)`, `apply_prefix(x, ...)` for an MoE model's dense prefix (model.moe.first_dense),
+`run_blocks(layer_params, x, ...)` for any run of the stacked layers, and
 `head_loss(head_params(params), h, ...)` for the final norm, output projection and loss.
 
 Parameters, with shapes (E = d_model, N = n_heads, K = n_kv_heads, H = head_dim (model.head_dim,
@@ -41,6 +42,7 @@ families' (`jaxpar.models.families`)):
 | final_norm.scale              | [E]         |                              |
 | lm_head                       | [E, V]      | untied                       |
 | blocks.attn.wq_lora.lora_a[l] | [E, r]      | finetune.lora (`models.lora`) |
+| dense_blocks.<as blocks>[l]   | as blocks   | model.moe.first_dense (below) |
 
 With latent attention (model.mla.kv_lora_rank > 0) `blocks.attn.*` are `jaxpar.models.mla`'s
 weights instead. The attention layer itself, RMSNorm, the rotation and the cache are in
@@ -48,6 +50,13 @@ weights instead. The attention layer itself, RMSNorm, the rotation and the cache
 
 With model.moe.every = k > 1 the scanned unit is a group of k blocks (`BlockGroup`), the last
 with the MoE MLP: `blocks.blocks.{i}.<as above>[g]` is block g * k + i.
+
+With model.moe.first_dense = D > 0 (an MoE model's leading dense blocks, DeepSeek-V3's
+first_k_dense_replace) the first D blocks are a stack of their own, `dense_blocks.<as above>[l]`
+(dense MLPs of width model.d_ff, leading axis named `dense_layers`), run before `blocks`, which
+then holds the other n_layers - D blocks in the pattern above (block g * k + i + D). The prefix
+stack is its own scan; in a pipeline it runs before the pipelined `blocks`, as the embedding
+does, whole on every stage (`jaxpar.models.objective.pipelined_grads`).
 
 Rotary embeddings use the "rotate half" pairing (dimension i with i + H/2), which is the layout of
 Hugging Face's Llama checkpoints, so q/k weights map over without a permutation.
@@ -73,11 +82,15 @@ from jaxpar.models import mla
 from jaxpar.models.layers import Attention, KVCache, RMSNorm
 from jaxpar.models.loss import chunked_cross_entropy
 from jaxpar.models.mla import LatentAttention
-from jaxpar.models.moe import MoEMLP, expert_d_ff, moe_layers, moe_matmul_params
+from jaxpar.models.moe import MoEMLP, dense_prefix, expert_d_ff, moe_layers, moe_matmul_params
 from jaxpar.models.params import param as _param
 from jaxpar.ops.fp8 import einsum as block_einsum
 from jaxpar.ops.swiglu import block_swiglu
 from jaxpar.sharding import constrain
+
+PREFIX = "dense_blocks"  # the params key (and attribute) of the dense prefix's stack
+PREFIX_AXIS = "dense_layers"  # its leading axis' logical name: whole on every pipeline stage
+PREFIX_NOISE = 0xDE  # folded into the LoRA dropout path of the prefix's layers (`lora.Noise`)
 
 REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -362,6 +375,15 @@ class Transformer(nnx.Module):
         def stacked_blocks(rngs):
             return scan_unit(cfg, rngs, context_layout, grad_dtype)
 
+        prefix = dense_prefix(cfg)
+        if prefix:  # model.moe.first_dense: dense blocks before the MoE pattern, stacked apart
+
+            @nnx.split_rngs(splits=prefix)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: PREFIX_AXIS})
+            def stacked_dense(rngs):
+                return Block(cfg, rngs, False, context_layout, grad_dtype)
+
+            self.dense_blocks = stacked_dense(rngs)  # leading [dense_layers] axis
         self.blocks = stacked_blocks(rngs)  # every parameter has a leading [layers] axis
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
@@ -383,8 +405,21 @@ class Transformer(nnx.Module):
         graphdef, remat, scan = nnx.graphdef(self.blocks), self.remat, self.cfg.scan_layers
         return scan_layers(graphdef, layer_params, x, positions, segment_ids, remat, sliding, noise, scan)
 
+    def apply_prefix(self, x, positions, segment_ids, noise=None):
+        """Runs the dense prefix (`dense_blocks`, model.moe.first_dense), if the model has one,
+        on x [batch, seq, embed]; returns x. `noise`: LoRA dropout (`lora.Noise`), the prefix's
+        layers numbered apart from the `blocks` stack's."""
+        if not hasattr(self, PREFIX):
+            return x
+        params = nnx.to_pure_dict(nnx.state(self.dense_blocks))
+        noise = None if noise is None else noise.at(PREFIX_NOISE)
+        graphdef, remat, scan = nnx.graphdef(self.dense_blocks), self.remat, self.cfg.scan_layers
+        return scan_layers(graphdef, params, x, positions, segment_ids, remat, None, noise, scan)[0]
+
     def apply_blocks(self, x, positions, segment_ids, noise=None):
-        """Runs the stacked blocks; returns (x, MoE statistics stacked over layers, or {})."""
+        """Runs the dense prefix (if any), then the stacked blocks; returns (x, MoE statistics
+        stacked over the MoE layers, or {})."""
+        x = self.apply_prefix(x, positions, segment_ids, noise)
         params = nnx.to_pure_dict(nnx.state(self.blocks))
         return self.run_blocks(params, x, positions, segment_ids, noise)
 
@@ -442,9 +477,17 @@ class Transformer(nnx.Module):
         One document per row: attention is causal over the cache slots, with no segment ids.
         The same weights and math as `__call__`, so the logits match its logits position by
         position."""
+        x, prefix = self.embed(tokens), dense_prefix(self.cfg)
+        if prefix:  # the cache's first layers are the dense prefix's
+            head = KVCache(cache.k[:prefix], cache.v[:prefix], cache.length)
+            x, head = scan_layers_cached(*nnx.split(self.dense_blocks), x, positions, head)
+            cache = KVCache(cache.k[prefix:], cache.v[prefix:], cache.length)
         graphdef, layer_params = nnx.split(self.blocks)
         sliding = sliding_layers(self.cfg)
-        x, cache = scan_layers_cached(graphdef, layer_params, self.embed(tokens), positions, cache, sliding)
+        x, cache = scan_layers_cached(graphdef, layer_params, x, positions, cache, sliding)
+        if prefix:
+            k, v = jnp.concatenate([head.k, cache.k]), jnp.concatenate([head.v, cache.v])
+            cache = KVCache(k, v, cache.length)
         return self.head(x), cache
 
 

@@ -83,9 +83,11 @@ def scale(lora: LoRAConfig) -> float:
 
 
 def _units(model) -> list:
-    """The stacked blocks' modules that hold the weights: the Block, or each Block of a group."""
+    """The stacked blocks' modules that hold the weights: the Block, or each Block of a group;
+    first the dense prefix's Block (model.moe.first_dense) where the model has one."""
     blocks = model.blocks
-    return list(blocks.blocks) if hasattr(blocks, "blocks") else [blocks]
+    prefix = [model.dense_blocks] if hasattr(model, "dense_blocks") else []
+    return prefix + (list(blocks.blocks) if hasattr(blocks, "blocks") else [blocks])
 
 
 def _adapter(shape, names, in_dims: int, lora: LoRAConfig, dtypes, rngs: nnx.Rngs) -> nnx.LoRA:
@@ -121,16 +123,20 @@ def add_lora(model, lora: LoRAConfig, seed: int) -> None:
             if not hasattr(module, weight_name):  # an MoE MLP: config refuses gate/up/down there
                 raise ValueError(f"LoRA target {target}: this block's {module_name} has no {weight_name}")
             stacked = getattr(module, weight_name)  # [layers, ...], names ("layers", ...)
-            one = (stacked.shape[1:], stacked.get_metadata()["out_sharding"][1:], IN_DIMS[weight_name])
-            setattr(module, weight_name + SUFFIX, _stacked_adapter(stacked.shape[0], one, lora, dtypes, rngs))
+            names = stacked.get_metadata()["out_sharding"]  # the prefix's: ("dense_layers", ...)
+            one = (stacked.shape[1:], names[1:], IN_DIMS[weight_name])
+            adapter = _stacked_adapter(stacked.shape[0], one, lora, dtypes, rngs, names[0])
+            setattr(module, weight_name + SUFFIX, adapter)
 
 
-def _stacked_adapter(layers: int, one: tuple, lora: LoRAConfig, dtypes, rngs: nnx.Rngs) -> nnx.LoRA:
-    """`layers` adapters stacked on a leading `layers` axis (as the blocks are), each for a
-    weight `one` = (shape, logical names, in-dims)."""
+def _stacked_adapter(
+    layers: int, one: tuple, lora: LoRAConfig, dtypes, rngs: nnx.Rngs, axis: str = "layers"
+) -> nnx.LoRA:
+    """`layers` adapters stacked on a leading axis of logical name `axis` (as their blocks are),
+    each for a weight `one` = (shape, logical names, in-dims)."""
 
     @nnx.split_rngs(splits=layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(rngs):
         return _adapter(*one, lora, dtypes, rngs)
 

@@ -47,10 +47,17 @@ def expert_d_ff(cfg: ModelConfig) -> int:
     return cfg.moe.d_ff or cfg.d_ff
 
 
+def dense_prefix(cfg: ModelConfig) -> int:
+    """How many leading blocks are dense before the MoE pattern starts (model.moe.first_dense;
+    none in a dense model): the model's `dense_blocks` stack."""
+    return cfg.moe.first_dense if cfg.moe.num_experts else 0
+
+
 def moe_layers(cfg: ModelConfig) -> int:
-    """How many blocks have an MoE MLP: every `model.moe.every`-th one (the last of each group
-    the layer scan repeats), none in a dense model."""
-    return 0 if cfg.moe.num_experts == 0 else cfg.n_layers // cfg.moe.every
+    """How many blocks have an MoE MLP: after the dense prefix (`dense_prefix`), every
+    `model.moe.every`-th one (the last of each group the layer scan repeats); none in a dense
+    model."""
+    return 0 if cfg.moe.num_experts == 0 else (cfg.n_layers - dense_prefix(cfg)) // cfg.moe.every
 
 
 def moe_matmul_params(cfg: ModelConfig) -> int:

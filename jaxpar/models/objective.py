@@ -12,8 +12,9 @@ divides by the whole batch's count (jaxpar.train).
 
 `objective` is the whole model on a batch; `pipelined_grads` runs the same objective with the
 blocks pipelined (`jaxpar.parallel.pipeline`): the model's own pieces do the work (`embed`
-before the pipeline, `run_blocks` for a stage's chunk of layers, `head_loss` on the last stage),
-and each stage adds its own layers' share of the router term (`router_penalty`).
+and an MoE model's dense prefix, `apply_prefix`, before the pipeline, `run_blocks` for a stage's
+chunk of layers, `head_loss` on the last stage), and each stage adds its own layers' share of the
+router term (`router_penalty`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.models.llama import PREFIX
 from jaxpar.models.moe import moe_layers
 from jaxpar.parallel.pipeline import (
     merge_microbatches,
@@ -68,6 +70,20 @@ def objective(graphdef, params, batch: dict, *, chunks: int):
     aux["expert_load"] = moe_stats["expert_load"]
     penalty = router_penalty(model.cfg.moe, moe_stats, jax.lax.stop_gradient(count), moe_layers(model.cfg))
     return nll + penalty, aux
+
+
+def _embed_before_pipeline(graphdef, params, batch):
+    """(the pipeline's input [batch, seq, embed], its vjp: cotangent -> (the embedding's
+    gradient, the dense prefix's as {"dense_blocks": ...} or {})). The embedding and an MoE
+    model's dense prefix (model.moe.first_dense, its weights whole on every stage) run before
+    the pipeline, on the whole batch."""
+    prefix = {k: params[k] for k in (PREFIX,) if k in params}
+
+    def embed(table, prefix):
+        whole = nnx.merge(graphdef, {**params, "embedding": table, **prefix})
+        return whole.apply_prefix(whole.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
+
+    return jax.vjp(embed, params["embedding"], prefix)
 
 
 def pipelined_grads(
@@ -118,10 +134,7 @@ def pipelined_grads(
     def head(head_params, h, t):  # the summed NLL of the targets t
         return model.head_loss(head_params, h, t["targets"], t["loss_mask"], chunks=loss_chunks)[0]
 
-    def embed(table):
-        return nnx.merge(graphdef, {**params, "embedding": table}).embed(batch["inputs"])
-
-    x, embed_vjp = jax.vjp(embed, params["embedding"])
+    x, embed_vjp = _embed_before_pipeline(graphdef, params, batch)
     micro = split_microbatches(batch, m)
     args = (
         head,
@@ -139,8 +152,8 @@ def pipelined_grads(
         value, (stage_grads, head_grads, input_grads) = pipeline_value_and_grad(
             blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name, row_axes=row_axes
         )
-    (embedding_grad,) = embed_vjp(merge_microbatches(input_grads))
-    grads = {**head_grads, "blocks": unstack_stages(stage_grads, p, v)}
+    embedding_grad, prefix_grads = embed_vjp(merge_microbatches(input_grads))
+    grads = {**head_grads, **prefix_grads, "blocks": unstack_stages(stage_grads, p, v)}
     grads["embedding"] = embedding_grad + head_grads.get("embedding", 0.0)  # tied: both uses
     aux = {"nll": value, "count": jnp.sum(batch["loss_mask"])}
     if layers:

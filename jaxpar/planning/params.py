@@ -11,52 +11,60 @@ import math
 
 from jaxpar.config import LoRAConfig, ModelConfig
 from jaxpar.models import mla
-from jaxpar.models.llama import scan_length
+from jaxpar.models.llama import PREFIX_AXIS, scan_length
+from jaxpar.models.moe import dense_prefix
 from jaxpar.sharding import Rules, fitted_names, make_rules, state_rules
 
 
 def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
     """(name, shape, logical names) of every parameter of `jaxpar.models.llama.Transformer`,
-    stacked blocks with their leading `layers` axis (tests/test_plan.py checks it against the
-    model itself)."""
-    e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_width
-    f, v = m.d_ff, m.vocab_size
-    moe = m.moe
+    stacked blocks with their leading `layers` axis, the dense prefix's (model.moe.first_dense)
+    with theirs (tests/test_plan.py checks it against the model itself)."""
+    e, v = m.d_model, m.vocab_size
     units = scan_length(m)  # the stacked blocks' leading axis: blocks, or groups of moe.every
-    per_unit = m.n_layers // units
-    L = ("layers",)
     out = [("embedding", (v, e), ("vocab", "embed")), ("final_norm", (e,), ("embed",))]
     if not m.tie_embeddings:
         out.append(("lm_head", (e, v), ("embed", "vocab")))
+    if dense_prefix(m):
+        out += _block_rows(m, "block_prefix", dense_prefix(m), (PREFIX_AXIS,), False)
+    per_unit = (m.n_layers - dense_prefix(m)) // units
     for i in range(per_unit):
-        is_moe = moe.num_experts > 0 and i == per_unit - 1
-        out.append((f"block{i}.norms", (units, 2 * e), L + ("embed",)))
-        if m.mla.kv_lora_rank:  # latent attention's own table
-            out += [(f"block{i}.{w}", (units, *shape), L + names) for w, shape, names in mla.weights(m)]
-        else:
-            out += [
-                (f"block{i}.wq", (units, e, n, h), L + ("embed", "heads", "head_dim")),
-                (f"block{i}.wkv", (units, e, 2 * k, h), L + ("embed", "kv_heads", "head_dim")),
-                (f"block{i}.wo", (units, n, h, e), L + ("heads_in", "head_dim", "embed")),
-            ]
-        if not is_moe:
-            out += [
-                (f"block{i}.w_gate_up", (units, e, 2 * f), L + ("embed", "mlp")),
-                (f"block{i}.w_down", (units, f, e), L + ("mlp_in", "embed")),
-            ]
-            continue
-        ff, ne = moe.d_ff or f, moe.num_experts
+        is_moe = m.moe.num_experts > 0 and i == per_unit - 1
+        out += _block_rows(m, f"block{i}", units, ("layers",), is_moe)
+    return out
+
+
+def _block_rows(m: ModelConfig, name: str, units: int, L: tuple, is_moe: bool) -> list:
+    """`param_table`'s rows of one block `name` of each of `units` stacked units (leading axis
+    named `L`)."""
+    e, n, k, h = m.d_model, m.n_heads, m.n_kv_heads, m.head_width
+    f, moe = m.d_ff, m.moe
+    out = [(f"{name}.norms", (units, 2 * e), L + ("embed",))]
+    if m.mla.kv_lora_rank:  # latent attention's own table
+        out += [(f"{name}.{w}", (units, *shape), L + names) for w, shape, names in mla.weights(m)]
+    else:
         out += [
-            (f"block{i}.router", (units, e, ne), L + ("embed", None)),
-            (f"block{i}.experts_gate_up", (units, ne, e, 2 * ff), L + ("experts", "embed", "mlp")),
-            (f"block{i}.experts_down", (units, ne, ff, e), L + ("experts", "mlp", "embed")),
+            (f"{name}.wq", (units, e, n, h), L + ("embed", "heads", "head_dim")),
+            (f"{name}.wkv", (units, e, 2 * k, h), L + ("embed", "kv_heads", "head_dim")),
+            (f"{name}.wo", (units, n, h, e), L + ("heads_in", "head_dim", "embed")),
         ]
-        if moe.shared_experts:
-            s = moe.shared_experts * ff
-            out += [
-                (f"block{i}.shared_gate_up", (units, e, 2 * s), L + ("embed", "mlp")),
-                (f"block{i}.shared_down", (units, s, e), L + ("mlp", "embed")),
-            ]
+    if not is_moe:
+        return out + [
+            (f"{name}.w_gate_up", (units, e, 2 * f), L + ("embed", "mlp")),
+            (f"{name}.w_down", (units, f, e), L + ("mlp_in", "embed")),
+        ]
+    ff, ne = moe.d_ff or f, moe.num_experts
+    out += [
+        (f"{name}.router", (units, e, ne), L + ("embed", None)),
+        (f"{name}.experts_gate_up", (units, ne, e, 2 * ff), L + ("experts", "embed", "mlp")),
+        (f"{name}.experts_down", (units, ne, ff, e), L + ("experts", "mlp", "embed")),
+    ]
+    if moe.shared_experts:
+        s = moe.shared_experts * ff
+        out += [
+            (f"{name}.shared_gate_up", (units, e, 2 * s), L + ("embed", "mlp")),
+            (f"{name}.shared_down", (units, s, e), L + ("mlp", "embed")),
+        ]
     return out
 
 
@@ -94,14 +102,16 @@ def lora_table(m: ModelConfig, lora: LoRAConfig) -> list[tuple[str, tuple[int, .
         "up": (e, "embed", f, "mlp"),
         "down": (f, "mlp_in", e, "embed"),
     }
-    units = scan_length(m)
+    units, prefix = scan_length(m), dense_prefix(m)
+    stacks = [("block_prefix", prefix, PREFIX_AXIS)] if prefix else []
+    stacks += [(f"block{i}", units, "layers") for i in range((m.n_layers - prefix) // units)]
     out = []
-    for i in range(m.n_layers // units):
+    for name, count, axis in stacks:
         for target in lora.targets:
             fan_in, in_name, fan_out, out_name = dims[target]
             out += [
-                (f"block{i}.{target}_lora_a", (units, fan_in, r), ("layers", in_name, None)),
-                (f"block{i}.{target}_lora_b", (units, r, fan_out), ("layers", None, out_name)),
+                (f"{name}.{target}_lora_a", (count, fan_in, r), (axis, in_name, None)),
+                (f"{name}.{target}_lora_b", (count, r, fan_out), (axis, None, out_name)),
             ]
     return out
 

@@ -20,6 +20,7 @@ from jaxpar import checks as checks_lib
 from jaxpar import config as config_lib
 from jaxpar.compiled.targets import DeviceSpec
 from jaxpar.config import MESH_AXES, Config, ConfigError, ModelConfig
+from jaxpar.models.moe import dense_prefix
 from jaxpar.planning.memory import GIB, attention_kernel, predict_memory
 from jaxpar.planning.step_time import crosses_nodes, predict_time
 from jaxpar.sharding import is_pipelined, is_ring
@@ -53,7 +54,8 @@ def _meshes(m: ModelConfig, t, n: int):
     what it splits and of the devices left, so the work follows the model's divisors, not n: a
     count that no layout divides is answered at once, however large."""
     heads = math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)  # what tensor splits
-    for pipe in _divisors(math.gcd(n, m.n_layers)):
+    piped = m.n_layers - dense_prefix(m)  # the layers a pipeline splits (the dense prefix runs before it)
+    for pipe in _divisors(math.gcd(n, piped)):
         for data in _divisors(math.gcd(n // pipe, t.batch_size)):
             left = n // (pipe * data)
             for fsdp in _divisors(math.gcd(left, t.batch_size // data)):
@@ -93,7 +95,7 @@ def _settings(cfg: Config, sizes: dict[str, int]):
             pipelined = dict(base, microbatches=mb, grad_accum=accum)
             for kind in ("1f1b", "gpipe", "zb"):
                 yield dict(pipelined, pipeline_schedule=kind)
-            if m.n_layers % (2 * p) == 0:
+            if (m.n_layers - dense_prefix(m)) % (2 * p) == 0:
                 yield dict(pipelined, pipeline_schedule="interleaved", virtual_stages=2)
 
 

@@ -77,8 +77,9 @@ class Tensor(NamedTuple):
     """One jaxpar parameter and the Hugging Face tensor(s) it is.
 
     Unstacked: one tensor, `hf_name`. Stacked: jaxpar's array has a leading axis of scan units,
-    unit g being Hugging Face layer g * every + offset (`hf_name` has {l}); with `experts`, a
-    second axis of that many experts, one tensor each ({e} in `hf_name`)."""
+    unit g being Hugging Face layer first + g * every + offset (`hf_name` has {l}), `units` of
+    them (None: as many as the layers from `first` on make); with `experts`, a second axis of
+    that many experts, one tensor each ({e} in `hf_name`)."""
 
     hf_name: str
     stacked: bool
@@ -87,6 +88,8 @@ class Tensor(NamedTuple):
     every: int = 1
     offset: int = 0
     experts: int = 0
+    first: int = 0  # the Hugging Face layer of unit 0's first block (past a dense prefix)
+    units: int | None = None  # the stack's length; None: (n_layers - first) // every
 
     def instances(self, n_layers: int) -> list[tuple[tuple, int | None, str]]:
         """(index of the tensor's slice of jaxpar's array, its Hugging Face layer or None, its
@@ -94,8 +97,9 @@ class Tensor(NamedTuple):
         if not self.stacked:
             return [((), None, self.hf_name)]
         out = []
-        for unit in range(n_layers // self.every):
-            layer = unit * self.every + self.offset
+        units = (n_layers - self.first) // self.every if self.units is None else self.units
+        for unit in range(units):
+            layer = self.first + unit * self.every + self.offset
             for x in range(self.experts) if self.experts else [None]:
                 index = (unit,) if x is None else (unit, x)
                 out.append((index, layer, self.hf_name.format(l=layer, e=x)))
@@ -163,6 +167,26 @@ def dense_mlp_tensors(m: ModelConfig, position: int = 0, every: int = 1) -> dict
         at + "mlp.w_up": Tensor(mlp + "up_proj.weight", True, TRANSPOSED, (f, e), every, position),
         at + "mlp.w_down": Tensor(mlp + "down_proj.weight", True, TRANSPOSED, (e, f), every, position),
     }
+
+
+def dense_prefix(m: ModelConfig) -> int:
+    """The leading dense blocks of an MoE model (model.moe.first_dense; `jaxpar.models.moe`)."""
+    return m.moe.first_dense if m.moe.num_experts else 0
+
+
+def prefix_tensors(m: ModelConfig, block: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The dense prefix's tensors (Hugging Face layers 0 .. first_dense - 1, jaxpar's
+    `dense_blocks` stack) from the table of one plain block with a dense MLP (paths `blocks.`,
+    one block a unit)."""
+    count = dense_prefix(m)
+    return {
+        "dense_blocks." + path.removeprefix("blocks."): t._replace(units=count) for path, t in block.items()
+    }
+
+
+def after_prefix(m: ModelConfig, table: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`table`'s stacked tensors counted from the first layer after the dense prefix."""
+    return {path: t._replace(first=dense_prefix(m)) if t.stacked else t for path, t in table.items()}
 
 
 def embedding_tensors(m: ModelConfig) -> dict[str, Tensor]:

@@ -13,8 +13,11 @@ and the export permutes them back; model.mla.rope_interleave keeps which layout 
 config.json's head_dim is the rotated width here, not a head's; num_key_value_heads must be
 num_attention_heads (every head has its own expanded keys and values).
 
-Refused: first_k_dense_replace between 0 and num_hidden_layers (dense layers before the MoE
-ones: jaxpar's layer scan repeats one kind of block), q_lora_rank = 0 (transformers then
+first_k_dense_replace = k dense layers (MLPs of intermediate_size) before the MoE ones are
+model.moe.first_dense = k, their weights jaxpar's `dense_blocks` stack; k >= num_hidden_layers
+is a dense model (model.moe.num_experts = 0).
+
+Refused: q_lora_rank = 0 (transformers then
 multiplies the queries by zero; null means no query latent), groups that do not divide the
 experts or hold fewer than two (the group score is its top two), a top-k more than the chosen
 groups hold, top-1 routing with norm_topk_prob, attention biases, other activations.
@@ -152,8 +155,15 @@ def moe_tensors(m: ModelConfig) -> dict[str, common.Tensor]:
 
 
 def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
-    mlp = moe_tensors(m) if m.moe.num_experts else common.dense_mlp_tensors(m)
-    return {**common.embedding_tensors(m), **attention_tensors(m), **mlp, **common.head_tensors(m)}
+    table = common.embedding_tensors(m)
+    if not m.moe.num_experts:
+        table.update({**attention_tensors(m), **common.dense_mlp_tensors(m)})
+    else:  # the dense prefix (first_k_dense_replace layers), then the MoE layers after it
+        if common.dense_prefix(m):
+            dense = {**attention_tensors(m), **common.dense_mlp_tensors(m)}
+            table.update(common.prefix_tensors(m, dense))
+        table.update(common.after_prefix(m, {**attention_tensors(m), **moe_tensors(m)}))
+    return {**table, **common.head_tensors(m)}
 
 
 # --- config.json <-> ModelConfig ---------------------------------------------------------------
@@ -177,17 +187,11 @@ def _mla_settings(hf: dict, where: str) -> dict:
 
 
 def _moe_settings(hf: dict, layers: int, where: str) -> dict:
-    """model.moe.*: none when every layer is dense (first_k_dense_replace >= the layers), every
-    layer's otherwise (first_k_dense_replace 0); refused between."""
+    """model.moe.*: none when every layer is dense (first_k_dense_replace >= the layers), else
+    the layers after the first first_k_dense_replace (model.moe.first_dense) are MoE layers."""
     dense = common.read_int(hf, "first_k_dense_replace", where, 3, least=0)
     if dense >= layers:
         return {"num_experts": 0}
-    if dense:
-        raise common.refuse(
-            where,
-            f"first_k_dense_replace={dense} of num_hidden_layers={layers}: jaxpar runs all layers "
-            "dense (first_k_dense_replace >= num_hidden_layers) or all MoE (0), not a dense prefix yet",
-        )
     experts = common.read_int(hf, "n_routed_experts", where)
     top_k = common.read_int(hf, "num_experts_per_tok", where)
     groups = common.read_int(hf, "n_group", where, 1)
@@ -214,6 +218,7 @@ def _moe_settings(hf: dict, layers: int, where: str) -> dict:
         )
     return {
         "num_experts": experts,
+        "first_dense": dense,
         "top_k": top_k,
         "shared_experts": common.read_int(hf, "n_shared_experts", where, 0, least=0),
         "d_ff": common.read_int(hf, "moe_intermediate_size", where),
@@ -266,7 +271,7 @@ def hf_config(m: ModelConfig) -> dict:
         }
     return {
         **config,
-        "first_k_dense_replace": 0,
+        "first_k_dense_replace": moe.first_dense,
         "n_routed_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "n_shared_experts": moe.shared_experts,

@@ -35,6 +35,7 @@ def writes(m: ModelConfig) -> bool:
     return (
         moe.num_experts > 0
         and moe.every == 1
+        and moe.first_dense == 0
         and moe.top_k > 1
         and moe.norm_topk
         and not moe.shared_experts

@@ -2,9 +2,12 @@
 own) and a mixture of SwiGLU experts of width moe_intermediate_size in every
 decoder_sparse_step-th block (the last of each group, as model.moe.every places them), dense
 MLPs of width intermediate_size in the others. norm_topk_prob is model.moe.norm_topk.
+mlp_only_layers [0, 1, ..., k-1] with decoder_sparse_step 1 (k dense layers, then MoE ones) is
+model.moe.first_dense = k.
 
-Refused: mlp_only_layers (dense layers off the every-k-th pattern), a layer count the step does
-not divide, top-1 routing with norm_topk_prob, attention biases, a sliding window.
+Refused: other mlp_only_layers (dense layers elsewhere than a prefix, or a prefix with a
+decoder_sparse_step above 1, or every layer), a layer count the step does not divide, top-1
+routing with norm_topk_prob, attention biases, a sliding window.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def writes(m: ModelConfig) -> bool:
     top1_ok = moe.top_k > 1 or not moe.norm_topk
     return (
         moe.num_experts > 0
+        and (moe.first_dense == 0 or moe.every == 1)  # a dense prefix: mlp_only_layers, step 1
         and m.qk_norm
         and top1_ok
         and not moe.shared_experts
@@ -48,22 +52,40 @@ def writes(m: ModelConfig) -> bool:
 def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
     every = m.moe.every
     table = common.embedding_tensors(m)
+    if common.dense_prefix(m):  # mlp_only_layers (every is 1 then: `writes`)
+        dense = {**common.attention_tensors(m), **common.dense_mlp_tensors(m)}
+        table.update(common.prefix_tensors(m, dense))
     for position in range(every):
-        table.update(common.attention_tensors(m, position, every))
+        layer = common.attention_tensors(m, position, every)
         if position == every - 1:
-            table.update(common.moe_tensors(m, EXPERTS, position, every))
+            layer.update(common.moe_tensors(m, EXPERTS, position, every))
         else:
-            table.update(common.dense_mlp_tensors(m, position, every))
+            layer.update(common.dense_mlp_tensors(m, position, every))
+        table.update(common.after_prefix(m, layer))
     return {**table, **common.head_tensors(m)}
+
+
+def _dense_prefix(hf: dict, step: int, layers: int, where: str) -> int:
+    """model.moe.first_dense of mlp_only_layers (absent, null and [] alike: 0): a prefix
+    [0, 1, ..., k-1] of fewer than num_hidden_layers with decoder_sparse_step 1, else refused."""
+    dense = hf.get("mlp_only_layers") or []
+    prefix = isinstance(dense, list) and dense == list(range(len(dense)))
+    if prefix and step == 1 and len(dense) < layers:
+        return len(dense)
+    raise common.refuse(
+        where,
+        f"mlp_only_layers={dense} with decoder_sparse_step={step} and num_hidden_layers={layers}; "
+        "jaxpar has dense layers as a prefix [0, 1, ..., k-1] of fewer than num_hidden_layers "
+        "layers, with decoder_sparse_step=1",
+    )
 
 
 def settings_from_hf(hf: dict, where: str) -> dict:
     common.check_fixed(hf, FIXED_KEYS, where)
-    if hf.get("mlp_only_layers"):  # absent, null and [] alike: none
-        raise common.refuse(where, f"mlp_only_layers={hf['mlp_only_layers']}, jaxpar has []")
     common.check_full_attention(hf, where)
     settings = common.base_settings(hf, where)
     step, layers = common.read_int(hf, "decoder_sparse_step", where, 1), settings["n_layers"]
+    first_dense = _dense_prefix(hf, step, layers, where) if hf.get("mlp_only_layers") else 0
     if layers % step:
         raise common.refuse(where, f"decoder_sparse_step={step} does not divide num_hidden_layers={layers}")
     moe = common.moe_settings(hf, where)
@@ -75,6 +97,7 @@ def settings_from_hf(hf: dict, where: str) -> dict:
             "jaxpar's top-1 router weighs it by its probability",
         )
     moe.update(every=step, norm_topk=norm, d_ff=common.read_int(hf, "moe_intermediate_size", where, 768))
+    moe["first_dense"] = first_dense
     return {**settings, "qk_norm": True, "moe": moe}
 
 
@@ -85,7 +108,7 @@ def hf_config(m: ModelConfig) -> dict:
         "num_experts": m.moe.num_experts,
         "moe_intermediate_size": m.moe.d_ff or m.d_ff,
         "decoder_sparse_step": m.moe.every,
-        "mlp_only_layers": [],
+        "mlp_only_layers": list(range(m.moe.first_dense)),
         "norm_topk_prob": m.moe.norm_topk,
         "attention_bias": False,
         "use_sliding_window": False,
