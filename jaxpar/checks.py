@@ -63,6 +63,7 @@ def validate(cfg: Config, num_devices: int) -> dict[str, int]:
     _validate_counts(cfg)
     _validate_model(cfg)
     _validate_latent(cfg)
+    _validate_mtp(cfg)
     _validate_window(cfg, sizes)
     _validate_splits(cfg, sizes)
     _validate_moe(cfg, sizes)
@@ -353,6 +354,36 @@ def _validate_latent(cfg: Config) -> None:
                 f"{key} with model.mla.kv_lora_rank={a.kv_lora_rank}: latent attention has its own "
                 "projections, norms and logit scale; turn one of them off"
             )
+
+
+def _validate_mtp(cfg: Config) -> None:
+    """model.mtp: a depth that leaves targets within a row, a usable weight, and what the
+    modules do not combine with yet."""
+    mtp, m = cfg.model.mtp, cfg.model
+    if not 0 <= mtp.depth < cfg.train.seq_len:
+        raise ConfigError(
+            f"model.mtp.depth={mtp.depth} with train.seq_len={cfg.train.seq_len}: the depth must be "
+            f"between 0 (off) and {cfg.train.seq_len - 1}, so that a depth-k target t[i+k+1] can lie "
+            "within a row (DeepSeek-V3 uses 1)"
+        )
+    if not (math.isfinite(mtp.weight) and mtp.weight >= 0):
+        raise ConfigError(
+            f"model.mtp.weight={mtp.weight}: the multi-token loss's weight must be finite and >= 0 "
+            "(DeepSeek-V3 uses 0.3, then 0.1)"
+        )
+    if not mtp.depth:
+        return
+    if cfg.finetune.lora.rank:
+        raise ConfigError(
+            f"finetune.lora.rank={cfg.finetune.lora.rank} with model.mtp.depth={mtp.depth}: the "
+            "multi-token modules have no adapters and would stay frozen; set model.mtp.depth=0 "
+            "to fine-tune with LoRA"
+        )
+    if m.fp8:
+        raise ConfigError(
+            f"model.fp8 with model.mtp.depth={mtp.depth}: float8 matmuls are not tested with the "
+            "multi-token modules yet; set model.fp8=false or model.mtp.depth=0"
+        )
 
 
 def _validate_window(cfg: Config, sizes: dict[str, int]) -> None:

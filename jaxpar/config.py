@@ -112,6 +112,14 @@ class MLAConfig:
 
 
 @dataclass
+class MTPConfig:
+    """DeepSeek-V3 multi-token prediction: extra modules after the model, training only."""
+
+    depth: int = 0  # D: modules predicting tokens 2..D+1 ahead; 0 = off (jaxpar/models/mtp.py)
+    weight: float = 0.3  # lambda: the loss adds lambda times the mean of the D depth losses
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 512  # >= the tokenizer's vocabulary; divisible by mesh.tensor
     d_model: int = 128  # residual stream width; divisible by model.n_heads (head_dim even)
@@ -154,6 +162,7 @@ class ModelConfig:
     scan_layers: bool = True  # true: one lax.scan over the layers | false: unrolled (see above)
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts (off by default)
     mla: MLAConfig = field(default_factory=MLAConfig)  # latent attention (off by default)
+    mtp: MTPConfig = field(default_factory=MTPConfig)  # multi-token prediction (off by default)
 
     @property
     def head_width(self) -> int:

@@ -151,6 +151,9 @@ def merge_model(source: ModelConfig, user: ModelConfig, user_keys: dict, where: 
     user_moe = user_keys.get("moe") if isinstance(user_keys.get("moe"), dict) else {}
     moe = _architecture(source.moe, user.moe, user_moe, MOE_ARCHITECTURE_KEYS, "model.moe.", where)
     changes["moe"] = dataclasses.replace(user.moe, **moe)
+    user_mtp = user_keys.get("mtp") if isinstance(user_keys.get("mtp"), dict) else {}
+    mtp = _architecture(source.mtp, user.mtp, user_mtp, ("depth",), "model.mtp.", where)
+    changes["mtp"] = dataclasses.replace(user.mtp, **mtp)  # the modules' weights: the checkpoint's
     if "max_seq_len" not in user_keys:
         changes["max_seq_len"] = source.max_seq_len
     return dataclasses.replace(user, **changes)

@@ -225,9 +225,14 @@ def check_tensors(tensors: dict[str, TensorInfo], m: ModelConfig, hf_dir: str) -
                 f"{tensors[name].file}: tensor {name} has shape "
                 f"{list(tensors[name].shape)}, but {config} implies {list(shape)}"
             )
+    # DeepSeek-V3's MTP layers repeat the shared embedding and head (read from the model's own)
+    copies = families.family_of_model(m).ignored_tensors(m) if m.mtp.depth else set()
     for name, info in tensors.items():
         known = (
-            name in want or name.endswith(IGNORED_SUFFIXES) or (m.tie_embeddings and name == "lm_head.weight")
+            name in want
+            or name.endswith(IGNORED_SUFFIXES)
+            or (m.tie_embeddings and name == "lm_head.weight")
+            or name in copies  # a family's copies of shared weights (DeepSeek-V3's MTP layers)
         )
         if not known:
             raise ConfigError(

@@ -43,6 +43,9 @@ families' (`jaxpar.models.families`)):
 | lm_head                       | [E, V]      | untied                       |
 | blocks.attn.wq_lora.lora_a[l] | [E, r]      | finetune.lora (`models.lora`) |
 | dense_blocks.<as blocks>[l]   | as blocks   | model.moe.first_dense (below) |
+| mtp.enorm, hnorm, norm.scale[k] | [E]       | model.mtp.depth (below)      |
+| mtp.eh_proj[k]                | [2E, E]     | model.mtp.depth              |
+| mtp.block.<as blocks>[k]      | as blocks   | model.mtp.depth              |
 
 With latent attention (model.mla.kv_lora_rank > 0) `blocks.attn.*` are `jaxpar.models.mla`'s
 weights instead. The attention layer itself, RMSNorm, the rotation and the cache are in
@@ -57,6 +60,11 @@ first_k_dense_replace) the first D blocks are a stack of their own, `dense_block
 then holds the other n_layers - D blocks in the pattern above (block g * k + i + D). The prefix
 stack is its own scan; in a pipeline it runs before the pipelined `blocks`, as the embedding
 does, whole on every stage (`jaxpar.models.objective.pipelined_grads`).
+
+With model.mtp.depth = D > 0 (DeepSeek-V3's multi-token prediction, training only) `mtp` stacks D
+`MTPModule`s (leading axis `mtp_layers`, whole on every device that runs them: the pipeline's
+last stage, with the head); `jaxpar.models.mtp` runs them on `hidden`'s output and scores them.
+Inference (`__call__`, `decode`) does not run them.
 
 Rotary embeddings use the "rotate half" pairing (dimension i with i + H/2), which is the layout of
 Hugging Face's Llama checkpoints, so q/k weights map over without a permutation.
@@ -90,6 +98,8 @@ from jaxpar.sharding import constrain
 
 PREFIX = "dense_blocks"  # the params key (and attribute) of the dense prefix's stack
 PREFIX_AXIS = "dense_layers"  # its leading axis' logical name: whole on every pipeline stage
+MTP = "mtp"  # the params key (and attribute) of the multi-token prediction modules (jaxpar.models.mtp)
+MTP_AXIS = "mtp_layers"  # their leading axis' logical name: whole, with the head, on the last stage
 PREFIX_NOISE = 0xDE  # folded into the LoRA dropout path of the prefix's layers (`lora.Noise`)
 
 REMAT_POLICIES = {
@@ -202,6 +212,29 @@ class BlockGroup(nnx.Module):
             keys.append(layer.k)
             values.append(layer.v)
         return x, KVCache(jnp.stack(keys), jnp.stack(values), layer.length)
+
+
+class MTPModule(nnx.Module):
+    """One multi-token prediction module (DeepSeek-V3, model.mtp): the previous depth's hidden
+    states and the embeddings of the tokens k ahead, each RMS-normalised, concatenated (the
+    embedding first, as DeepSeek-V3's checkpoints lay out `eh_proj`) and projected from 2E to
+    E, then one block of the main model's kind (an MoE block in an MoE model). `norm` is the
+    final norm before the shared output head (DeepSeek's `shared_head.norm`)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, context_layout=None, grad_dtype=None):
+        self.cfg = cfg
+        self.enorm, self.hnorm, self.norm = RMSNorm(cfg), RMSNorm(cfg), RMSNorm(cfg)
+        e = cfg.d_model
+        self.eh_proj = _param(rngs, (2 * e, e), ("mtp_concat", "embed"), cfg)
+        self.block = Block(cfg, rngs, cfg.moe.num_experts > 0, context_layout, grad_dtype)
+
+    def __call__(self, h, embedded, positions, segment_ids):
+        """h: the previous depth's hidden states, embedded: the tokens' embeddings, both [batch,
+        seq, embed] -> (this depth's hidden states, the block's router statistics or {})."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        both = jnp.concatenate([self.enorm(embedded).astype(dtype), self.hnorm(h).astype(dtype)], -1)
+        x = constrain(both @ self.eh_proj[...].astype(dtype), ("batch", "act_seq", "embed"))
+        return self.block(x, positions, segment_ids)
 
 
 def check_documents(model: nnx.Module, slots: int) -> nnx.Module:
@@ -385,6 +418,14 @@ class Transformer(nnx.Module):
 
             self.dense_blocks = stacked_dense(rngs)  # leading [dense_layers] axis
         self.blocks = stacked_blocks(rngs)  # every parameter has a leading [layers] axis
+        if cfg.mtp.depth:  # model.mtp.depth modules after the model, stacked (jaxpar.models.mtp)
+
+            @nnx.split_rngs(splits=cfg.mtp.depth)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: MTP_AXIS})
+            def stacked_mtp(rngs):
+                return MTPModule(cfg, rngs, context_layout, grad_dtype)
+
+            self.mtp = stacked_mtp(rngs)  # leading [mtp_layers] axis
         self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
@@ -451,14 +492,18 @@ class Transformer(nnx.Module):
             grad_dtype=self.grad_dtype,
         )
 
+    def hidden(self, batch: dict):
+        """The last hidden states [batch, seq, embed] before the final norm, and the MoE
+        statistics (`apply_blocks`), of a batch (inputs, positions, segment_ids)."""
+        x = self.embed(batch["inputs"])
+        return self.apply_blocks(x, batch["positions"], batch["segment_ids"], lora_lib.noise_of(batch))
+
     def loss(self, batch: dict, *, chunks: int):
         """The whole model on a batch (inputs, targets, positions, segment_ids, loss_mask):
         (summed NLL, token count, MoE statistics stacked over layers or {}). The logits exist
         for seq / chunks positions at a time (all of them when chunks = 1). A batch that carries
         LoRA dropout seeds (`lora.SEEDS`, a train step's) drops the adapters' inputs."""
-        x, stats = self.apply_blocks(
-            self.embed(batch["inputs"]), batch["positions"], batch["segment_ids"], lora_lib.noise_of(batch)
-        )
+        x, stats = self.hidden(batch)
         own = self.head_params(nnx.to_pure_dict(nnx.state(self)))
         nll, count = self.head_loss(own, x, batch["targets"], batch["loss_mask"], chunks=chunks)
         return nll, count, stats
@@ -498,7 +543,11 @@ def matmul_params(cfg: ModelConfig) -> int:
     f, v = cfg.d_ff, cfg.vocab_size
     attention = mla.matmul_params(cfg) if cfg.mla.kv_lora_rank else e * n * h + 2 * e * k * h + n * h * e
     moe = moe_layers(cfg)
-    return cfg.n_layers * attention + (cfg.n_layers - moe) * 3 * e * f + moe * moe_matmul_params(cfg) + e * v
+    blocks = cfg.n_layers * attention + (cfg.n_layers - moe) * 3 * e * f + moe * moe_matmul_params(cfg)
+    # model.mtp.depth modules: each a projection [2E, E], a block (MoE in an MoE model) and a pass
+    # through the shared output head
+    mlp = moe_matmul_params(cfg) if cfg.moe.num_experts else 3 * e * f
+    return blocks + e * v + cfg.mtp.depth * (2 * e * e + attention + mlp + e * v)
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
@@ -506,4 +555,10 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     if cfg.moe.num_experts == 0:
         return matmul_params(cfg)
     inactive = (cfg.moe.num_experts - cfg.moe.top_k) * 3 * cfg.d_model * expert_d_ff(cfg)
-    return matmul_params(cfg) - moe_layers(cfg) * inactive
+    return matmul_params(cfg) - (moe_layers(cfg) + cfg.mtp.depth) * inactive
+
+
+def attention_layers(cfg: ModelConfig) -> int:
+    """Layers with an attention core (the L of the 12LdT FLOPs): the blocks and the
+    multi-token prediction modules' blocks."""
+    return cfg.n_layers + cfg.mtp.depth

@@ -7,14 +7,17 @@ Per microstep i (a gradient-accumulation microstep, or a pipeline microbatch) th
 NLL_i the summed next-token negative log-likelihood over its target tokens, count_i their number,
 aux_i and z_i the means over the model's MoE layers of that microstep's router load-balancing
 loss (Switch Transformer, Fedus et al. 2021) and router z-loss (ST-MoE, Zoph et al. 2022); dense
-models have no second term. Scaled by the token count, microsteps add up: the step sums them and
-divides by the whole batch's count (jaxpar.train).
+models have no second term. With model.mtp.depth = D the multi-token prediction modules add
+lambda / D * sum_k NLL_k * count / count_k (`jaxpar.models.mtp`; count_k depth k's valid targets
+in the whole batch), and with experts their blocks join the router term's mean. Scaled by the
+token count, microsteps add up: the step sums them and divides by the whole batch's count
+(jaxpar.train).
 
 `objective` is the whole model on a batch; `pipelined_grads` runs the same objective with the
 blocks pipelined (`jaxpar.parallel.pipeline`): the model's own pieces do the work (`embed`
 and an MoE model's dense prefix, `apply_prefix`, before the pipeline, `run_blocks` for a stage's
-chunk of layers, `head_loss` on the last stage), and each stage adds its own layers' share of the
-router term (`router_penalty`).
+chunk of layers, `head_loss` and the multi-token modules on the last stage), and each stage adds
+its own layers' share of the router term (`router_penalty`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.models import mtp as mtp_lib
 from jaxpar.models.llama import PREFIX
 from jaxpar.models.moe import moe_layers
 from jaxpar.parallel.pipeline import (
@@ -62,14 +66,33 @@ def objective(graphdef, params, batch: dict, *, chunks: int):
     targets, positions, segment_ids, loss_mask}, each [batch, seq]. chunks: the loss's sequence
     chunks (jaxpar.models.loss)."""
     model = nnx.merge(graphdef, params)
-    nll, count, moe_stats = model.loss(batch, chunks=chunks)
-    aux = {"nll": nll, "count": count}
-    if not moe_stats:
-        return nll, aux
-    aux.update({k: jnp.mean(moe_stats[k]) for k in MOE_MEANS if k in moe_stats})
-    aux["expert_load"] = moe_stats["expert_load"]
-    penalty = router_penalty(model.cfg.moe, moe_stats, jax.lax.stop_gradient(count), moe_layers(model.cfg))
-    return nll + penalty, aux
+    cfg = model.cfg
+    if cfg.mtp.depth:  # multi-token prediction's modules on the last hidden states
+        h, moe_stats = model.hidden(batch)
+        nll, count = model.head_loss(
+            model.head_params(params), h, batch["targets"], batch["loss_mask"], chunks=chunks
+        )
+    else:
+        nll, count, moe_stats = model.loss(batch, chunks=chunks)
+    aux, value = {"nll": nll, "count": count}, nll
+    layers = mtp_lib.router_layers(cfg)
+    if moe_stats:
+        aux.update({k: jnp.mean(moe_stats[k]) for k in MOE_MEANS if k in moe_stats})
+        aux["expert_load"] = moe_stats["expert_load"]
+        value = value + router_penalty(cfg.moe, moe_stats, jax.lax.stop_gradient(count), layers)
+    if cfg.mtp.depth:
+        added, mtp_aux = mtp_lib.objective_terms(
+            model,
+            mtp_lib.head_params(model, params),
+            h,
+            batch,
+            jax.lax.stop_gradient(count),
+            chunks=chunks,
+            penalty_fn=lambda stats, n: router_penalty(cfg.moe, stats, n, layers),
+        )
+        value = value + added
+        aux.update(mtp_aux)
+    return value, aux
 
 
 def _embed_before_pipeline(graphdef, params, batch):
@@ -84,6 +107,50 @@ def _embed_before_pipeline(graphdef, params, batch):
         return whole.apply_prefix(whole.embed(batch["inputs"]), batch["positions"], batch["segment_ids"])
 
     return jax.vjp(embed, params["embedding"], prefix)
+
+
+def _chunk_fns(model, layers: int):
+    """The pipeline's chunk functions: (a dense chunk: h, an MoE chunk: (h, its router term,
+    its statistics)); `layers` the MoE layers the router terms are averaged over."""
+
+    def blocks(chunk_params, h, side):
+        positions, segment_ids, _ = side
+        return model.run_blocks(chunk_params, h, positions, segment_ids)[0]
+
+    def moe_blocks(chunk_params, h, side):
+        positions, segment_ids, loss_mask = side
+        h, stats = model.run_blocks(chunk_params, h, positions, segment_ids)
+        count = jax.lax.stop_gradient(jnp.sum(loss_mask))
+        penalty = router_penalty(model.cfg.moe, stats, count, layers)
+        stats = {k: jax.lax.stop_gradient(x) for k, x in stats.items()}
+        return h, penalty.astype(jnp.float32), {**stats, "penalty": jax.lax.stop_gradient(penalty)}
+
+    return blocks, moe_blocks
+
+
+def _head_fn(model, layers: int, loss_chunks: int):
+    """The last stage's head: the summed NLL of the targets t, or with model.mtp.depth (NLL and
+    the modules' terms, {"nll": NLL, the modules' statistics})."""
+
+    def head(head_params, h, t):
+        return model.head_loss(head_params, h, t["targets"], t["loss_mask"], chunks=loss_chunks)[0]
+
+    def mtp_head(head_params, h, t):
+        nll = head(head_params, h, t)
+        count = jax.lax.stop_gradient(jnp.sum(t["loss_mask"]))
+        added, aux = mtp_lib.objective_terms(
+            model,
+            head_params,
+            h,
+            t,
+            count,
+            chunks=loss_chunks,
+            penalty_fn=lambda stats, n: router_penalty(model.cfg.moe, stats, n, layers),
+            whole_table=True,
+        )
+        return nll + added, {"nll": jax.lax.stop_gradient(nll), **aux}
+
+    return mtp_head if model.cfg.mtp.depth else head
 
 
 def pipelined_grads(
@@ -110,8 +177,9 @@ def pipelined_grads(
     divided by their number (so the step's division by parallel.grad_accum gives the mean),
     expert_load [MoE layers, experts] summed over microbatches.
     """
-    moe, layers = model.cfg.moe, moe_layers(model.cfg)
-    if layers or model.cfg.fp8:
+    cfg = model.cfg
+    layers, depth = mtp_lib.router_layers(cfg), cfg.mtp.depth
+    if layers or cfg.fp8:
         row_axes = ()  # the chunk couples its rows (`row_axes_for`)
     # Zero-bubble reaches ZB-H1's bubble where the chunk is collective-free (schedule_for_mesh);
     # `inspect --schedule` and the planner make the same choice.
@@ -119,46 +187,44 @@ def pipelined_grads(
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     graphdef = nnx.graphdef(model)
 
-    def blocks(chunk_params, h, side):
-        positions, segment_ids, _ = side
-        return model.run_blocks(chunk_params, h, positions, segment_ids)[0]
-
-    def moe_blocks(chunk_params, h, side):  # (h, the chunk's router term, its statistics)
-        positions, segment_ids, loss_mask = side
-        h, stats = model.run_blocks(chunk_params, h, positions, segment_ids)
-        count = jax.lax.stop_gradient(jnp.sum(loss_mask))
-        penalty = router_penalty(moe, stats, count, layers)
-        stats = {k: jax.lax.stop_gradient(x) for k, x in stats.items()}
-        return h, penalty.astype(jnp.float32), {**stats, "penalty": jax.lax.stop_gradient(penalty)}
-
-    def head(head_params, h, t):  # the summed NLL of the targets t
-        return model.head_loss(head_params, h, t["targets"], t["loss_mask"], chunks=loss_chunks)[0]
-
+    blocks, moe_blocks = _chunk_fns(model, layers)
+    head = _head_fn(model, layers, loss_chunks)
     x, embed_vjp = _embed_before_pipeline(graphdef, params, batch)
     micro = split_microbatches(batch, m)
+    targets = {k: micro[k] for k in ("targets", "loss_mask")}
+    if depth:  # the modules run on the last stage, with the head
+        targets.update(mtp_lib.depth_fields(micro, depth))
     args = (
         head,
         stack_stages(params["blocks"], p, v),
-        model.head_params(params),
+        mtp_lib.head_params(model, params) if depth else model.head_params(params),
         split_microbatches(x, m),
-        {k: micro[k] for k in ("targets", "loss_mask")},
+        targets,
     )
     side = (micro["positions"], micro["segment_ids"], micro["loss_mask"])
-    if layers:
+    kwargs = {
+        "schedule": schedule,
+        "mesh": mesh,
+        "side": side,
+        "axis_name": axis_name,
+        "head_aux": bool(depth),
+    }
+    if moe_layers(cfg):
         value, (stage_grads, head_grads, input_grads), stats = pipeline_value_grad_and_stats(
-            moe_blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name
+            moe_blocks, *args, **kwargs
         )
     else:
         value, (stage_grads, head_grads, input_grads) = pipeline_value_and_grad(
-            blocks, *args, schedule=schedule, mesh=mesh, side=side, axis_name=axis_name, row_axes=row_axes
+            blocks, *args, row_axes=row_axes, **kwargs
         )
+    value, head_aux = value if depth else (value, {})
     embedding_grad, prefix_grads = embed_vjp(merge_microbatches(input_grads))
     grads = {**head_grads, **prefix_grads, "blocks": unstack_stages(stage_grads, p, v)}
-    grads["embedding"] = embedding_grad + head_grads.get("embedding", 0.0)  # tied: both uses
-    aux = {"nll": value, "count": jnp.sum(batch["loss_mask"])}
-    if layers:
+    grads["embedding"] = embedding_grad + head_grads.get("embedding", 0.0)  # tied or MTP: both uses
+    aux = {"nll": value, "count": jnp.sum(batch["loss_mask"]), **head_aux}
+    if moe_layers(cfg):
         per_layer = unstack_stages(stats, p, v)  # [MoE layers, ...], summed over microbatches
-        aux["nll"] = value - jnp.sum(per_layer["penalty"])
+        aux["nll"] = head_aux.get("nll", value - jnp.sum(per_layer["penalty"]))
         aux.update({k: jnp.mean(per_layer[k]) / m for k in MOE_MEANS if k in per_layer})
         aux["expert_load"] = per_layer["expert_load"]
     return grads, aux

@@ -175,6 +175,7 @@ def pipeline_value_and_grad(
     axis_name: str = "pipe",
     side: Any = None,
     row_axes: tuple[str, ...] = ("data",),
+    head_aux: bool = False,
 ):
     """Loss and gradients of a pipelined layer stack followed by a head.
 
@@ -215,6 +216,9 @@ def pipeline_value_and_grad(
     A stage-dependent schedule (`schedule.stage_dependent`, see `schedule_for_mesh`) needs a
     collective-free chunk: every mesh axis but `axis_name` and the manual row axes of size 1
     (else ValueError).
+
+    head_aux: head_fn returns (loss, aux), aux a pytree of float arrays (not differentiated)
+    summed over microbatches and devices like the loss; the result's loss is then (loss, aux).
     """
     if side is None:
         side = jnp.zeros(inputs.shape[:2], jnp.int32)  # [microbatches, rows]: splits as inputs do
@@ -227,7 +231,7 @@ def pipeline_value_and_grad(
             return stage_fn(params, h, side_i), jnp.zeros((), jnp.float32), {}
 
     loss, grads, _ = _run(
-        _Program(chunk_fn, head_fn, schedule, axis_name, row_axes),
+        _Program(chunk_fn, head_fn, schedule, axis_name, row_axes, head_aux),
         mesh,
         stage_params,
         head_params,
@@ -250,6 +254,7 @@ def pipeline_value_grad_and_stats(
     mesh: jax.sharding.Mesh,
     side: Any,
     axis_name: str = "pipe",
+    head_aux: bool = False,
 ):
     """`pipeline_value_and_grad` for chunks with a loss of their own (an MoE router's
     auxiliary and z losses) and statistics: chunk_fn(chunk_params, h, side_i) -> (h, loss,
@@ -260,9 +265,10 @@ def pipeline_value_grad_and_stats(
     Returns (loss, (stage_grads, head_grads, input_grads), stats), the stats with leaves
     [stages*v, ...] in `stack_stages` order. No row axes: a chunk's own loss is not a sum over
     rows, so every mesh axis but `axis_name` stays automatic (GSPMD reduces over data inside).
+    head_aux: as `pipeline_value_and_grad`'s.
     """
     return _run(
-        _Program(chunk_fn, head_fn, schedule, axis_name, ()),
+        _Program(chunk_fn, head_fn, schedule, axis_name, (), head_aux),
         mesh,
         stage_params,
         head_params,
@@ -282,6 +288,7 @@ class _Program(NamedTuple):
     schedule: Schedule
     axis_name: str
     rows_axes: tuple[str, ...]
+    head_aux: bool = False  # head_fn returns (loss, aux): `pipeline_value_and_grad`
 
 
 def _check(program: _Program, mesh, stage_params, inputs) -> None:
@@ -332,16 +339,17 @@ def _run(program: _Program, mesh, stage_params, head_params, inputs, targets, si
         mesh=mesh,
         axis_names={axis_name, *rows_axes},
         in_specs=(P(axis_name), P(), rows, rows, rows),
-        out_specs=(P(), (P(axis_name), P(), rows), P(axis_name)),
+        out_specs=(P(), (P(axis_name), P(), rows), P(axis_name), P()),
         # The carried buffers start equal on every stage and become per-stage after the first
         # ppermute; skipping the replication check avoids pvary/pcast, whose API moves in 0.10-0.12.
         check_vma=False,
     )
-    return mapped(
+    loss, grads, stats, head_aux = mapped(
         _split_over(stage_params, mesh, axis_name),
         head_params,
         *(_split_over(tree, mesh, rows_axes, dim=1) for tree in (inputs, targets, side)),
     )
+    return (loss, head_aux) if program.head_aux else loss, grads, stats
 
 
 def _split_over(tree, mesh, axis_name: str | tuple[str, ...], dim: int = 0):
@@ -390,6 +398,7 @@ class _Device:
     constants: dict[int, np.ndarray]
     stash_shapes: list[jax.ShapeDtypeStruct]
     stats_shapes: Any
+    head_aux_shapes: Any  # the head's aux ({} without `head_aux`)
 
     @classmethod
     def build(cls, program: _Program, stage_params, head_params, inputs, targets, side):
@@ -397,6 +406,10 @@ class _Device:
         side0 = jax.tree.map(lambda a: _index(a, 0), side)
         treedef, sources, constants, stash_shapes = _residual_layout(program.chunk_fn, chunk0, h, side0)
         stats_shapes = jax.eval_shape(program.chunk_fn, chunk0, h, side0)[2]
+        head_aux_shapes = {}
+        if program.head_aux:
+            targets0 = jax.tree.map(lambda a: _index(a, 0), targets)
+            head_aux_shapes = jax.eval_shape(program.head_fn, head_params, h, targets0)[1]
         return cls(
             program,
             lower_schedule(program.schedule),
@@ -410,6 +423,7 @@ class _Device:
             constants,
             stash_shapes,
             stats_shapes,
+            head_aux_shapes,
         )
 
     @property
@@ -442,6 +456,9 @@ class _Device:
     def stats_zeros(self):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.stats_shapes)
 
+    def head_aux_zeros(self):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.head_aux_shapes)
+
     def ring_pairs(self) -> tuple[list, list]:
         """(source, target) pairs of the exchange: activations to the next device, gradients to
         the previous one; around the ring when v > 1 (chunk j*p + p-1, on the last device, feeds
@@ -464,6 +481,7 @@ class _Carry(NamedTuple):
     input_grads: jax.Array  # [microbatches, microbatch, ...]
     loss: jax.Array
     stats: Any  # leaves [v, ...]
+    head_aux: Any  # the head's aux, summed
 
 
 def _initial_carry(dev: _Device) -> _Carry:
@@ -482,6 +500,7 @@ def _initial_carry(dev: _Device) -> _Carry:
         head_grads=jax.tree.map(jnp.zeros_like, dev.head_params),
         input_grads=jnp.zeros_like(dev.inputs),
         loss=jnp.zeros((), jnp.float32),
+        head_aux=dev.head_aux_zeros(),
         stats=jax.tree.map(
             lambda s: jnp.zeros((dev.program.schedule.virtual_stages, *s.shape), s.dtype), dev.stats_shapes
         ),
@@ -498,6 +517,7 @@ class _ForwardOut(NamedTuple):
     stats: Any
     dhead: Any  # the head's gradients (last chunk), else zeros
     head_cotangent: jax.Array  # the head's gradient for the last chunk's output
+    head_aux: Any  # the head's aux (last chunk), else zeros
 
 
 class _BackwardOut(NamedTuple):
@@ -514,6 +534,7 @@ def _no_forward(dev: _Device, carry: _Carry, row: Row) -> _ForwardOut:
         stats=dev.stats_zeros(),
         dhead=dev.head_zeros(),
         head_cotangent=h,
+        head_aux=dev.head_aux_zeros(),
     )
 
 
@@ -546,10 +567,14 @@ def _chunk_forward(dev: _Device, carry: _Carry, row: Row):
 
 
 def _head(dev: _Device, y, microbatch):
-    """The head on the last chunk's output y: (float32 loss, head gradients, y's cotangent)."""
+    """The head on the last chunk's output y: (float32 loss, head gradients, y's cotangent, the
+    head's aux)."""
     targets = jax.tree.map(lambda a: _index(a, microbatch), dev.targets)
-    loss, (dhead, dy) = jax.value_and_grad(dev.program.head_fn, argnums=(0, 1))(dev.head_params, y, targets)
-    return loss.astype(jnp.float32), dhead, dy.astype(dev.inputs.dtype)
+    has_aux = dev.program.head_aux
+    grad_fn = jax.value_and_grad(dev.program.head_fn, argnums=(0, 1), has_aux=has_aux)
+    loss, (dhead, dy) = grad_fn(dev.head_params, y, targets)
+    loss, aux = loss if has_aux else (loss, {})
+    return loss.astype(jnp.float32), dhead, dy.astype(dev.inputs.dtype), aux
 
 
 def _forward_slot(dev: _Device, carry: _Carry, row: Row, head_runs) -> _ForwardOut:
@@ -559,10 +584,10 @@ def _forward_slot(dev: _Device, carry: _Carry, row: Row, head_runs) -> _ForwardO
     h, microbatch, (y, own_loss, stats), new = _chunk_forward(dev, carry, row)
     kept = [_index(b, row.f_stash_slot) for b in carry.stash]
     stash = [jnp.where(on, x, old) for x, old in zip(new, kept)]
-    loss, dhead, dy = jax.lax.cond(
+    loss, dhead, dy, head_aux = jax.lax.cond(
         head_runs,
         lambda: _head(dev, y, microbatch),
-        lambda: (jnp.zeros((), jnp.float32), dev.head_zeros(), dev.h_zeros()),
+        lambda: (jnp.zeros((), jnp.float32), dev.head_zeros(), dev.h_zeros(), dev.head_aux_zeros()),
     )
     mine = on & (row.f_head == 1)
     loss = jnp.where(mine, loss, 0.0) + jnp.where(on, own_loss.astype(jnp.float32), 0.0)
@@ -573,6 +598,7 @@ def _forward_slot(dev: _Device, carry: _Carry, row: Row, head_runs) -> _ForwardO
         stats=jax.tree.map(lambda x: jnp.where(on, x, 0), stats),
         dhead=jax.tree.map(lambda d: jnp.where(mine, d, 0), dhead),
         head_cotangent=dy,
+        head_aux=jax.tree.map(lambda a: jnp.where(mine, a, 0), head_aux),
     )
 
 
@@ -610,8 +636,8 @@ def _forward(dev: _Device, carry: _Carry, row: Row, with_head: bool):
         send_act=y.astype(h.dtype), loss=own_loss.astype(jnp.float32), stats=stats, stash=stash
     )
     if with_head:  # the last chunk: its head's loss, gradient and cotangent
-        loss, dhead, dy = _head(dev, y, microbatch)
-        out = out._replace(loss=out.loss + loss, dhead=dhead, head_cotangent=dy)
+        loss, dhead, dy, head_aux = _head(dev, y, microbatch)
+        out = out._replace(loss=out.loss + loss, dhead=dhead, head_cotangent=dy, head_aux=head_aux)
     return out, _no_backward(dev)
 
 
@@ -651,6 +677,7 @@ def _add_forward(dev: _Device, carry: _Carry, row: Row, fo: _ForwardOut) -> _Car
     return carry._replace(
         stash=[_update(buf, x, row.f_stash_slot) for buf, x in zip(carry.stash, fo.stash)],
         loss=carry.loss + fo.loss,
+        head_aux=jax.tree.map(jnp.add, carry.head_aux, fo.head_aux),
         stats=_add_to_chunk(carry.stats, row.f_chunk, fo.stats),
         head_grads=jax.tree.map(jnp.add, carry.head_grads, fo.dhead),
         grads=_update(carry.grads, fo.head_cotangent, head_cotangent_to),
@@ -729,7 +756,8 @@ def _reduce(dev: _Device, carry: _Carry):
     input_grads = psum(carry.input_grads, axis_name)  # rows stay on their device
     stage_grads = jax.tree.map(lambda g: psum(g, rows_axes), carry.stage_grads)
     head_grads = jax.tree.map(lambda g: psum(g, everywhere), carry.head_grads)
-    return psum(carry.loss, everywhere), (stage_grads, head_grads, input_grads), carry.stats
+    head_aux = jax.tree.map(lambda a: psum(a, everywhere), carry.head_aux)
+    return psum(carry.loss, everywhere), (stage_grads, head_grads, input_grads), carry.stats, head_aux
 
 
 def _device_loop(program: _Program, stage_params, head_params, inputs, targets, side):

@@ -11,7 +11,7 @@ import math
 
 from jaxpar.config import LoRAConfig, ModelConfig
 from jaxpar.models import mla
-from jaxpar.models.llama import PREFIX_AXIS, scan_length
+from jaxpar.models.llama import MTP_AXIS, PREFIX_AXIS, scan_length
 from jaxpar.models.moe import dense_prefix
 from jaxpar.sharding import Rules, fitted_names, make_rules, state_rules
 
@@ -31,6 +31,13 @@ def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | 
     for i in range(per_unit):
         is_moe = m.moe.num_experts > 0 and i == per_unit - 1
         out += _block_rows(m, f"block{i}", units, ("layers",), is_moe)
+    if m.mtp.depth:  # multi-token prediction: three norms, the projection and a block per module
+        d = m.mtp.depth
+        out += [
+            ("mtp.norms", (d, 3 * e), (MTP_AXIS, "embed")),
+            ("mtp.eh_proj", (d, 2 * e, e), (MTP_AXIS, "mtp_concat", "embed")),
+        ]
+        out += _block_rows(m, "mtp.block", d, (MTP_AXIS,), m.moe.num_experts > 0)
     return out
 
 

@@ -132,11 +132,11 @@ def hardware_flops(
     matmul (2dV). With LoRA adapters (`lora`) the frozen weights get no gradient: their 2N of
     weight-gradient matmuls are not computed, and the adapters' N_A parameters add 6N_A (2N_A
     more under `full`)."""
-    from jaxpar.models.llama import active_matmul_params
+    from jaxpar.models.llama import active_matmul_params, attention_layers
     from jaxpar.training.metrics import flops_per_token
 
     flops = flops_per_token(m, seq_len)
-    attention_forward = 4 * m.n_layers * m.d_model * seq_len
+    attention_forward = 4 * attention_layers(m) * m.d_model * seq_len
     head = m.d_model * m.vocab_size
     if remat == "dots":
         flops += attention_forward
@@ -151,9 +151,10 @@ def hardware_flops(
 def attention_flops(m: ModelConfig, seq_len: int, remat: str) -> float:
     """The attention core's share of `hardware_flops` per token: 12LdT, + 4LdT recomputed
     under `dots` and `full`."""
+    from jaxpar.models.llama import attention_layers
     from jaxpar.training.metrics import attention_width
 
-    return (12 + (4 if remat != "none" else 0)) * m.n_layers * attention_width(m) * seq_len
+    return (12 + (4 if remat != "none" else 0)) * attention_layers(m) * attention_width(m) * seq_len
 
 
 # --- Step time ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import warnings
 import jax
 
 from jaxpar.config import ModelConfig
-from jaxpar.models.llama import active_matmul_params
+from jaxpar.models.llama import active_matmul_params, attention_layers
 
 # Dense bf16 peak of one device (FLOP/s), matched against `device.device_kind`.
 PEAK_BF16_FLOPS = {
@@ -36,7 +36,7 @@ PEAK_BF16_FLOPS = {
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * attention_width(cfg) * seq_len
+    return 6 * active_matmul_params(cfg) + 12 * attention_layers(cfg) * attention_width(cfg) * seq_len
 
 
 def attention_width(cfg: ModelConfig) -> int:

@@ -30,7 +30,7 @@ from jaxpar import sharding as sharding_lib
 from jaxpar.compiled import targets as targets_lib
 from jaxpar.config import Config
 from jaxpar.models import lora as lora_lib
-from jaxpar.models import moe as moe_lib
+from jaxpar.models import mtp as mtp_lib
 from jaxpar.models import objective as objective_lib
 from jaxpar.models.attention import kernel_for, slot_bucket
 from jaxpar.models.llama import Transformer, check_documents
@@ -328,7 +328,10 @@ class StepParts:
         return train if self.trainable is None else self.trainable.join(train, frozen)
 
     def prepare(self, batch: dict) -> dict:
-        """The batch in ring attention's layout when the layout has a ring (`to_ring_layout`)."""
+        """The batch with multi-token prediction's shifted fields (model.mtp.depth: `mtp.
+        with_fields`, made in the ordinary order), then in ring attention's layout when the
+        layout has a ring (`to_ring_layout`): every field travels with its tokens."""
+        batch = mtp_lib.with_fields(batch, self.cfg.model.mtp.depth)
         return to_ring_layout(batch, self.layout, self.cfg.parallel.context_layout)
 
 
@@ -361,7 +364,7 @@ def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, 
     updates, opt_state = parts.optimizer.update(grads, state["opt_state"], train)
     params = parts.join(optax.apply_updates(train, updates), frozen)
     if cfg.model.moe.bias_update_rate and "expert_load" in aux:  # loss-free balancing
-        params = moe_lib.update_router_bias(params, aux["expert_load"], cfg.model.moe.bias_update_rate)
+        params = mtp_lib.update_router_bias(params, aux, cfg.model.moe.bias_update_rate)
     metrics = {
         "loss": aux["nll"] / count,
         "grad_norm": optax.tree.norm(grads),
@@ -374,6 +377,8 @@ def train_step(parts: StepParts, state: dict, batch: dict) -> tuple[dict, dict, 
         metrics.update({k: aux[k] / accum for k in objective_lib.MOE_MEANS if k in aux})
         metrics["expert_load_min"] = jnp.min(aux["expert_load"])
         metrics["expert_load_max"] = jnp.max(aux["expert_load"])
+    for k in range(1, cfg.model.mtp.depth + 1):  # each depth's mean loss over its valid targets
+        metrics[f"mtp_loss_{k}"] = aux[f"mtp_nll_{k}"] / count
     new_state, metrics = guard_non_finite(
         state, {"params": params, "opt_state": opt_state}, metrics, cfg.train.on_nan
     )

@@ -17,6 +17,13 @@ first_k_dense_replace = k dense layers (MLPs of intermediate_size) before the Mo
 model.moe.first_dense = k, their weights jaxpar's `dense_blocks` stack; k >= num_hidden_layers
 is a dense model (model.moe.num_experts = 0).
 
+num_nextn_predict_layers = D (transformers' num_mtp_layers; absent: 0) multi-token prediction
+modules are model.mtp.depth = D, their weights at model.layers.{num_hidden_layers + k - 1} (enorm,
+hnorm, eh_proj, shared_head.norm and the block's usual attention and MLP names) jaxpar's `mtp`
+stack (`mtp_tensors`). Their copies of the shared embedding and output head (embed_tokens,
+shared_head.head) are ignored on import and not written on export. transformers drops these
+layers on load (its model has no MTP modules), so its logits are unaffected.
+
 Refused: q_lora_rank = 0 (transformers then
 multiplies the queries by zero; null means no query latent), groups that do not divide the
 experts or hold fewer than two (the group score is its top two), a top-k more than the chosen
@@ -154,8 +161,32 @@ def moe_tensors(m: ModelConfig) -> dict[str, common.Tensor]:
     return table
 
 
+def mtp_tensors(m: ModelConfig) -> dict[str, common.Tensor]:
+    """The multi-token prediction modules (model.mtp.depth D): module k at Hugging Face layer
+    num_hidden_layers + k - 1, its block of the model's last kind (MoE with experts)."""
+    e, layer = m.d_model, "model.layers.{l}."
+    mlp = moe_tensors(m) if m.moe.num_experts else common.dense_mlp_tensors(m)
+    block = {"mtp.block." + k.removeprefix("blocks."): t for k, t in {**attention_tensors(m), **mlp}.items()}
+    table = {
+        "mtp.enorm.scale": common.Tensor(layer + "enorm.weight", True, common.SAME, (e,)),
+        "mtp.hnorm.scale": common.Tensor(layer + "hnorm.weight", True, common.SAME, (e,)),
+        "mtp.eh_proj": common.Tensor(layer + "eh_proj.weight", True, common.TRANSPOSED, (e, 2 * e)),
+        "mtp.norm.scale": common.Tensor(layer + "shared_head.norm.weight", True, common.SAME, (e,)),
+        **block,
+    }
+    return {k: t._replace(first=m.n_layers, units=m.mtp.depth, every=1, offset=0) for k, t in table.items()}
+
+
+def ignored_tensors(m: ModelConfig) -> set[str]:
+    """The modules' copies of the shared embedding and output head: read from the model's own."""
+    names = ("embed_tokens.weight", "shared_head.head.weight")
+    return {f"model.layers.{m.n_layers + k}.{n}" for k in range(m.mtp.depth) for n in names}
+
+
 def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
     table = common.embedding_tensors(m)
+    if m.mtp.depth:
+        table.update(mtp_tensors(m))
     if not m.moe.num_experts:
         table.update({**attention_tensors(m), **common.dense_mlp_tensors(m)})
     else:  # the dense prefix (first_k_dense_replace layers), then the MoE layers after it
@@ -244,6 +275,8 @@ def settings_from_hf(hf: dict, where: str) -> dict:
     settings = common.base_settings({k: v for k, v in hf.items() if k != "head_dim"}, where)
     settings["mla"] = _mla_settings(hf, where)
     settings["moe"] = _moe_settings(hf, settings["n_layers"], where)
+    key = "num_nextn_predict_layers" if "num_nextn_predict_layers" in hf else "num_mtp_layers"
+    settings["mtp"] = {"depth": common.read_int(hf, key, where, 0, least=0)}
     return settings
 
 
@@ -259,7 +292,7 @@ def hf_config(m: ModelConfig) -> dict:
         "v_head_dim": a.v_head_dim,
         "rope_interleave": a.rope_interleave,
         "attention_bias": False,
-        "num_mtp_layers": 0,
+        "num_mtp_layers": m.mtp.depth,
     }
     if not moe.num_experts:
         return {
