@@ -29,10 +29,14 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SESSION_CACHE]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get(
     "JAXPAR_TESTS_CACHE_MIN_COMPILE_SECS", "0"
 )
-# A size limit turns on jax's file lock around cache reads and writes: the session's processes
-# share the directory, and an unlocked reader could see an entry half written (a warning and a
-# recompile). Far above what one session writes, so nothing is evicted.
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
+# No size limit (JAX_COMPILATION_CACHE_MAX_SIZE unset): with one, jax's cache scans the whole
+# directory under a file lock at every write (a stat and a read of every entry's access-time file,
+# to find what to evict), which grows with the session: with 811 entries already there,
+# tests/test_any_mesh.py took 56.6 CPU-s and 93 s instead of 33.6 CPU-s and 44 s, and a
+# session writes thousands. Unbounded, there is no lock either: a process that reads an entry
+# another is still writing (both compiling the same program at once) gets a warning and compiles
+# it itself. The directory is the session's own and removed at its end.
+os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
 
 # XLA flags for every program the session compiles, in this process and in the processes tests
 # start (they pass os.environ on; each sets its own device count through runtime.cpu_devices, so
