@@ -118,10 +118,13 @@ def use_compile_cache(runtime: RuntimeConfig, devices_here: bool = True) -> Comp
 
     A directory set or named by JAX_COMPILATION_CACHE_DIR was checked to be writable before
     (`jaxpar.checks.validate_runtime`: exit 2); the per-user default is created here, and where
-    it cannot be, the run goes on without a cache and says why. jaxpar's own caches are bounded
-    by runtime.compile_cache_gib (jax evicts the least recently used programs, under a file
-    lock, so that processes can share the directory) and keep every program however fast it
-    compiled (COMPILE_CACHE_MIN_SECONDS = 0: the small ones add up; benchmarks/RESULTS.md).
+    it cannot be, the run goes on without a cache and says why. jaxpar's own caches keep every
+    program however fast it compiled (COMPILE_CACHE_MIN_SECONDS = 0: the small ones add up;
+    benchmarks/RESULTS.md) and are bounded by runtime.compile_cache_gib once, here, at the start
+    (`trim_cache`), not by jax at every write: jax's bound scans the whole directory under a
+    file lock at each program it writes, a cost that grows with the cache (0.1 ms an entry
+    here: 2 s a program in a cache of 20,000). What one run writes goes above the bound until
+    the next start trims it.
 
     `devices_here=False` (compiling for GPUs that are not here, `jaxpar.compiled.targets`): no
     cache of jaxpar's. jax 0.12 writes such programs but cannot read them back ("PjRtCompiler
@@ -150,7 +153,8 @@ def use_compile_cache(runtime: RuntimeConfig, devices_here: bool = True) -> Comp
     if cache.directory is not None:
         wanted["jax_compilation_cache_dir"] = cache.directory
     if cache.directory is not None and cache.own:
-        wanted["jax_compilation_cache_max_size"] = int(runtime.compile_cache_gib * 2**30)
+        trim_cache(cache.directory, int(runtime.compile_cache_gib * 2**30))
+        wanted["jax_compilation_cache_max_size"] = -1  # (jax: no bound of its own, no lock)
         wanted["jax_persistent_cache_min_compile_time_secs"] = COMPILE_CACHE_MIN_SECONDS
     changed = {name: value for name, value in wanted.items() if getattr(jax.config, name) != value}
     for name, value in changed.items():
@@ -160,6 +164,38 @@ def use_compile_cache(runtime: RuntimeConfig, devices_here: bool = True) -> Comp
     _watch_compiles()
     _in_use = cache
     return cache
+
+
+CACHE_SUFFIX, ATIME_SUFFIX = "-cache", "-atime"  # jax's names: a program, its last use (bounded caches)
+
+
+def trim_cache(directory: str, bound_bytes: int) -> int:
+    """Removes the least recently used programs from a compile cache `directory` until its
+    programs (jax's `<key>-cache` files) hold at most `bound_bytes`; returns how many went. A
+    program's last use is the later of its file's access and write times (a cache hit reads the
+    file; Linux's relatime moves the access time at most once a day, which is the resolution
+    here). A `-atime` file that jax's own bound wrote goes with its program. A program another
+    process is reading as it goes is compiled again there (jax warns)."""
+    try:
+        entries = [e for e in os.scandir(directory) if e.name.endswith(CACHE_SUFFIX) and e.is_file()]
+    except OSError:
+        return 0
+    stats = []
+    for entry in entries:
+        try:
+            st = entry.stat()
+        except OSError:  # removed meanwhile
+            continue
+        stats.append((max(st.st_atime_ns, st.st_mtime_ns), st.st_size, entry.path))
+    total, removed = sum(size for _, size, _ in stats), 0
+    for _, size, path in sorted(stats):
+        if total <= bound_bytes:
+            break
+        for victim in (path, path.removesuffix(CACHE_SUFFIX) + ATIME_SUFFIX):
+            with contextlib.suppress(OSError):
+                os.remove(victim)
+        total, removed = total - size, removed + 1
+    return removed
 
 
 def compile_cache_in_use() -> CompileCache:

@@ -47,7 +47,7 @@ def _train(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def _entries(directory: Path) -> set[str]:
-    """The cache's programs (jax's LRU cache keeps `<key>-cache` files, and `-atime` beside them)."""
+    """The cache's programs (jax keeps `<key>-cache` files)."""
     return {p.name for p in directory.glob("*-cache")} if directory.is_dir() else set()
 
 
@@ -70,6 +70,9 @@ def test_a_first_run_compiles_and_fills_an_empty_cache(two_runs):
     lines = [line for line in first.stderr.splitlines() if "the train step" in line]
     assert len(lines) == 1 and lines[0].startswith("compiled the train step in "), first.stderr[-3000:]
     assert f"written to the compile cache {cache}" in lines[0]
+    # The bound is jaxpar's, at the start: jax's own (which scans the directory at every write)
+    # would have written an access-time file beside each program.
+    assert not list(cache.glob("*-atime")), "jax bounded the cache itself"
     # Nothing went to the per-user default (which the setting replaces).
     assert not (home / "jaxpar" / "compile").exists()
 
@@ -120,6 +123,29 @@ def test_a_bad_setting_is_one_line_and_exit_2_before_anything_compiles(tmp_path,
     assert len(lines) == 1 and lines[0].startswith("config error: "), done.stderr[-3000:]
     assert names in lines[0] and "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "jaxpar" / "compile").exists()
+
+
+def test_a_start_trims_the_least_recently_used_programs_to_the_bound(tmp_path):
+    """mesh.trim_cache: the oldest by last use (the later of access and write) go first, each
+    with the access-time file jax's own bound may have left, until the rest fit; other files
+    stay. (Trimming the newest first, or past the bound, fails here.)"""
+    uses = {"a": 100, "b": 400, "c": 200, "d": 300}  # seconds since the epoch: a, c, d, b
+    for key, when in uses.items():
+        (tmp_path / f"{key}-cache").write_bytes(b"x" * 1000)
+        (tmp_path / f"{key}-atime").write_bytes(b"t")
+        os.utime(tmp_path / f"{key}-cache", (when, when))
+    os.utime(tmp_path / "a-cache", (500, 100))  # read last (a cache hit), written first
+    (tmp_path / "notes.txt").write_text("not a program")
+    assert mesh_lib.trim_cache(str(tmp_path), 2500) == 2  # 4000 bytes down to 2000: c and d go
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a-atime",
+        "a-cache",
+        "b-atime",
+        "b-cache",
+        "notes.txt",
+    ]
+    assert mesh_lib.trim_cache(str(tmp_path), 2000) == 0  # within the bound: nothing goes
+    assert mesh_lib.trim_cache(str(tmp_path / "absent"), 0) == 0
 
 
 # --- Which directory, and why (no JAX: the settings and the environment alone) ---------------
