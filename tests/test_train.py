@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -110,8 +111,13 @@ def test_default_yaml_is_the_embedded_default():
 
 @pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
 def test_presets_load_and_validate(preset):
+    """On the devices each is for: runtime.cpu_devices, or the product of a mesh that names
+    every axis (a cluster's preset, e.g. the DeepSeek-V3 671B on 2048 GPUs)."""
     cfg = config_lib.load_config(preset)
-    devices = cfg.runtime.cpu_devices
+    sizes = [getattr(cfg.mesh, axis) for axis in config_lib.MESH_AXES]
+    devices = (
+        math.prod(sizes) if all(isinstance(n, int) and n > 0 for n in sizes) else cfg.runtime.cpu_devices
+    )
     sizes = checks_lib.validate(cfg, devices)
     assert (
         sizes["pipe"] * sizes["data"] * sizes["fsdp"] * sizes["tensor"] * sizes["expert"] * sizes["context"]

@@ -18,7 +18,9 @@ Memory per device (`predict_memory`), in bytes, for jaxpar's own program:
   held, times the rows alive at once (the batch share, a grad-accumulation microstep, or the
   pipeline's stashed microbatches: the schedule's own buffer count), plus the working set of
   one layer's backward (its recomputed residuals and their gradients); LoRA adds each adapter's
-  x A (`adapter_residuals`);
+  x A (`adapter_residuals`); latent attention has its own projections' residuals
+  (`projection_residuals`), an MoE layer its shared experts and, dropless, E x tokens routed
+  rows; the multi-token modules keep a no-remat block each, once (`mtp_bytes`);
 - loss: the chunked cross-entropy's float32 logits of one piece and their gradient (for a
   backend whose peak never holds them beside a layer's working set, `Backend.loss_beside_work`
   False, only what they need beyond it);
@@ -186,12 +188,12 @@ def layer_residuals(
     if remat == "full":
         return x
     q = s.tokens * s.heads * s.head_dim * a
-    kv = s.tokens * s.kv_heads * s.head_dim * a
     ff = s.tokens * s.d_ff * a
     proj = s.tokens * d * a
     mlp = _moe_or_dense(m, s, ff, proj, BACKENDS[backend], stashed)
+    qkv = projection_residuals(m, s)
     if remat == "dots":  # the matmuls without batch dims: q, k, v, wo; gate, up, down
-        return x + q + 2 * kv + proj + mlp["dots"]
+        return x + qkv["dots"] + proj + mlp["dots"]
     if ring or kernel == "cudnn":  # output + float32 softmax statistics, no [T, T] array
         slots = 1 if ring else min(m.max_documents_per_row, s.seq)
         attention = q + 4 * slots * s.heads * s.tokens
@@ -202,7 +204,26 @@ def layer_residuals(
     # input, norm output, q/k/v before and after rotary, attention, its output, the stream
     # after attention, the MLP norm output, the MLP
     extra = (BACKENDS[backend].mlp_saved_none - 3) * ff * (1 - moe_layers(m) / m.n_layers) if kept else 0.0
-    return 2 * x + 2 * proj + 2 * (q + 2 * kv) - kv + attention + q + mlp["none"] + extra
+    return 2 * x + 2 * proj + qkv["none"] + attention + q + mlp["none"] + extra
+
+
+def projection_residuals(m: ModelConfig, s: Shape) -> dict[str, float]:
+    """Bytes per row that attention's projections leave for the backward, before the attention
+    core: under remat "dots" (the projections' outputs) and "none" (also the rotary's and the
+    norms' arrays). Grouped-query attention: q, k, v, and q and k again after the rotation.
+    Latent attention (model.mla): the two latents (the query's, Q, and the key/value latent
+    with its rotated key head, R + P), whole on every tensor device; the queries [N, C + P]; the
+    expanded keys and values [N, C + D]; and without remat the latents' norms, the rotated
+    queries, and the keys and zero-padded values [N, C + P] each that the kernel reads."""
+    a, t = BYTES[m.dtype], s.tokens
+    q = t * s.heads * s.head_dim * a
+    if not m.mla.kv_lora_rank:
+        kv = t * s.kv_heads * s.head_dim * a
+        return {"dots": q + 2 * kv, "none": 2 * (q + 2 * kv) - kv}
+    la = m.mla
+    latents = t * ((la.q_lora_rank or 0) + la.kv_lora_rank + la.qk_rope_dim) * a
+    expanded = t * s.heads * (la.qk_nope_dim + la.v_head_dim) * a
+    return {"dots": latents + q + expanded, "none": 2 * latents + 2 * q + expanded + 2 * q}
 
 
 def adapter_residuals(cfg: Config, s: Shape) -> float:
@@ -216,6 +237,27 @@ def adapter_residuals(cfg: Config, s: Shape) -> float:
     return len(lora.targets) * s.tokens * lora.rank * BYTES[cfg.model.dtype]
 
 
+def mtp_residuals(m: ModelConfig, s: Shape, kernel: str, ring: bool, backend: str = "gpu") -> float:
+    """Bytes per row the multi-token prediction modules (model.mtp.depth) keep for the backward,
+    whatever `parallel.remat` says: the trainer runs them after the layer loop, outside its
+    remat. Each module: its block's no-remat residuals (an MoE block in an MoE model) and seven
+    [tokens, d_model] arrays of its own (the embedding, its norm and the hidden state's, their
+    concatenation (two wide), the projection, the final norm)."""
+    if not m.mtp.depth:
+        return 0.0
+    one = dataclasses.replace(m, n_layers=1, moe=dataclasses.replace(m.moe, first_dense=0, every=1))
+    block = layer_residuals(one, s, "none", kernel, ring, backend=backend)
+    return m.mtp.depth * (block + 7 * s.tokens * m.d_model * BYTES[m.dtype])
+
+
+def mtp_bytes(m: ModelConfig, s: Shape, kernel: str, ring: bool, backend: str, chunks: int) -> float:
+    """What the multi-token modules keep on a device, once (after the layers, not per layer):
+    `mtp_residuals` for its rows, and with the loss in one piece each module's logits' gradient
+    (model dtype), kept for the backward beside the main loss's while the next loss runs."""
+    logits = m.mtp.depth * BYTES[m.dtype] * s.tokens * s.vocab if chunks == 1 else 0.0
+    return s.rows * (mtp_residuals(m, s, kernel, ring, backend) + logits)
+
+
 def _moe_or_dense(
     m: ModelConfig, s: Shape, ff: float, proj: float, backend: Backend, stashed: bool = False
 ) -> dict[str, float]:
@@ -227,7 +269,9 @@ def _moe_or_dense(
         return dense
     a = BYTES[m.dtype]
     tokens = s.tokens  # per row; the routed copies of a row's tokens, padded to capacity
-    copies = tokens * moe.top_k * (1.0 if moe.capacity_factor is None else moe.capacity_factor)
+    copies = tokens * moe.top_k * (moe.capacity_factor or moe.ragged_buffer_factor or 0.0)
+    if not copies:  # dropless without a buffer factor: E x tokens rows (jaxpar.parallel.experts)
+        copies = tokens * moe.num_experts
     ff_e = (moe.d_ff or m.d_ff) * s.d_ff // m.d_ff
     routed_ff = copies * ff_e * a
     buffers = 2 * copies * m.d_model * a + copies * m.d_model * 4 + tokens * moe.num_experts * 4
@@ -236,7 +280,9 @@ def _moe_or_dense(
     saved = dict(backend.moe_saved)
     if stashed and "stashed" in saved:
         saved["none"] = saved["stashed"]
-    experts = {k: saved[k] * routed_ff + buffers for k in dense}
+    # The shared experts, a dense SwiGLU MLP of shared_experts x the expert width beside them.
+    shared = tokens * moe.shared_experts * ff_e * a
+    experts = {k: saved[k] * routed_ff + buffers + (2 if k == "dots" else 3) * shared for k in dense}
     share = moe_layers(m) / m.n_layers
     return {k: (1 - share) * dense[k] + share * experts[k] for k in dense}
 
@@ -329,8 +375,7 @@ def predict_memory(cfg: Config, sizes: dict, kernel: str, backend: str = "gpu", 
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     pipe, pipelined, ring = sizes["pipe"], is_pipelined(sizes), is_ring(sizes)
     layers = m.n_layers // pipe
-    # Rows one pass works on: a grad-accumulation microstep's share, and with a pipeline one
-    # microbatch of it.
+    # Rows one pass works on: a grad-accumulation microstep's share (pipeline: a microbatch's).
     rows = t.batch_size // (dp * p.grad_accum * (p.microbatches if pipelined else 1))
     s = shape_for(cfg, sizes, rows)
     saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipelined, backend=backend) * rows
@@ -367,7 +412,7 @@ def predict_memory(cfg: Config, sizes: dict, kernel: str, backend: str = "gpu", 
     # after the last layer's forward and before the first layer's backward, with every layer's
     # residuals kept. Where the backend's peak shows it (`Backend.loss_beside_work` False) the
     # peak holds the larger, and "loss" is what the logits need beyond the working set.
-    activations += work
+    activations += work + mtp_bytes(m, s, kernel, ring, backend, chunks)
     loss = logits if b.loss_beside_work else max(logits - work, 0.0)
     # Model-dtype copies of the weights the matmuls read: at ZeRO-3 one gathered layer at a
     # time (and the next), kept for every layer when the backward reuses them (no remat);

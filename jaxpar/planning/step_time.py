@@ -232,7 +232,7 @@ def _model_parallel_times(
     comm = {}
     # tensor: two all-reduces (or all-gather + reduce-scatter) of the [rows, seq, d] activations
     # per layer in the forward, two in the backward, two more when `full` recomputes the forward.
-    layers = m.n_layers // pipe
+    layers = m.n_layers // pipe + m.mtp.depth  # the multi-token modules' blocks run after the layers
     act = (t.batch_size // dp) * (t.seq_len // context) * m.d_model * a
     per_layer = 4 + (2 if p.remat == "full" else 0)
     comm["tensor"] = layers * per_layer * ring(act, tensor, "all-reduce") / bandwidth(("tensor",))
@@ -244,7 +244,8 @@ def _model_parallel_times(
     comm["expert"] = 0.0
     if m.moe.num_experts and expert > 1:
         routed = act * m.moe.top_k * (m.moe.capacity_factor or 1.0)
-        comm["expert"] = moe_layers(m) // pipe * 4 * ring(routed, expert, "gather") / bandwidth(("expert",))
+        moe = moe_layers(m) // pipe + m.mtp.depth  # with experts, each module's block is an MoE block
+        comm["expert"] = moe * 4 * ring(routed, expert, "gather") / bandwidth(("expert",))
     # pipe: each microbatch's activation forward and its gradient backward, per boundary.
     comm["pipe"] = (
         2 * p.microbatches * (act / max(p.microbatches, 1)) / bandwidth(("pipe",))
@@ -276,7 +277,9 @@ def predict_time(
     matmul = tokens * hardware_flops(m, t.seq_len, p.remat, chunked_loss, cfg.finetune.lora) - attention
     # Scaled from the H100's measured rates by the device's peak.
     # A flash kernel's backward at its own, slower rate (fitted); XLA's at the measured one.
-    backward = tokens * 8 * m.n_layers * attention_width(m) * t.seq_len
+    from jaxpar.models.llama import attention_layers
+
+    backward = tokens * 8 * attention_layers(m) * attention_width(m) * t.seq_len  # the MTP blocks' too
     slower = constants.attention_backward if kernel == "cudnn" else 1.0
     rate = device.bf16_flops * ATTENTION_EFFICIENCY[kernel]
     attention_s = ((attention - backward) / rate + backward / (rate * slower)) / n
@@ -290,7 +293,7 @@ def predict_time(
         **_model_parallel_times(cfg, sizes, bandwidth, attention_s),
     }
     passes = p.grad_accum * (p.microbatches if is_pipelined(sizes) else 1)
-    host = constants.host_s_per_layer * passes * (m.n_layers // sizes["pipe"])
+    host = constants.host_s_per_layer * passes * (m.n_layers // sizes["pipe"] + m.mtp.depth)
     bubble = schedule_bubble(executed_schedule(cfg, sizes)) if is_pipelined(sizes) else 0.0
     busy = (compute + host + comm["tensor"] + comm["context"] + comm["expert"] + comm["pipe"]) / (1 - bubble)
     exposed_dp = _exposed_data_parallel(cfg, sizes, comm["data_fsdp"], busy, constants)
