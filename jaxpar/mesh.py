@@ -122,9 +122,9 @@ def use_compile_cache(runtime: RuntimeConfig, devices_here: bool = True) -> Comp
     program however fast it compiled (COMPILE_CACHE_MIN_SECONDS = 0: the small ones add up;
     benchmarks/RESULTS.md) and are bounded by runtime.compile_cache_gib once, here, at the start
     (`trim_cache`), not by jax at every write: jax's bound scans the whole directory under a
-    file lock at each program it writes, a cost that grows with the cache (0.1 ms an entry
-    here: 2 s a program in a cache of 20,000). What one run writes goes above the bound until
-    the next start trims it.
+    file lock at each program it writes, a cost that grows with the cache (measured: 65 ms a
+    write at 615 entries, so about 2 s a write at 20,000). What one run writes goes above the
+    bound until the next start trims it.
 
     `devices_here=False` (compiling for GPUs that are not here, `jaxpar.compiled.targets`): no
     cache of jaxpar's. jax 0.12 writes such programs but cannot read them back ("PjRtCompiler
