@@ -445,6 +445,7 @@ def _validate_splits(cfg: Config, sizes: dict[str, int]) -> None:
 def _validate_moe(cfg: Config, sizes: dict[str, int]) -> None:
     moe, m = cfg.model.moe, cfg.model
     _validate_dense_prefix(cfg)
+    _validate_dense_layers(cfg, sizes)
     if moe.num_experts == 0:
         return
     if moe.num_experts < 0 or not 1 <= moe.top_k <= moe.num_experts:
@@ -509,6 +510,45 @@ def _validate_dense_prefix(cfg: Config) -> None:
             f"model.moe.first_dense={moe.first_dense}: the dense blocks before the MoE ones number 0 "
             f"to model.n_layers - 1 = {layers - 1} (at least one block keeps the experts); for a "
             "dense model set model.moe.num_experts=0"
+        )
+
+
+def _validate_dense_layers(cfg: Config, sizes: dict[str, int]) -> None:
+    """model.moe.dense_layers: distinct layer indices of a model with experts, at least one
+    layer left with them; an irregular pattern (`ModelConfig.irregular_moe`) on one pipeline
+    stage and with full attention only."""
+    m, moe = cfg.model, cfg.model.moe
+    named = f"model.moe.dense_layers={list(moe.dense_layers)}"
+    if not moe.dense_layers:
+        return
+    if not moe.num_experts:
+        raise ConfigError(
+            f"{named} with model.moe.num_experts=0: every block of a dense model is dense already"
+        )
+    wrong = [
+        i
+        for i in moe.dense_layers
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < m.n_layers
+    ]
+    if wrong or len(set(moe.dense_layers)) < len(moe.dense_layers):
+        raise ConfigError(
+            f"{named}: list each dense layer once, by its index 0 to model.n_layers - 1 = {m.n_layers - 1}"
+        )
+    if not any(m.moe_kinds()):
+        raise ConfigError(
+            f"{named} leaves no layer with experts; for a dense model set model.moe.num_experts=0"
+        )
+    dense = m.moe_kinds().count(False)
+    if m.irregular_moe() and sizes["pipe"] > 1:
+        raise ConfigError(
+            f"{named} with mesh.pipe={sizes['pipe']}: pipeline stages of different numbers of dense "
+            f"and MoE layers do not run yet; use mesh.pipe=1, or for a pipeline the {dense} dense "
+            f"layers as a prefix: model.moe.first_dense={dense} model.moe.dense_layers=[]"
+        )
+    if m.irregular_moe() and m.sliding_window is not None:
+        raise ConfigError(
+            f"model.sliding_window with {named}: dense layers between MoE ones and window patterns "
+            "do not combine yet; use model.moe.dense_layers=[]"
         )
 
 

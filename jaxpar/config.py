@@ -59,6 +59,7 @@ class MoEConfig:
     norm_topk: bool = True  # top_k > 1: the chosen experts' probs renormalised to sum 1 (Mixtral)
     every: int = 1  # an MoE MLP every n-th block (1 = all blocks), dense MLP elsewhere
     first_dense: int = 0  # leading blocks with a dense MLP of model.d_ff before the MoE ones (DeepSeek-V3)
+    dense_layers: list[int] = field(default_factory=list)  # more dense-MLP blocks, by index (mlp_only_layers)
     capacity_factor: float | None = None  # None = dropless; else slots = cf * tokens * top_k / E
     shared_experts: int = 0  # always-on experts (DeepSeek style), added to the routed output
     d_ff: int | None = None  # expert hidden size; None = model.d_ff
@@ -178,6 +179,28 @@ class ModelConfig:
         reads it here."""
         every = self.global_every
         return self.sliding_window is not None and (every == 0 or (layer + 1) % every != 0)
+
+    def moe_kinds(self) -> tuple[bool, ...]:
+        """Whether each layer has an MoE MLP (else a dense one of model.d_ff): none in a dense
+        model; after the model.moe.first_dense leading dense layers, the last of every
+        model.moe.every, unless model.moe.dense_layers names it. Every use reads it here."""
+        moe, dense = self.moe, set(self.moe.dense_layers)
+        if moe.num_experts == 0:
+            return (False,) * self.n_layers
+        every = max(moe.every, 1)
+        return tuple(
+            i >= moe.first_dense and (i - moe.first_dense + 1) % every == 0 and i not in dense
+            for i in range(self.n_layers)
+        )
+
+    def irregular_moe(self) -> bool:
+        """Whether model.moe.dense_layers makes a layer dense that the first_dense / every pattern
+        gives experts: the model then stacks its dense blocks and its MoE blocks apart and runs
+        them in runs of one kind (`jaxpar.models.llama`), where the pattern scans groups."""
+        if not (self.moe.num_experts and self.moe.dense_layers):
+            return False
+        pattern = dataclasses.replace(self, moe=dataclasses.replace(self.moe, dense_layers=[]))
+        return self.moe_kinds() != pattern.moe_kinds()
 
 
 @dataclass

@@ -48,7 +48,7 @@ BASE_RULES: Rules = {
     "seq": ("context",),
     "act_seq": ("context",),  # sequence between blocks; + tensor with sequence parallelism
     "layers": ("pipe",),  # pipeline stages own contiguous runs of layers
-    "dense_layers": (),  # an MoE model's dense prefix (model.moe.first_dense): before the pipeline
+    "dense_layers": (),  # an MoE model's dense prefix (model.moe.first_dense) or dense blocks: whole
     "mtp_layers": (),  # multi-token prediction's modules (model.mtp.depth): on the pipeline's last stage
     "mtp_concat": (),  # the input dim [2 x embed] of an MTP module's projection `eh_proj`
     "vocab": ("tensor",),

@@ -201,6 +201,27 @@ VARIANTS = {
         "<|endoftext|>",
         None,
     ),
+    # Qwen3-MoE with dense layers between MoE ones: 6 layers, decoder_sparse_step 2 (experts in
+    # layers 1, 3, 5) and mlp_only_layers [0, 3] (0 dense anyway, 3 taken from the experts): dense,
+    # MoE, dense x 3, MoE, jaxpar's model.moe.dense_layers (an irregular model); float32. Only
+    # tests/test_convert.py's test_qwen3_moe_dense_layers_* reads it.
+    "qwen3-moe-dense-between": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=6,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            decoder_sparse_step=2,
+            mlp_only_layers=[0, 3],
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+        "float32",
+        "<|endoftext|>",
+        None,
+    ),
     # Gemma 3 (text): 4 layers, the third global and the others sliding over 6 positions (the
     # sequence is 24), heads wider than hidden / heads, a query scale of its own, linear rope
     # scaling on the global layer, tied embeddings; float32.

@@ -345,6 +345,33 @@ def test_qwen3_moe_dense_prefix_matches_transformers_and_round_trips(hf, tmp_pat
     assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == ([0], 1)
 
 
+def test_qwen3_moe_dense_layers_between_moe_ones_match_transformers_and_round_trip(hf, tmp_path):
+    """mlp_only_layers [0, 3] with decoder_sparse_step 2 in 6 layers (model.moe.dense_layers:
+    dense, MoE, three dense, MoE; an irregular model, its dense and MoE blocks in two stacks run
+    in runs of one kind): transformers' logits and expert choices on one device and on the
+    expert mesh; to-hf writes the same bytes and the same mlp_only_layers back. An import that
+    gave a dense layer an MoE layer's place fails on the tensors' names, runs taken out of
+    order on the logits."""
+    root, ref = hf
+    variant = "qwen3-moe-dense-between"
+    cfg = _config(root / variant)
+    moe = cfg.model.moe
+    assert (moe.first_dense, moe.every, moe.dense_layers, cfg.model.irregular_moe()) == (0, 2, [0, 3], True)
+    tokens = jnp.asarray(ref["tokens"], jnp.int32)
+    for mesh, copies in (({}, 1), (MOE_MESH, 2)):  # the mesh's four token rows: the two, twice
+        layout, shapes, shardings = _on_mesh(cfg, mesh)
+        assert shapes["dense_blocks"]["mlp"]["w_gate"].shape == (4, 64, 96)
+        params = hf_load.load_hf_params(str(root / variant), cfg.model, shapes, shardings)
+        got, stats = _forward(cfg, layout)(params, jnp.concatenate([tokens] * copies))
+        assert _max_diff(got, np.concatenate([ref[f"{variant}/logits"]] * copies)) <= ATOL, mesh
+        np.testing.assert_array_equal(stats["expert_load"], copies * ref[f"{variant}/expert_load"])
+    convert.from_hf(str(root / variant), str(tmp_path / "run"), ["model.dtype=float32"])
+    export_lib.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert _tensor_bytes(tmp_path / "hf") == _tensor_bytes(root / variant)
+    written = json.load(open(tmp_path / "hf" / "config.json"))
+    assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == ([0, 3], 2)
+
+
 def test_round_trip_is_bit_identical_and_transformers_loads_the_export(hf, imported, tmp_path):
     root, ref = hf
     for variant in VARIANTS:
@@ -513,10 +540,10 @@ BAD = {  # case -> (variant, how to break the copy, what the message must name)
         lambda d: _edit_json(d / "config.json", num_experts_per_tok=1),
         ["num_experts_per_tok=1: top-1 Mixtral routing"],
     ),
-    "qwen3-moe dense layers off the pattern": (
+    "qwen3-moe no layer left with experts": (
         "qwen3-moe",
         lambda d: _edit_json(d / "config.json", mlp_only_layers=[1]),
-        ["mlp_only_layers=[1] with decoder_sparse_step=2", "as a prefix [0, 1, ..., k-1]"],
+        ["mlp_only_layers=[1] with decoder_sparse_step=2 leaves none of the 2 layers with experts"],
     ),
     "qwen3 attention biases": (
         "qwen3-wide-heads",
@@ -572,6 +599,10 @@ FAMILY_CASES = {  # ModelConfig changes covering every branch of each family's t
     "qwen3-moe-dense-prefix": {
         "qk_norm": True,
         "moe": config_lib.MoEConfig(num_experts=4, top_k=2, first_dense=2, d_ff=40, z_loss_weight=0.0),
+    },
+    "qwen3-moe-dense-between": {  # 3 layers: MoE, dense, MoE (mlp_only_layers [1])
+        "qk_norm": True,
+        "moe": config_lib.MoEConfig(num_experts=4, top_k=2, dense_layers=[1], d_ff=40, z_loss_weight=0.0),
     },
     "deepseek-v3-moe-dense-prefix": {
         "n_kv_heads": 4,
@@ -644,6 +675,7 @@ FAMILY_OF_CASE = {
     "mixtral": "mixtral",
     "qwen3-moe-grouped": "qwen3_moe",
     "qwen3-moe-dense-prefix": "qwen3_moe",
+    "qwen3-moe-dense-between": "qwen3_moe",
     "deepseek-v3-moe-dense-prefix": "deepseek_v3",
     "gemma3-windows": "gemma3",
     "gemma3-one-rotary-no-window": "gemma3",

@@ -8,7 +8,8 @@ ZeRO-3, expert x context (ring) x tensor, the unrolled layer loop, and a pipelin
 stages the prefix runs as the embedding does. Generation through the KV cache gives the full
 forward's logits and greedy tokens; the planner's tables, the FLOP count and LoRA's adapters
 count the prefix; the settings that cannot run are refused by name. The Hugging Face families
-are tests/test_deepseek_v3.py's and tests/test_convert.py's.
+are tests/test_deepseek_v3.py's and tests/test_convert.py's. Dense layers at other places
+(model.moe.dense_layers) are tests/test_dense_layers.py's.
 
 Planted and seen failing (each once, then removed):
 - `apply_blocks` skipping the prefix (the model runs `blocks` alone): the parity runs (the
@@ -204,7 +205,8 @@ def test_dense_prefix_settings_that_cannot_run_are_refused(change, mesh, named):
         checks_lib.validate(tiny_config(PREFIX + change + mesh), 8 if "mesh.pipe=2" in mesh else 1)
 
 
-# --- Qwen3-MoE's mlp_only_layers: a prefix reads, other positions are refused by name -----------
+# --- Qwen3-MoE's mlp_only_layers: a prefix with step 1 reads as model.moe.first_dense ----------
+# (other lists read as model.moe.dense_layers: tests/test_dense_layers.py)
 
 QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -219,16 +221,8 @@ QWEN3_MOE = {
 }
 
 
-@pytest.mark.parametrize(
-    "dense, step, first_dense",
-    [([], 1, 0), (None, 1, 0), ([0], 1, 1), ([0, 1, 2], 1, 3), ([1], 1, None), ([0, 2], 1, None)]
-    + [([0], 2, None), ([0, 1, 2, 3], 1, None), ([1, 0], 1, None)],
-)
-def test_qwen3_moe_mlp_only_layers_read_as_a_prefix_or_are_refused(dense, step, first_dense):
-    hf = {**QWEN3_MOE, "mlp_only_layers": dense, "decoder_sparse_step": step}
-    if first_dense is None:
-        with pytest.raises(ConfigError, match=r"jaxpar has dense layers as a prefix \[0, 1, ..., k-1\]"):
-            families.settings_from_hf(hf, "config.json")
-        return
+@pytest.mark.parametrize("dense, first_dense", [([], 0), (None, 0), ([0], 1), ([0, 1, 2], 3), ([1, 0], 2)])
+def test_qwen3_moe_mlp_only_layers_of_a_prefix_read_as_first_dense(dense, first_dense):
+    hf = {**QWEN3_MOE, "mlp_only_layers": dense, "decoder_sparse_step": 1}
     moe = families.settings_from_hf(hf, "config.json")["moe"]
-    assert (moe["first_dense"], moe["every"]) == (first_dense, 1)
+    assert (moe["first_dense"], moe["every"], moe["dense_layers"]) == (first_dense, 1, [])

@@ -98,6 +98,7 @@ MOE_ARCHITECTURE_KEYS = (
     "top_k",
     "every",
     "first_dense",
+    "dense_layers",
     "d_ff",
     "norm_topk",
     "shared_experts",

@@ -42,7 +42,7 @@ families' (`jaxpar.models.families`)):
 | final_norm.scale              | [E]         |                              |
 | lm_head                       | [E, V]      | untied                       |
 | blocks.attn.wq_lora.lora_a[l] | [E, r]      | finetune.lora (`models.lora`) |
-| dense_blocks.<as blocks>[l]   | as blocks   | model.moe.first_dense (below) |
+| dense_blocks.<as blocks>[l]   | as blocks   | model.moe.first_dense, dense_layers (below) |
 | mtp.enorm, hnorm, norm.scale[k] | [E]       | model.mtp.depth (below)      |
 | mtp.eh_proj[k]                | [2E, E]     | model.mtp.depth              |
 | mtp.block.<as blocks>[k]      | as blocks   | model.mtp.depth              |
@@ -60,6 +60,13 @@ first_k_dense_replace) the first D blocks are a stack of their own, `dense_block
 then holds the other n_layers - D blocks in the pattern above (block g * k + i + D). The prefix
 stack is its own scan; in a pipeline it runs before the pipelined `blocks`, as the embedding
 does, whole on every stage (`jaxpar.models.objective.pipelined_grads`).
+
+With model.moe.dense_layers making dense a layer the pattern gives experts (an irregular model,
+`ModelConfig.irregular_moe`; `ModelConfig.moe_kinds` says which layer has experts) every dense
+block is in `dense_blocks.<as above>[l]` (the l-th dense layer) and every MoE block in
+`blocks.<as above>[l]` (the l-th MoE layer, plain blocks: no groups). `run_segments` runs each
+run of consecutive layers of one kind, in layer order, as a scan over its slice of its stack
+(`jaxpar.models.moe.segments`); not in a pipeline (config refuses it).
 
 With model.mtp.depth = D > 0 (DeepSeek-V3's multi-token prediction, training only) `mtp` stacks D
 `MTPModule`s (leading axis `mtp_layers`, whole on every device that runs them: the pipeline's
@@ -90,7 +97,7 @@ from jaxpar.models import mla
 from jaxpar.models.layers import Attention, KVCache, RMSNorm
 from jaxpar.models.loss import chunked_cross_entropy
 from jaxpar.models.mla import LatentAttention
-from jaxpar.models.moe import MoEMLP, dense_prefix, expert_d_ff, moe_layers, moe_matmul_params
+from jaxpar.models.moe import MoEMLP, dense_prefix, expert_d_ff, moe_layers, moe_matmul_params, segments
 from jaxpar.models.params import param as _param
 from jaxpar.ops.fp8 import einsum as block_einsum
 from jaxpar.ops.swiglu import block_swiglu
@@ -251,8 +258,9 @@ def check_documents(model: nnx.Module, slots: int) -> nnx.Module:
 def scan_unit(
     cfg: ModelConfig, rngs: nnx.Rngs, context_layout: str | None = None, grad_dtype: str | None = None
 ) -> nnx.Module:
-    """What one step of the layer scan applies: a block, or a group with one MoE block."""
-    if cfg.moe.num_experts == 0 or cfg.moe.every == 1:
+    """What one step of the layer scan applies: a block, or a group with one MoE block (an
+    irregular model's `blocks` are its MoE blocks, one a step)."""
+    if cfg.moe.num_experts == 0 or cfg.moe.every == 1 or cfg.irregular_moe():
         return Block(cfg, rngs, cfg.moe.num_experts > 0, context_layout, grad_dtype)
     return BlockGroup(cfg, rngs, context_layout, grad_dtype)
 
@@ -283,12 +291,13 @@ def scan_layers(
     sliding=None,
     noise=None,
     scan: bool = True,
+    first: int = 0,
 ):
     """Applies stacked layers (leaves [layers, ...], merged into `graphdef` one at a time) with a
     lax.scan (or, `scan` false, unrolled: `unrolled`), rematerialised per `remat`; `sliding`
     (bool [layers], `sliding_layers`) tells each layer whether its attention slides; `noise`
-    (`lora.Noise`, LoRA dropout) reaches each layer with its index folded in. Returns (x,
-    per-layer statistics stacked)."""
+    (`lora.Noise`, LoRA dropout) reaches each layer with its index in its stack (the first
+    here being `first`) folded in. Returns (x, per-layer statistics stacked)."""
 
     def one_layer(h, scanned):
         params, slides, index = scanned
@@ -299,7 +308,7 @@ def scan_layers(
 
     if remat != "none":
         one_layer = jax.checkpoint(one_layer, policy=REMAT_POLICIES[remat])
-    index = None if noise is None else jnp.arange(jax.tree.leaves(layer_params)[0].shape[0])
+    index = None if noise is None else first + jnp.arange(jax.tree.leaves(layer_params)[0].shape[0])
     if not scan:
         return unrolled(one_layer, x, (layer_params, sliding, index))
     return jax.lax.scan(one_layer, x, (layer_params, sliding, index))
@@ -459,10 +468,31 @@ class Transformer(nnx.Module):
 
     def apply_blocks(self, x, positions, segment_ids, noise=None):
         """Runs the dense prefix (if any), then the stacked blocks; returns (x, MoE statistics
-        stacked over the MoE layers, or {})."""
+        stacked over the MoE layers, or {}). An irregular model (model.moe.dense_layers) runs
+        its runs of one kind in layer order instead (`run_segments`)."""
+        if self.cfg.irregular_moe():
+            return self.run_segments(x, positions, segment_ids, noise)
         x = self.apply_prefix(x, positions, segment_ids, noise)
         params = nnx.to_pure_dict(nnx.state(self.blocks))
         return self.run_blocks(params, x, positions, segment_ids, noise)
+
+    def run_segments(self, x, positions, segment_ids, noise=None):
+        """An irregular model's layers (`ModelConfig.irregular_moe`): each run of consecutive
+        layers of one kind (`moe.segments`) a scan over its slice of its kind's stack, `blocks`
+        (the MoE blocks) or `dense_blocks`, in layer order. Returns (x, MoE statistics stacked
+        over the MoE layers). `noise`: LoRA dropout, numbered per stack as `apply_blocks` does."""
+        stacks = {True: self.blocks, False: self.dense_blocks}
+        params = {kind: nnx.to_pure_dict(nnx.state(stack)) for kind, stack in stacks.items()}
+        stats = []
+        for moe, start, stop in segments(self.cfg):
+            run = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], params[moe])
+            run_noise = noise if noise is None or moe else noise.at(PREFIX_NOISE)
+            graphdef, remat, scan = nnx.graphdef(stacks[moe]), self.remat, self.cfg.scan_layers
+            x, run_stats = scan_layers(
+                graphdef, run, x, positions, segment_ids, remat, None, run_noise, scan, start
+            )
+            stats += [run_stats] if moe else []
+        return x, jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)
 
     def output_weight(self):
         return self.embedding[...].T if self.cfg.tie_embeddings else self.lm_head[...]
@@ -523,6 +553,8 @@ class Transformer(nnx.Module):
         The same weights and math as `__call__`, so the logits match its logits position by
         position."""
         x, prefix = self.embed(tokens), dense_prefix(self.cfg)
+        if self.cfg.irregular_moe():
+            return self._decode_segments(x, positions, cache)
         if prefix:  # the cache's first layers are the dense prefix's
             head = KVCache(cache.k[:prefix], cache.v[:prefix], cache.length)
             x, head = scan_layers_cached(*nnx.split(self.dense_blocks), x, positions, head)
@@ -534,6 +566,19 @@ class Transformer(nnx.Module):
             k, v = jnp.concatenate([head.k, cache.k]), jnp.concatenate([head.v, cache.v])
             cache = KVCache(k, v, cache.length)
         return self.head(x), cache
+
+    def _decode_segments(self, x, positions, cache: KVCache):
+        """`decode` of an irregular model from the embedded tokens x: each run of one kind
+        (`run_segments`) reads and rewrites its layers' slice of the cache."""
+        stacks, layer, keys, values = {True: self.blocks, False: self.dense_blocks}, 0, [], []
+        for moe, start, stop in segments(self.cfg):
+            graphdef, params = nnx.split(stacks[moe])
+            run = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], params)
+            span = slice(layer, layer + stop - start)  # the run's layers in the cache's order
+            part = KVCache(cache.k[span], cache.v[span], cache.length)
+            x, part = scan_layers_cached(graphdef, run, x, positions, part)
+            keys, values, layer = keys + [part.k], values + [part.v], span.stop
+        return self.head(x), KVCache(jnp.concatenate(keys), jnp.concatenate(values), part.length)
 
 
 def matmul_params(cfg: ModelConfig) -> int:

@@ -48,16 +48,35 @@ def expert_d_ff(cfg: ModelConfig) -> int:
 
 
 def dense_prefix(cfg: ModelConfig) -> int:
-    """How many leading blocks are dense before the MoE pattern starts (model.moe.first_dense;
-    none in a dense model): the model's `dense_blocks` stack."""
+    """The length of the model's `dense_blocks` stack: the leading dense blocks before the MoE
+    pattern starts (model.moe.first_dense), or in an irregular model (model.moe.dense_layers,
+    `ModelConfig.irregular_moe`) every dense block; none in a dense model."""
+    if cfg.moe.num_experts and cfg.irregular_moe():
+        return cfg.n_layers - moe_layers(cfg)
     return cfg.moe.first_dense if cfg.moe.num_experts else 0
 
 
 def moe_layers(cfg: ModelConfig) -> int:
-    """How many blocks have an MoE MLP: after the dense prefix (`dense_prefix`), every
-    `model.moe.every`-th one (the last of each group the layer scan repeats); none in a dense
-    model."""
-    return 0 if cfg.moe.num_experts == 0 else (cfg.n_layers - dense_prefix(cfg)) // cfg.moe.every
+    """How many blocks have an MoE MLP (`ModelConfig.moe_kinds`: after the dense prefix, every
+    `model.moe.every`-th one, the last of each group the layer scan repeats, but for
+    model.moe.dense_layers); none in a dense model."""
+    if cfg.moe.num_experts and not cfg.moe.dense_layers:  # the pattern's count, without a walk
+        return max(cfg.n_layers - cfg.moe.first_dense, 0) // max(cfg.moe.every, 1)
+    return sum(cfg.moe_kinds())
+
+
+def segments(cfg: ModelConfig) -> list[tuple[bool, int, int]]:
+    """An irregular model's layers (`ModelConfig.irregular_moe`) as runs of consecutive layers
+    of one kind, in layer order: (MoE or not, start, stop), the run's slice of its kind's stack
+    (`blocks` holds the MoE blocks, `dense_blocks` the dense ones, each in layer order)."""
+    out, count = [], {True: 0, False: 0}
+    for kind in cfg.moe_kinds():
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((kind, count[kind], count[kind] + 1))
+        count[kind] += 1
+    return out
 
 
 def moe_matmul_params(cfg: ModelConfig) -> int:

@@ -18,8 +18,9 @@ from jaxpar.sharding import Rules, fitted_names, make_rules, state_rules
 
 def param_table(m: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
     """(name, shape, logical names) of every parameter of `jaxpar.models.llama.Transformer`,
-    stacked blocks with their leading `layers` axis, the dense prefix's (model.moe.first_dense)
-    with theirs (tests/test_plan.py checks it against the model itself)."""
+    stacked blocks with their leading `layers` axis, the dense prefix's (model.moe.first_dense;
+    an irregular model's dense blocks, `ModelConfig.irregular_moe`, whose `blocks` are its MoE
+    blocks one a unit) with theirs (tests/test_plan.py checks it against the model itself)."""
     e, v = m.d_model, m.vocab_size
     units = scan_length(m)  # the stacked blocks' leading axis: blocks, or groups of moe.every
     out = [("embedding", (v, e), ("vocab", "embed")), ("final_norm", (e,), ("embed",))]

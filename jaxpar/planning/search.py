@@ -55,6 +55,7 @@ def _meshes(m: ModelConfig, t, n: int):
     count that no layout divides is answered at once, however large."""
     heads = math.gcd(m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size)  # what tensor splits
     piped = m.n_layers - dense_prefix(m)  # the layers a pipeline splits (the dense prefix runs before it)
+    piped = 1 if m.irregular_moe() else piped  # dense layers between MoE ones: one stage (`checks`)
     for pipe in _divisors(math.gcd(n, piped)):
         for data in _divisors(math.gcd(n // pipe, t.batch_size)):
             left = n // (pipe * data)

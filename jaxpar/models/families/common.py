@@ -79,7 +79,8 @@ class Tensor(NamedTuple):
     Unstacked: one tensor, `hf_name`. Stacked: jaxpar's array has a leading axis of scan units,
     unit g being Hugging Face layer first + g * every + offset (`hf_name` has {l}), `units` of
     them (None: as many as the layers from `first` on make); with `experts`, a second axis of
-    that many experts, one tensor each ({e} in `hf_name`)."""
+    that many experts, one tensor each ({e} in `hf_name`). With `layers` (an irregular model's
+    stacks, `irregular_tensors`) unit g is Hugging Face layer layers[g] instead."""
 
     hf_name: str
     stacked: bool
@@ -90,6 +91,7 @@ class Tensor(NamedTuple):
     experts: int = 0
     first: int = 0  # the Hugging Face layer of unit 0's first block (past a dense prefix)
     units: int | None = None  # the stack's length; None: (n_layers - first) // every
+    layers: tuple[int, ...] | None = None  # each unit's Hugging Face layer, where not by the above
 
     def instances(self, n_layers: int) -> list[tuple[tuple, int | None, str]]:
         """(index of the tensor's slice of jaxpar's array, its Hugging Face layer or None, its
@@ -98,8 +100,8 @@ class Tensor(NamedTuple):
             return [((), None, self.hf_name)]
         out = []
         units = (n_layers - self.first) // self.every if self.units is None else self.units
-        for unit in range(units):
-            layer = self.first + unit * self.every + self.offset
+        for unit in range(units if self.layers is None else len(self.layers)):
+            layer = self.first + unit * self.every + self.offset if self.layers is None else self.layers[unit]
             for x in range(self.experts) if self.experts else [None]:
                 index = (unit,) if x is None else (unit, x)
                 out.append((index, layer, self.hf_name.format(l=layer, e=x)))
@@ -127,7 +129,7 @@ def llama_block(m: ModelConfig) -> bool:
 def block_prefix(m: ModelConfig, position: int) -> str:
     """The jaxpar path of block `position` of a scan unit: `blocks.` for one block a unit,
     `blocks.blocks.{position}.` when MoE layers come every model.moe.every blocks."""
-    grouped = m.moe.num_experts and m.moe.every > 1
+    grouped = m.moe.num_experts and m.moe.every > 1 and not m.irregular_moe()
     return f"blocks.blocks.{position}." if grouped else "blocks."
 
 
@@ -182,6 +184,20 @@ def prefix_tensors(m: ModelConfig, block: dict[str, Tensor]) -> dict[str, Tensor
     return {
         "dense_blocks." + path.removeprefix("blocks."): t._replace(units=count) for path, t in block.items()
     }
+
+
+def irregular_tensors(m: ModelConfig, dense: dict[str, Tensor], moe: dict[str, Tensor]) -> dict[str, Tensor]:
+    """An irregular model's layer tensors (model.moe.dense_layers, `ModelConfig.irregular_moe`)
+    from the tables of one plain block with a dense MLP and one with the MoE MLP (paths
+    `blocks.`, one block a unit): the dense blocks' stack `dense_blocks` and the MoE blocks'
+    `blocks`, each unit the Hugging Face layer of its place in layer order."""
+    kinds = m.moe_kinds()
+    at = {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in (False, True)}
+    table = {
+        "dense_blocks." + path.removeprefix("blocks."): t._replace(layers=at[False])
+        for path, t in dense.items()
+    }
+    return {**table, **{path: t._replace(layers=at[True]) for path, t in moe.items()}}
 
 
 def after_prefix(m: ModelConfig, table: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -72,6 +72,7 @@ EXPERTS = (
 def writes(m: ModelConfig) -> bool:
     moe = m.moe
     routed = moe.num_experts == 0 or (moe.score == "sigmoid" and moe.every == 1)
+    routed = routed and not m.moe.dense_layers  # DeepSeek-V3 has a dense prefix only
     return m.mla.kv_lora_rank > 0 and routed and not m.qk_norm and not m.qkv_bias and common.llama_block(m)
 
 

@@ -36,6 +36,7 @@ def writes(m: ModelConfig) -> bool:
         moe.num_experts > 0
         and moe.every == 1
         and moe.first_dense == 0
+        and not moe.dense_layers
         and moe.top_k > 1
         and moe.norm_topk
         and not moe.shared_experts

@@ -3,11 +3,13 @@ own) and a mixture of SwiGLU experts of width moe_intermediate_size in every
 decoder_sparse_step-th block (the last of each group, as model.moe.every places them), dense
 MLPs of width intermediate_size in the others. norm_topk_prob is model.moe.norm_topk.
 mlp_only_layers [0, 1, ..., k-1] with decoder_sparse_step 1 (k dense layers, then MoE ones) is
-model.moe.first_dense = k.
+model.moe.first_dense = k; any other mlp_only_layers is model.moe.dense_layers (sorted, each
+once), written back as it was read (the model is then `irregular` where a listed layer would
+have had experts: `jaxpar.models.llama`).
 
-Refused: other mlp_only_layers (dense layers elsewhere than a prefix, or a prefix with a
-decoder_sparse_step above 1, or every layer), a layer count the step does not divide, top-1
-routing with norm_topk_prob, attention biases, a sliding window.
+Refused: mlp_only_layers that leave no layer with experts or name a layer the model does not
+have, a layer count the step does not divide, top-1 routing with norm_topk_prob, attention
+biases, a sliding window.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def writes(m: ModelConfig) -> bool:
 def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
     every = m.moe.every
     table = common.embedding_tensors(m)
+    if m.irregular_moe():  # mlp_only_layers between MoE layers: a dense stack and an MoE stack
+        dense = {**common.attention_tensors(m), **common.dense_mlp_tensors(m)}
+        moe = {**common.attention_tensors(m), **common.moe_tensors(m, EXPERTS)}
+        return {**table, **common.irregular_tensors(m, dense, moe), **common.head_tensors(m)}
     if common.dense_prefix(m):  # mlp_only_layers (every is 1 then: `writes`)
         dense = {**common.attention_tensors(m), **common.dense_mlp_tensors(m)}
         table.update(common.prefix_tensors(m, dense))
@@ -65,19 +71,25 @@ def tensor_table(m: ModelConfig) -> dict[str, common.Tensor]:
     return {**table, **common.head_tensors(m)}
 
 
-def _dense_prefix(hf: dict, step: int, layers: int, where: str) -> int:
-    """model.moe.first_dense of mlp_only_layers (absent, null and [] alike: 0): a prefix
-    [0, 1, ..., k-1] of fewer than num_hidden_layers with decoder_sparse_step 1, else refused."""
+def _dense_layers(hf: dict, step: int, layers: int, where: str) -> tuple[int, list[int]]:
+    """(model.moe.first_dense, model.moe.dense_layers) of mlp_only_layers (absent, null and []
+    alike: none): a prefix [0, 1, ..., k-1] with decoder_sparse_step 1 is first_dense = k, any
+    other list dense_layers; refused where it names a layer the model lacks or leaves none with
+    experts (transformers' rule: layer i has them iff i is not listed and (i + 1) % step == 0)."""
     dense = hf.get("mlp_only_layers") or []
-    prefix = isinstance(dense, list) and dense == list(range(len(dense)))
-    if prefix and step == 1 and len(dense) < layers:
-        return len(dense)
-    raise common.refuse(
-        where,
-        f"mlp_only_layers={dense} with decoder_sparse_step={step} and num_hidden_layers={layers}; "
-        "jaxpar has dense layers as a prefix [0, 1, ..., k-1] of fewer than num_hidden_layers "
-        "layers, with decoder_sparse_step=1",
-    )
+    whole = isinstance(dense, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)
+    if not whole or not all(0 <= i < layers for i in dense):
+        raise common.refuse(where, f"mlp_only_layers={dense} is not a list of layers 0 to {layers - 1}")
+    dense = sorted(set(dense))
+    if all(i in dense or (i + 1) % step for i in range(layers)):
+        raise common.refuse(
+            where,
+            f"mlp_only_layers={dense} with decoder_sparse_step={step} leaves none of the {layers} "
+            "layers with experts; jaxpar's MoE models have at least one",
+        )
+    if step == 1 and dense == list(range(len(dense))):
+        return len(dense), []
+    return 0, dense
 
 
 def settings_from_hf(hf: dict, where: str) -> dict:
@@ -85,7 +97,7 @@ def settings_from_hf(hf: dict, where: str) -> dict:
     common.check_full_attention(hf, where)
     settings = common.base_settings(hf, where)
     step, layers = common.read_int(hf, "decoder_sparse_step", where, 1), settings["n_layers"]
-    first_dense = _dense_prefix(hf, step, layers, where) if hf.get("mlp_only_layers") else 0
+    first_dense, dense_layers = _dense_layers(hf, step, layers, where)
     if layers % step:
         raise common.refuse(where, f"decoder_sparse_step={step} does not divide num_hidden_layers={layers}")
     moe = common.moe_settings(hf, where)
@@ -97,7 +109,7 @@ def settings_from_hf(hf: dict, where: str) -> dict:
             "jaxpar's top-1 router weighs it by its probability",
         )
     moe.update(every=step, norm_topk=norm, d_ff=common.read_int(hf, "moe_intermediate_size", where, 768))
-    moe["first_dense"] = first_dense
+    moe.update(first_dense=first_dense, dense_layers=dense_layers)
     return {**settings, "qk_norm": True, "moe": moe}
 
 
@@ -108,7 +120,7 @@ def hf_config(m: ModelConfig) -> dict:
         "num_experts": m.moe.num_experts,
         "moe_intermediate_size": m.moe.d_ff or m.d_ff,
         "decoder_sparse_step": m.moe.every,
-        "mlp_only_layers": list(range(m.moe.first_dense)),
+        "mlp_only_layers": sorted(set(range(m.moe.first_dense)) | set(m.moe.dense_layers)),
         "norm_topk_prob": m.moe.norm_topk,
         "attention_bias": False,
         "use_sliding_window": False,

@@ -53,6 +53,7 @@ def family_of_model(m: ModelConfig) -> ModuleType:
     raise ConfigError(
         f"no Hugging Face family jaxpar writes has this model (qk_norm={m.qk_norm}, qkv_bias={m.qkv_bias}, "
         f"moe.num_experts={m.moe.num_experts}, moe.every={m.moe.every}, moe.first_dense={m.moe.first_dense}, "
+        f"moe.dense_layers={m.moe.dense_layers}, "
         f"moe.shared_experts={m.moe.shared_experts}, moe.top_k={m.moe.top_k}, "
         f"moe.norm_topk={m.moe.norm_topk}); the families are {', '.join(ARCHITECTURES)}"
     )
