@@ -295,6 +295,33 @@ def test_pipeline_across_nodes_when_the_network_is_slow():
     assert slow.sizes["pipe"] > 1 and step_time.crosses_nodes(slow.sizes, ("pipe",), 8)
 
 
+def test_the_h800_is_an_h100_with_less_nvlink():
+    """The H800 SXM differs from the H100 SXM only in NVLink (400 GB/s both ways against 900):
+    the same peak, memory, HBM bandwidth, network and compute capability. So a layout that
+    communicates inside the node (tensor=8, its all-reduces over NVLink) is predicted slower on
+    it, by the tensor traffic alone, and a layout that communicates only across nodes is not."""
+    h100, h800 = DEVICES["h100"], DEVICES["h800"]
+    own = ("key", "description", "name", "nvlink_bandwidth")
+    same = [f.name for f in dataclasses.fields(h100) if f.name not in own]
+    assert all(getattr(h800, f) == getattr(h100, f) for f in same)
+    assert (h100.nvlink_bandwidth, h800.nvlink_bandwidth) == (450e9, 200e9)  # one direction
+    model = llama(4096, 32, 32, 8, 14336, batch=16, seq=4096)
+
+    def times(mesh, gpus_per_node):
+        cfg = config_lib.load_config(None, model + [f"mesh.{a}={n}" for a, n in mesh.items()])
+        sizes = {a: 1 for a in MESH_AXES} | mesh
+        return [step_time.predict_time(cfg, sizes, d, gpus_per_node, "cudnn") for d in (h100, h800)]
+
+    fast, slow = times({"tensor": 8}, 8)
+    assert slow["comm_s"]["tensor"] > 2 * fast["comm_s"]["tensor"] > 0
+    assert slow["step_time_s"] - fast["step_time_s"] > 0.5 * (
+        slow["comm_s"]["tensor"] - fast["comm_s"]["tensor"]
+    )
+    assert slow["compute_s"] == fast["compute_s"]
+    across = times({"data": 8}, 1)  # one GPU a node: every byte crosses the network
+    assert across[0]["step_time_s"] == across[1]["step_time_s"]
+
+
 def test_context_parallelism_for_long_sequences():
     """One KV head (tensor cannot split attention), 8 sequences on 8 A100s, whose attention is
     XLA's (a [T, T] score array per head; ring attention holds [T/c, T/c] blocks): at 4k tokens
@@ -315,9 +342,10 @@ def test_context_parallelism_for_long_sequences():
 
 
 def test_fitted_and_checked_results_are_disjoint_and_sourced():
-    fit, check = published.fitted(), published.checked()
-    assert len(fit) >= 4 and len(check) >= 4 and len(fit) + len(check) == len(published.RESULTS)
-    assert not {r.name for r in fit} & {r.name for r in check}
+    fit, check, out = published.fitted(), published.checked(), published.outside()
+    assert len(fit) >= 4 and len(check) >= 4 and len(fit) + len(check) + len(out) == len(published.RESULTS)
+    names = [r.name for r in published.RESULTS]
+    assert len(set(names)) == len(names)
     # Not the same run twice under two names either.
     runs = [
         (
@@ -362,6 +390,17 @@ def test_checked_results_fall_inside_the_band():
     for r in published.checked():
         residual = step_time.predict_published(r)["log_residual"]
         assert abs(residual) <= math.log(step_time.STEP_TIME_BAND), (r.name, math.exp(residual))
+
+
+def test_results_reported_outside_the_band_are_still_outside_it():
+    """The published results the model misses by more than the band (MaxText's Llama 2 70B on 64
+    H100s: predicted 1.94x slow) are reported, not hidden: each says why in its note, and this
+    fails once a change of the model brings one inside, so that it moves to the checks."""
+    assert published.outside()
+    for r in published.outside():
+        residual = step_time.predict_published(r)["log_residual"]
+        assert abs(residual) > math.log(step_time.STEP_TIME_BAND), (r.name, math.exp(residual))
+        assert "outside the band" in r.note
 
 
 def test_llama3_8b_on_16_h100_consistent_with_torchtitan():

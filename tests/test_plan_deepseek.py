@@ -130,3 +130,34 @@ def test_state_elements_remembers_by_value():
     assert params.state_elements(m, ONE, 0)["total"] > 0
     wider = dataclasses.replace(m, d_model=m.d_model + 128)
     assert params.state_elements(wider, ONE, 0)["total"] > params.state_elements(m, ONE, 0)["total"]
+
+
+def test_a_pipeline_stage_holds_its_blocks_the_whole_dense_prefix_and_the_module(cfg):
+    """With mesh.pipe = 2 the 671B's 58 pipelined blocks are 29 a stage, and the dense prefix's 3
+    blocks run before the pipeline on every stage, on all of the pass's microbatches at once
+    (one `jax.vjp`), their residuals kept through the pipeline: per stage, the preset without
+    its prefix (58 blocks, all MoE) plus 3 dense blocks' residuals for every row of the pass.
+    The old count spread the prefix over the stages (61 // 2 = 30 averaged blocks a stage, a
+    microbatch's rows). The multi-token module runs on the last stage with the head and is
+    charged whole, for a microbatch's rows, as that stage holds it."""
+    par = dataclasses.replace(cfg.parallel, remat="dots", zero_stage=1, grad_accum=1, microbatches=8)
+    c = dataclasses.replace(cfg, parallel=par)
+    sizes = ONE | {"pipe": 2, "fsdp": 1024}
+    moe = dataclasses.replace(c.model.moe, first_dense=0)
+    stack = dataclasses.replace(c, model=dataclasses.replace(c.model, n_layers=58, moe=moe))
+    local_batch = c.train.batch_size // 1024  # 16 rows a pass, 2 a microbatch
+    s = memory.shape_for(c, sizes, rows=local_batch // 8)
+
+    def stage(x):  # the stash and the prefix (the working set is one layer's, either way)
+        el = params.state_elements(x.model, sizes, 1)
+        return memory.pipeline_stage(x, sizes, el, s, "cudnn", "gpu")
+
+    (got, _, held), (without, _, _) = stage(c), stage(stack)
+    assert held == 29 + 3  # blocks whose weights a stage holds: its own and the prefix
+    dense = dataclasses.replace(c.model, moe=dataclasses.replace(c.model.moe, num_experts=0))
+    prefix = memory.layer_residuals(dense, s, "dots", "cudnn", False, stashed=True)
+    assert got - without == pytest.approx(3 * local_batch * prefix, rel=1e-9)
+    off = dataclasses.replace(c, model=dataclasses.replace(c.model, mtp=config_lib.MTPConfig()))
+    predicted = (memory.predict_memory(x, sizes, "cudnn")["activations"] for x in (c, off))
+    module = next(predicted) - next(predicted)
+    assert module == pytest.approx(s.rows * memory.mtp_residuals(c.model, s, "cudnn", False), rel=1e-9)

@@ -92,6 +92,26 @@ GPUS = {
             "9.0",
         ),
         DeviceSpec("h100-pcie", "NVIDIA H100 PCIe"),
+        # The H800 SXM: the H100 SXM's die, 80 GB HBM3 at 3.35 TB/s and bf16 peak, with NVLink cut
+        # from 900 to 400 GB/s (both directions together) for export rules. DeepSeek, "Insights
+        # into DeepSeek-V3: Scaling Challenges and Reflections on Hardware for AI Architectures"
+        # (ISCA 2025, arXiv 2505.09343): H800 nodes with NVLink at 400 GB/s and a 400 Gb/s
+        # InfiniBand NIC a GPU; the DeepSeek-V3 report (arXiv 2412.19437, section 3.1): 2048 H800s,
+        # 8 a node; philisun.com, "NVIDIA H800 vs H100" (specification table): the same memory and
+        # low-precision compute, NVLink 400 against 900 GB/s. Memory bytes as the H100's (the same
+        # 80 GB part). The CUDA plugin embeds no H800 description: planned for (--gpus), not
+        # compiled for (--target); "NVIDIA H800" is the device kind `mesh: auto` matches.
+        DeviceSpec(
+            "h800",
+            "NVIDIA H800",
+            "NVIDIA H800 80GB HBM3 (SXM)",
+            989.4e12,
+            85_520_809_984,
+            3.35e12,
+            200e9,
+            50e9,
+            "9.0",
+        ),
         # NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity, 141 GB
         # HBM3e at 4.8 TB/s, NVLink 900 GB/s; NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s.
         DeviceSpec(

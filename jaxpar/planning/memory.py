@@ -16,7 +16,8 @@ Memory per device (`predict_memory`), in bytes, for jaxpar's own program:
   residual of the block, XLA attention's float32 probabilities included; dots: the outputs of
   the projection matmuls and the layer input; full: the layer input only), times the layers
   held, times the rows alive at once (the batch share, a grad-accumulation microstep, or the
-  pipeline's stashed microbatches: the schedule's own buffer count), plus the working set of
+  pipeline's stashed microbatches: the schedule's own buffer count; a pipeline stage holds its
+  own blocks and the whole dense prefix for the pass's rows, `pipeline_stage`), plus the working set of
   one layer's backward (its recomputed residuals and their gradients); LoRA adds each adapter's
   x A (`adapter_residuals`); latent attention has its own projections' residuals
   (`projection_residuals`), an MoE layer its shared experts and, dropless, E x tokens routed
@@ -48,7 +49,7 @@ from jaxpar import config as config_lib
 from jaxpar.compiled import targets as targets_lib
 from jaxpar.compiled.targets import DEVICES, DeviceSpec
 from jaxpar.config import MESH_AXES, Config, ModelConfig
-from jaxpar.models.moe import moe_layers
+from jaxpar.models.moe import dense_prefix, moe_layers
 from jaxpar.planning.params import state_elements
 from jaxpar.sharding import is_pipelined, is_ring
 
@@ -245,7 +246,9 @@ def mtp_residuals(m: ModelConfig, s: Shape, kernel: str, ring: bool, backend: st
     concatenation (two wide), the projection, the final norm)."""
     if not m.mtp.depth:
         return 0.0
-    one = dataclasses.replace(m, n_layers=1, moe=dataclasses.replace(m.moe, first_dense=0, every=1))
+    one = dataclasses.replace(
+        m, n_layers=1, moe=dataclasses.replace(m.moe, first_dense=0, every=1, dense_layers=[])
+    )
     block = layer_residuals(one, s, "none", kernel, ring, backend=backend)
     return m.mtp.depth * (block + 7 * s.tokens * m.d_model * BYTES[m.dtype])
 
@@ -373,30 +376,18 @@ def predict_memory(cfg: Config, sizes: dict, kernel: str, backend: str = "gpu", 
     el = state_elements(m, sizes, p.zero_stage, cfg.finetune.lora)
     moments = 2 if cfg.optimizer.name == "adamw" else 0
     dp = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    pipe, pipelined, ring = sizes["pipe"], is_pipelined(sizes), is_ring(sizes)
-    layers = m.n_layers // pipe
+    pipelined, ring = is_pipelined(sizes), is_ring(sizes)
     # Rows one pass works on: a grad-accumulation microstep's share (pipeline: a microbatch's).
     rows = t.batch_size // (dp * p.grad_accum * (p.microbatches if pipelined else 1))
     s = shape_for(cfg, sizes, rows)
-    saved = layer_residuals(m, s, p.remat, kernel, ring, stashed=pipelined, backend=backend) * rows
-    saved += adapter_residuals(cfg, s) * rows
     whole = layer_residuals(m, s, "none", kernel, ring, backend=backend, kept=False) * rows
     if ring:  # one hop's float32 block attention: scores, probabilities and their gradients
         whole += b.ring_arrays * 4 * rows * s.heads * s.tokens * s.tokens
-    stream = rows * s.between * m.d_model * a  # one [rows, seq, embed] activation
     if pipelined:
-        stash, n_act, n_grad = pipeline_slots(cfg, sizes)
-        chunk = layers // p.virtual_stages
-        # The stash, plus the slot a forward fills before it is written into the stash.
-        activations = (stash + 1) * chunk * saved
-        local_batch = t.batch_size // (dp * p.grad_accum)  # the rows of one pipelined pass
-        buffers = (n_act + n_grad + 2) * stream + 2 * local_batch * s.between * m.d_model * a
-        # One chunk's float32 parameter gradients (with LoRA, the adapters' alone), made by
-        # each backward before they are added.
-        buffers += el["trained_blocks_local"] * pb / p.virtual_stages
+        activations, buffers, layers = pipeline_stage(cfg, sizes, el, s, kernel, backend)
     else:
-        activations = layers * saved
-        buffers = 0.0
+        saved = layer_residuals(m, s, p.remat, kernel, ring, backend=backend) + adapter_residuals(cfg, s)
+        activations, buffers, layers = m.n_layers * saved * rows, 0.0, m.n_layers
     work = (b.working_set if p.remat == "none" else b.working_set_remat) * whole
     if kernel == "xla" and not ring:
         # However much is fused, the softmax's backward reads XLA attention's float32
@@ -442,6 +433,40 @@ def predict_memory(cfg: Config, sizes: dict, kernel: str, backend: str = "gpu", 
     }
     out["total"] = sum(out.values())
     return {k: float(v) for k, v in out.items()}
+
+
+def pipeline_stage(cfg: Config, sizes: dict, el: dict, s: Shape, kernel: str, backend: str) -> tuple:
+    """(activations, buffers, blocks held) of the worst pipeline stage, per device: its chunk of
+    the pipelined blocks ((n_layers - dense prefix) / pipe), stashed for the microbatches the
+    schedule keeps in flight; and the dense prefix (model.moe.first_dense), which every stage
+    runs whole before the pipeline on all of the pass's microbatches at once (one `jax.vjp`,
+    `jaxpar.models.objective`) and whose residuals stay until the pipeline's backward is done
+    (its weights are whole on every stage: `jaxpar.sharding`, "dense_layers"). The multi-token
+    modules run with the head on the last stage; `predict_memory` charges them (`mtp_bytes`)
+    whole on every stage, which is the last stage's charge, and so are their weights."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    a, pb, ring = BYTES[m.dtype], BYTES[m.param_dtype], is_ring(sizes)
+    prefix = dense_prefix(m)
+
+    def per_row(model):  # one layer's residuals as `jax.vjp` returns them (the stash's)
+        kept = layer_residuals(model, s, p.remat, kernel, ring, stashed=True, backend=backend)
+        return kept + adapter_residuals(cfg, s)
+
+    dense = per_row(dataclasses.replace(m, moe=dataclasses.replace(m.moe, num_experts=0))) if prefix else 0.0
+    # A pipelined block's share: the layers' mix of dense and MoE blocks without the prefix's.
+    block = (m.n_layers * per_row(m) - prefix * dense) / (m.n_layers - prefix)
+    stash, n_act, n_grad = pipeline_slots(cfg, sizes)
+    chunk = (m.n_layers - prefix) // sizes["pipe"] // p.virtual_stages
+    local_batch = t.batch_size // (sizes["data"] * sizes["fsdp"] * sizes["expert"] * p.grad_accum)
+    # The stash, plus the slot a forward fills before it is written into the stash; the prefix
+    # on the pass's rows.
+    activations = (stash + 1) * chunk * block * s.rows + prefix * dense * local_batch
+    stream = s.rows * s.between * m.d_model * a  # one [rows, seq, embed] activation
+    buffers = (n_act + n_grad + 2) * stream + 2 * local_batch * s.between * m.d_model * a
+    # One chunk's float32 parameter gradients (with LoRA, the adapters' alone), made by each
+    # backward before they are added.
+    buffers += el["trained_blocks_local"] * pb / p.virtual_stages
+    return activations, buffers, chunk * p.virtual_stages + prefix
 
 
 def predict_memory_for(

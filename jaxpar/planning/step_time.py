@@ -99,6 +99,8 @@ FITTED = StepTimeConstants(
 # that, x1.504, rounds up to x1.55). Every checked result, never fitted, falls inside it
 # (tests/test_plan.py) -- two of them, torchtitan's 405B and Megatron-LM's 70B, only because the
 # widening is twice and not 1.5 times the worst residual, a choice made after seeing them.
+# Results compared after that and missed by more (role "outside": MaxText's Llama 2 70B on 64
+# H100s, predicted 1.94x slow) are reported, not hidden and not used to widen it.
 STEP_TIME_BAND = 1.55
 
 
