@@ -6,8 +6,8 @@ tensor axis, its loss against one device's, the report in the first lines and in
 directory, read back by a resume). The compile step of the unit tests is a stand-in returning
 chosen bytes, so that they cost the planner's enumeration alone; the rest compile for real: a
 small runtime.host_memory_gib refusing the first candidate once compiled, the MoE preset and a
-pipeline trained for 2 steps, and a launcher restart on another device count (2 processes x 2
-devices, then 1 x 2) that plans again and resumes."""
+pipeline trained for 2 steps on 8 devices each, and a launcher restart on another device count
+(2 processes x 2 devices, then 1 x 2) that plans again and resumes."""
 
 from __future__ import annotations
 
@@ -258,8 +258,7 @@ PRESET_SMALL = ["train.batch_size=8", "train.seq_len=32", "data.max_documents=30
 @pytest.fixture(scope="module")
 def presets(tmp_path_factory):
     """2 steps each of configs/moe-tiny.yaml and of a 4-layer tiny model with a pinned mesh.pipe=2,
-    both with mesh=auto for the rest, side by side on 4 emulated CPU devices each (fewer layouts
-    to rank, a smaller program to compile than on 8)."""
+    both with mesh=auto for the rest, side by side on 8 emulated CPU devices each."""
     base = tmp_path_factory.mktemp("presets")
     moe, pipe = str(base / "moe"), str(base / "pipe")
     procs = [
@@ -267,7 +266,7 @@ def presets(tmp_path_factory):
         _train(
             moe,
             "mesh=auto",
-            "runtime.cpu_devices=4",
+            "runtime.cpu_devices=8",
             "runtime.auto_candidates=1",
             *PRESET_SMALL,
             path=MOE,
@@ -275,7 +274,7 @@ def presets(tmp_path_factory):
         _train(
             pipe,
             "mesh=auto",
-            "runtime.cpu_devices=4",
+            "runtime.cpu_devices=8",
             "mesh.pipe=2",
             "model.n_layers=4",
             "runtime.auto_candidates=1",
@@ -291,7 +290,7 @@ def _planned(run_dir, err):
     """(config.yaml, the chosen entry of layout.json, layout.json), after checking that the run
     printed its choice first and that config.yaml holds the chosen mesh and settings."""
     lines = err.splitlines()
-    assert lines[0].startswith("mesh: auto: 4 emulated CPU device(s)") and "1 compiled here" in lines[0], err[
+    assert lines[0].startswith("mesh: auto: 8 emulated CPU device(s)") and "1 compiled here" in lines[0], err[
         :2000
     ]
     assert lines[1].startswith("  chosen #1:"), err[:2000]
