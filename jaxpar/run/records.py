@@ -196,7 +196,11 @@ def compile_record(programs: list[mesh_lib.Compiled]) -> dict:
 
 
 def format_summary(s: dict) -> str:
-    """The summary's one line, as `python -m jaxpar.train` prints it at the end."""
+    """The summary's one line, as `python -m jaxpar.train` prints it at the end. Its first-step
+    figure is the wall time to the first step's result (tracing, compiling or loading, running:
+    `compile_seconds`); the start-up line "compiled the train step in ..." counts XLA's own
+    seconds on every program since the run began (initialisation and any `mesh: auto`
+    candidates among them), so the two differ."""
     mesh = " ".join(f"{a}={n}" for a, n in s["mesh"].items())
     if s["stopped_by"]:
         return (
@@ -213,7 +217,8 @@ def format_summary(s: dict) -> str:
             f"{name} {n:,} ({100 * n / total:.0f}%)" for name, n in seen.items()
         )
     return (
-        f"done: {s['steps']} steps in {s['seconds']:.1f} s (compile {s['compile_seconds']:.1f} s)"
+        f"done: {s['steps']} steps in {s['seconds']:.1f} s (first step {s['compile_seconds']:.1f} s, "
+        "compiling included)"
         f" | loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}{data} | {rate}"
         f" | {s['devices']} devices ({mesh}) | {s['run_dir']}"
         + (f" | {s['skipped_steps']} non-finite steps skipped" if s.get("skipped_steps") else "")
