@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxpar.sharding",),  # logical names -> mesh axes; the Layout
     ("jaxpar.ops",),  # fp8 matmuls, the SwiGLU kernel
     ("jaxpar.parallel",),  # ring attention, the expert exchange, pipelines and their schedules
+    ("jaxpar.model_checks",),  # the model's own settings checked against each other
     ("jaxpar.checks",),  # a config checked against itself and the devices, before compiling
     ("jaxpar.models",),  # the blocks, attention, loss, MoE, LoRA, Hugging Face families
     ("jaxpar.compiled",),  # reading compiled programs; compiling for absent GPUs; the ruler
