@@ -270,6 +270,12 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 # --- Which explicit techniques a layout runs: read from the rules, never from axis names ------
 
 
+def varying_axes(a) -> frozenset:
+    """The manual mesh axes (of the shard_maps around) along which `a` differs by device."""
+    manual = getattr(jax.typeof(a), "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset()
+
+
 def pipe_axis(rules: Rules) -> str | None:
     """The mesh axis the pipeline's stages run over: the first of the `layers` rule's axes."""
     return next(iter(rules.get("layers", ())), None)

@@ -256,6 +256,21 @@ MODELS = {
 }
 
 
+def tensor_bytes(hf_dir) -> dict[str, tuple[str, tuple, bytes]]:
+    """Each tensor of the checkpoint in `hf_dir`: (dtype, shape, its bytes as stored), for
+    bit-identical round trips. Run by jaxpar's tests, not in the sidecar (it reads the files
+    with jaxpar's own reader)."""
+    from jaxpar.hf import hf_load
+
+    out = {}
+    for name, info in hf_load.checkpoint_tensors(str(hf_dir)).items():
+        with open(info.file, "rb") as f:
+            f.seek(info.offset)
+            n = int(np.prod(info.shape, dtype=np.int64)) * hf_load._np_dtype(info.dtype).itemsize
+            out[name] = (info.dtype, tuple(info.shape), f.read(n))
+    return out
+
+
 def make_tokenizer(eos: str):
     """A byte-level BPE tokenizer trained on a little text, with `eos` as its one special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -44,7 +44,7 @@ from jaxpar.hf import export as export_lib
 from jaxpar.models.families import registry as families
 from jaxpar.models.llama import Transformer
 from jaxpar.sample import generate
-from tests.hf_reference import HF_PYTHON, require_sidecar
+from tests.hf_reference import HF_PYTHON, require_sidecar, tensor_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REFERENCE = os.path.join(ROOT, "tests", "hf_reference.py")
@@ -299,16 +299,6 @@ def test_adamw_steps_from_imported_weights_follow_torch(hf, torch_training, vari
     np.testing.assert_allclose(norms, ref[f"{variant}/grad_norms"], rtol=GRAD_NORM_RTOL, atol=0)
 
 
-def _tensor_bytes(hf_dir) -> dict[str, tuple[str, bytes]]:
-    out = {}
-    for name, info in hf_load.checkpoint_tensors(str(hf_dir)).items():
-        with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            n = int(np.prod(info.shape, dtype=np.int64)) * hf_load._np_dtype(info.dtype).itemsize
-            out[name] = (info.dtype, tuple(info.shape), f.read(n))
-    return out
-
-
 @pytest.fixture(scope="module")
 def imported(hf, tmp_path_factory):
     """Every variant through from-hf (run directories), then to-hf (Hugging Face directories)."""
@@ -340,7 +330,7 @@ def test_qwen3_moe_dense_prefix_matches_transformers_and_round_trips(hf, tmp_pat
         np.testing.assert_array_equal(stats["expert_load"], copies * ref[f"{variant}/expert_load"])
     convert.from_hf(str(root / variant), str(tmp_path / "run"), ["model.dtype=float32"])
     export_lib.export(str(tmp_path / "run"), str(tmp_path / "hf"))
-    assert _tensor_bytes(tmp_path / "hf") == _tensor_bytes(root / variant)
+    assert tensor_bytes(tmp_path / "hf") == tensor_bytes(root / variant)
     written = json.load(open(tmp_path / "hf" / "config.json"))
     assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == ([0], 1)
 
@@ -367,7 +357,7 @@ def test_qwen3_moe_dense_layers_between_moe_ones_match_transformers_and_round_tr
         np.testing.assert_array_equal(stats["expert_load"], copies * ref[f"{variant}/expert_load"])
     convert.from_hf(str(root / variant), str(tmp_path / "run"), ["model.dtype=float32"])
     export_lib.export(str(tmp_path / "run"), str(tmp_path / "hf"))
-    assert _tensor_bytes(tmp_path / "hf") == _tensor_bytes(root / variant)
+    assert tensor_bytes(tmp_path / "hf") == tensor_bytes(root / variant)
     written = json.load(open(tmp_path / "hf" / "config.json"))
     assert (written["mlp_only_layers"], written["decoder_sparse_step"]) == ([0, 3], 2)
 
@@ -375,7 +365,7 @@ def test_qwen3_moe_dense_layers_between_moe_ones_match_transformers_and_round_tr
 def test_round_trip_is_bit_identical_and_transformers_loads_the_export(hf, imported, tmp_path):
     root, ref = hf
     for variant in VARIANTS:
-        source, back = _tensor_bytes(root / variant), _tensor_bytes(imported / variant / "hf")
+        source, back = tensor_bytes(root / variant), tensor_bytes(imported / variant / "hf")
         assert set(back) == set(source), variant
         for name in source:
             assert back[name] == source[name], f"{variant}: {name}"

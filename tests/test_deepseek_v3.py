@@ -27,7 +27,7 @@ from jaxpar.models.families import registry as families
 from jaxpar.models.layers import KVCache
 from jaxpar.models.llama import Transformer
 from jaxpar.sample import generate
-from tests.hf_reference import HF_PYTHON, require_sidecar
+from tests.hf_reference import HF_PYTHON, require_sidecar, tensor_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ["dsv3-dense-qlora-yarn", "dsv3-dense-plain", "dsv3-moe", "dsv3-moe-dense-prefix"]
@@ -116,16 +116,6 @@ def test_greedy_decoding_through_the_latent_cache_gives_transformers_tokens(hf, 
     assert got == ref[f"{variant}/greedy"].tolist()
 
 
-def _tensor_bytes(hf_dir) -> dict:
-    out = {}
-    for name, info in hf_load.checkpoint_tensors(str(hf_dir)).items():
-        with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            n = int(np.prod(info.shape, dtype=np.int64)) * hf_load._np_dtype(info.dtype).itemsize
-            out[name] = (info.dtype, tuple(info.shape), f.read(n))
-    return out
-
-
 def test_export_then_import_is_bit_identical_and_transformers_loads_the_export(hf, tmp_path_factory):
     """The export writes transformers' layout (one tensor per expert, the correction bias, the
     rotated rows back in interleaved order) byte for byte, and transformers' logits on it are the
@@ -135,7 +125,7 @@ def test_export_then_import_is_bit_identical_and_transformers_loads_the_export(h
     for variant in VARIANTS:
         convert.from_hf(str(root / variant), str(work / variant / "run"), ["model.dtype=float32"])
         export_lib.export(str(work / variant / "run"), str(work / variant / "hf"))
-        source, back = _tensor_bytes(root / variant), _tensor_bytes(work / variant / "hf")
+        source, back = tensor_bytes(root / variant), tensor_bytes(work / variant / "hf")
         assert set(back) == set(source), variant
         for name in source:
             assert back[name] == source[name], f"{variant}: {name}"

@@ -257,27 +257,33 @@ class Attention(nnx.Module):
             # "auto" rather than model.attention: cuDNN may not take this mask, XLA always does.
             mask = cache.causal_mask(q.shape[1], window, sliding)
             out = jax.nn.dot_product_attention(q, cache.k, cache.v, mask=mask, scale=scale)
-        elif self.context_layout is not None:  # context parallel: the ring over `seq`'s axis
-            if scale is not None:  # the ring scales by 1/sqrt(head width): fold the rest into q
-                q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
-            out = self._ring(q, k, v, segment_ids, window, sliding)
-        else:  # [batch, seq, heads, head_dim]; cuDNN's takes documents as offsets, not a mask
-            kernel, slots = attention_kernel(cfg), self.document_slots
-            out = attend(
-                q,
-                k,
-                v,
-                segment_ids,
-                implementation=kernel,
-                max_segments=slots or cfg.max_documents_per_row,
-                checked=slots is not None,
-                scale=scale,
-                window=window,
-                sliding=sliding if window is not None else None,
-            )
+        else:
+            out = self._attend(q, k, v, segment_ids, scale, window, sliding)
         out = constrain(out, ("batch", "seq", "heads", None))
         out = project("wo", spec="bsnh,nhe->bse", x=out)
         return out if cache is None else (out, cache)
+
+    def _attend(self, q, k, v, segment_ids, scale, window=None, sliding=None):
+        """Attention of a training pass ([batch, seq, heads, head_dim]): the ring over `seq`'s
+        axis under context parallelism, else the model's kernel (cuDNN's takes documents as
+        offsets, not a mask). `scale` None: 1/sqrt(head width). `LatentAttention` shares it."""
+        if self.context_layout is not None:
+            if scale is not None:  # the ring scales by 1/sqrt(head width): fold the rest into q
+                q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
+            return self._ring(q, k, v, segment_ids, window, sliding)
+        slots = self.document_slots
+        return attend(
+            q,
+            k,
+            v,
+            segment_ids,
+            implementation=attention_kernel(self.cfg),
+            max_segments=slots or self.cfg.max_documents_per_row,
+            checked=slots is not None,
+            scale=scale,
+            window=window,
+            sliding=sliding if window is not None else None,
+        )
 
     def _ring(self, q, k, v, segment_ids, window, sliding):
         """Ring attention over the `seq` rule's axis; a sliding layer's ring has the window and

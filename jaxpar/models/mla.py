@@ -49,8 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.models.attention import attend
-from jaxpar.models.layers import Attention, KVCache, RMSNorm, attention_kernel, rotate, yarn_logit_scale
+from jaxpar.models.layers import Attention, KVCache, RMSNorm, rotate, yarn_logit_scale
 from jaxpar.models.params import param as _param
 from jaxpar.ops.fp8 import einsum as block_einsum
 from jaxpar.sharding import constrain
@@ -161,19 +160,3 @@ class LatentAttention(Attention):
         out = constrain(out[..., : cfg.mla.v_head_dim], ("batch", "seq", "heads", None))
         out = self._matmul()("bsnh,nhe->bse", out, self.wo[...])
         return out if cache is None else (out, cache)
-
-    def _attend(self, q, k, v, segment_ids, scale):
-        if self.context_layout is not None:  # the ring scales by 1/sqrt(head width): fold the rest into q
-            q = q * jnp.asarray(scale * q.shape[-1] ** 0.5, q.dtype)
-            return self._ring(q, k, v, segment_ids, None, None)
-        slots = self.document_slots
-        return attend(
-            q,
-            k,
-            v,
-            segment_ids,
-            implementation=attention_kernel(self.cfg),
-            max_segments=slots or self.cfg.max_documents_per_row,
-            checked=slots is not None,
-            scale=scale,
-        )

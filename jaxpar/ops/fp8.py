@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 
 from jaxpar.config import ConfigError
+from jaxpar.sharding import varying_axes
 
 E4M3 = jnp.float8_e4m3fn  # forward: activations and weights (max 448)
 E5M2 = jnp.float8_e5m2  # backward: incoming gradients (max 57344, more range, less precision)
@@ -66,18 +67,12 @@ def _spec_parts(spec: str) -> tuple[str, str, str]:
     return x, w, out
 
 
-def _varying(a) -> frozenset:
-    """The manual mesh axes (of the shard_maps around) along which `a` differs by device."""
-    manual = getattr(jax.typeof(a), "manual_axis_type", None)
-    return manual.varying if manual is not None else frozenset()
-
-
 def scale_of(t, fp8_dtype, amax_axes=()):
     """Per-tensor scale, float32 []: the power of two at or above amax(|t|) / max(fp8_dtype)
     (1 for an all-zero tensor). `amax_axes`: manual mesh axes t is split (or replicated) over,
     reduced with a pmax. No gradient flows through it."""
     amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
-    amax_axes = tuple(a for a in amax_axes if a in _varying(amax))  # equal along the others
+    amax_axes = tuple(a for a in amax_axes if a in varying_axes(amax))  # equal along the others
     if amax_axes:
         amax = jax.lax.pmax(amax, amax_axes)
     amax = jax.lax.stop_gradient(amax)
@@ -108,9 +103,9 @@ def fp8_einsum(spec: str, x, w, amax_axes: tuple[str, ...] = (), out_dtype=None,
     # Inside a shard_map, an operand that is the same on every device of an axis the other
     # varies along (a weight, along the token axes) is marked varying there first, as jnp.einsum
     # does implicitly: JAX then transposes that mark into the psum of its gradient's pieces.
-    both = _varying(x) | _varying(w)
+    both = varying_axes(x) | varying_axes(w)
     x, w = (
-        jax.lax.pcast(a, tuple(sorted(both - _varying(a))), to="varying") if both - _varying(a) else a
+        jax.lax.pcast(a, tuple(sorted(both - varying_axes(a))), to="varying") if both - varying_axes(a) else a
         for a in (x, w)
     )
     grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)

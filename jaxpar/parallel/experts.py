@@ -90,10 +90,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.ops.fp8 import _varying, fp8_einsum
+from jaxpar.ops.fp8 import fp8_einsum
 from jaxpar.ops.swiglu import swiglu
 from jaxpar.parallel.routing import RouterSpec, Routing, route  # noqa: F401 (route: re-exported)
-from jaxpar.sharding import rules_in_force
+from jaxpar.sharding import rules_in_force, varying_axes
 
 
 def slot_positions(expert_index, num_experts):
@@ -160,10 +160,10 @@ def _varying_alike(*arrays):
     AllReducePromotion (bf16 -> f32) aborts on it ("Invalid binary instruction opcode copy"):
     the weights' gradients over the token axes, the tokens' over tensor. A float32 model is
     unchanged (the same marks, moved before a no-op cast)."""
-    axes = frozenset().union(*(_varying(a) for a in arrays))
+    axes = frozenset().union(*(varying_axes(a) for a in arrays))
 
     def mark(a):
-        missing = tuple(sorted(axes - _varying(a)))
+        missing = tuple(sorted(axes - varying_axes(a)))
         return jax.lax.pcast(a.astype(jnp.float32), missing, to="varying") if missing else a
 
     return tuple(mark(a) for a in arrays)

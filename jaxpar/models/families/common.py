@@ -426,6 +426,16 @@ def base_config(m: ModelConfig, architecture: str, model_type: str) -> dict:
     }
 
 
+# The Hugging Face names of an MoE MLP's router and of each expert's gate, up and down
+# projections where the block's MLP is `mlp` (Qwen3-MoE and DeepSeek-V3; Mixtral has its own).
+MLP_EXPERTS = (
+    "model.layers.{l}.mlp.gate.weight",
+    "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
+    "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
+    "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
+)
+
+
 def moe_tensors(m: ModelConfig, names: tuple[str, str, str, str], position: int = 0, every: int = 1) -> dict:
     """The MoE MLP of block `position` of each scan unit: the router and every expert's three
     matrices, one Hugging Face tensor per expert. `names`: the Hugging Face names of the router

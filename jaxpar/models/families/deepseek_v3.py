@@ -61,12 +61,7 @@ DEFAULTS = {
         "rms_norm_eps": 1e-6,
     }
 }
-EXPERTS = (
-    "model.layers.{l}.mlp.gate.weight",
-    "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
-    "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
-    "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
-)
+EXPERTS = common.MLP_EXPERTS
 
 
 def writes(m: ModelConfig) -> bool:

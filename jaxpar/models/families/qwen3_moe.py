@@ -29,12 +29,7 @@ DEFAULTS = {
         "max_position_embeddings": 32768,
     }
 }
-EXPERTS = (
-    "model.layers.{l}.mlp.gate.weight",
-    "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
-    "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
-    "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
-)
+EXPERTS = common.MLP_EXPERTS
 
 
 def writes(m: ModelConfig) -> bool:
