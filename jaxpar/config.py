@@ -110,6 +110,7 @@ class MLAConfig:
     qk_rope_dim: int = 64  # each head's rotated query width; the rotated key is one shared head
     v_head_dim: int = 128  # each head's value width
     rope_interleave: bool = False  # only the Hugging Face layout of rotated dims (families/deepseek_v3.py)
+    ring_latent: bool = False  # context ring passes latents, expanded on arrival (parallel/latent_ring.py)
 
 
 @dataclass

@@ -63,6 +63,11 @@ def validate_latent(cfg: Config) -> None:
             f"original_max_len={rs.original_max_len}; yarn needs factor >= 1, beta_fast > beta_slow > 0 "
             "and original_max_len >= 1"
         )
+    if a.ring_latent and not a.kv_lora_rank:
+        raise ConfigError(
+            "model.mla.ring_latent with model.mla.kv_lora_rank=0: only latent attention has a latent "
+            "to pass round the ring; set kv_lora_rank or turn ring_latent off"
+        )
     if not a.kv_lora_rank:
         return
     widths = {"q_lora_rank": a.q_lora_rank or 1, "qk_nope_dim": a.qk_nope_dim + 1, "v_head_dim": a.v_head_dim}

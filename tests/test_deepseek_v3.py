@@ -77,6 +77,16 @@ def _graphdef(cfg):
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]
 
 
+def test_the_latent_ring_stays_the_users_setting_over_imported_weights(hf):
+    # Bug this catches: model.mla taken whole from the checkpoint, which has no ring_latent, so
+    # the setting was refused as disagreeing with the weights (or, unset, reset to false).
+    root, _ = hf
+    for given in (["model.mla.ring_latent=true"], []):
+        settings = config_lib.user_settings(None, [*given, f"train.init_from={root / VARIANTS[0]}"])
+        cfg = convert.apply_init_from(config_lib.build_config(settings), settings)
+        assert cfg.model.mla.ring_latent is bool(given) and cfg.model.mla.kv_lora_rank > 0
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_match_transformers_on_one_device_and_on_a_mesh(hf, variant):
     """Guards: the interleaved rotary pairs not permuted (or permuted on one of q, k), the

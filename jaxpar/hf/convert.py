@@ -160,12 +160,23 @@ def merge_model(source: ModelConfig, user: ModelConfig, user_keys: dict, where: 
     return dataclasses.replace(user, **changes)
 
 
+# Fields of an architecture section that say how the run computes, not what the weights are:
+# they stay the user's (model.mla.ring_latent: what the context ring sends).
+RUN_FIELDS = {"mla": ("ring_latent",)}
+
+
 def _architecture(source, user, user_keys: dict, keys: tuple, prefix: str, where: str) -> dict:
-    """{key: source's value} for `keys`, refusing a user-given value that disagrees."""
+    """{key: source's value} for `keys`, refusing a user-given value that disagrees (the
+    `RUN_FIELDS` of a section are the user's)."""
     changes = {}
     for key in keys:
         theirs, mine = getattr(source, key), getattr(user, key)
-        if key in user_keys and theirs != mine:
+        given = key in user_keys
+        if key in RUN_FIELDS:
+            theirs = dataclasses.replace(theirs, **{f: getattr(mine, f) for f in RUN_FIELDS[key]})
+            section = user_keys.get(key)
+            given = given and not (isinstance(section, dict) and set(section) <= set(RUN_FIELDS[key]))
+        if given and theirs != mine:
             shown = dataclasses.asdict(theirs) if dataclasses.is_dataclass(theirs) else theirs
             raise ConfigError(
                 f"{prefix}{key}={_set_value(user_keys[key])!r}, but {where} has "

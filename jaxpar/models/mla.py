@@ -52,7 +52,8 @@ from jaxpar.config import ModelConfig
 from jaxpar.models.layers import Attention, KVCache, RMSNorm, rotate, yarn_logit_scale
 from jaxpar.models.params import param as _param
 from jaxpar.ops.fp8 import einsum as block_einsum
-from jaxpar.sharding import constrain
+from jaxpar.parallel.latent_ring import latent_ring_attention as latent_ring
+from jaxpar.sharding import constrain, ring_axis, rules_in_force
 
 # transformers builds the two latent norms with RMSNorm's default epsilon, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -107,6 +108,11 @@ class LatentAttention(Attention):
                 std = cfg.init_std / (2 * cfg.n_layers) ** 0.5 if name == "wo" else None
                 setattr(self, name, _param(rngs, shape, names, cfg, std))
 
+    def _latent_ring(self, segment_ids, scale):
+        """Settings of `jaxpar.parallel.latent_ring` (model.mla.ring_latent) for this layer."""
+        axis, layout, matmul = ring_axis(rules_in_force()), self.context_layout, self._matmul()
+        return dict(scale=scale, segment_ids=segment_ids, axis_name=axis, layout=layout, matmul=matmul)
+
     def _matmul(self):
         dtype = jnp.dtype(self.cfg.dtype)
         return functools.partial(block_einsum, fp8=self.cfg.fp8, dtype=dtype, grad_dtype=self.grad_dtype)
@@ -152,6 +158,8 @@ class LatentAttention(Attention):
             k, v = self.expand(cache.k, cache.v)
             mask = cache.causal_mask(q.shape[1])
             out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), mask=mask, scale=scale)
+        elif cfg.mla.ring_latent and self.context_layout is not None:  # the ring passes latents
+            out = latent_ring(q, latent, k_rope, self.wkv_b[...], **self._latent_ring(segment_ids, scale))
         else:
             k, v = self.expand(latent, k_rope)
             k = constrain(k, ("batch", "seq", "heads", None))

@@ -112,7 +112,7 @@ def permute_from_layout(x, *, context: int, layout: str, axis: int = 1):
 # kv_heads, d]; mask [b, q_len, k_len] bool; lse and delta [b, q_len, kv_heads, group] float32.
 
 
-def _mask(q_pos, k_pos, q_seg, k_seg, causal, window=None):
+def ring_mask(q_pos, k_pos, q_seg, k_seg, causal, window=None):
     """Same segment and, if causal, key position not after query position; with `window`, the
     key among the query's `window` latest positions."""
     mask = q_seg[:, :, None] == k_seg[:, None, :]
@@ -164,7 +164,7 @@ def _merge(out_a, lse_a, out_b, lse_b):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Ring:
+class Ring:
     """Static settings of one ring (hashable: a custom_vjp nondiff argument)."""
 
     mesh: jax.sharding.Mesh
@@ -270,7 +270,7 @@ def _forward_shard(ring, q, k, v, seg, pos):
         k_chunks, v_chunks, k_segs, k_pos = map(ring.split, kv)
 
         def update(a, b, acc):  # acc: (out, lse) so far, per query chunk
-            mask = _mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal, ring.window)
+            mask = ring_mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal, ring.window)
             block = _block_forward(q_chunks[a], k_chunks[b], v_chunks[b], mask, scale)
             return acc[:a] + (_merge(*acc[a], *block),) + acc[a + 1 :]
 
@@ -301,7 +301,7 @@ def _backward_shard(ring, q, k, v, seg, pos, out, lse, dout):
         k_chunks, v_chunks, k_segs, k_pos = map(ring.split, kv)
 
         def update(a, b, grads):  # grads: chunks of dq (stays home), dk and dv (travel)
-            mask = _mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal, ring.window)
+            mask = ring_mask(q_pos[a], k_pos[b], q_segs[a], k_segs[b], ring.causal, ring.window)
             dq_ab, dk_ab, dv_ab = _block_backward(
                 q_chunks[a],
                 k_chunks[b],
@@ -429,7 +429,7 @@ def _ring_backward(ring, specs, residuals, dout):
 _ring_attention.defvjp(_ring_forward, _ring_backward)
 
 
-def _resolve_mesh(mesh):
+def resolve_mesh(mesh):
     """``mesh``, or the mesh of JAX's context (``jax.set_mesh``) when it is None."""
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
@@ -480,7 +480,7 @@ def ring_attention_permuted(
     equal to the size of the mesh ... Please enter your `jit` into a mesh context via
     `jax.set_mesh`". Under ``jax.jit`` no mesh context is needed.
     """
-    mesh = _resolve_mesh(mesh)
+    mesh = resolve_mesh(mesh)
     context = _context(q, k, mesh, axis_name, layout)
     if segment_ids is None:  # one segment; [1, seq] broadcasts over the batch
         segment_ids = jnp.zeros((1, q.shape[1]), jnp.int32)
@@ -488,7 +488,7 @@ def ring_attention_permuted(
     if window is not None and not causal:
         raise ValueError("a sliding window needs causal=True")
     shifts = None if window is None else needed_shifts(q.shape[1], context, layout, window)
-    ring = _Ring(mesh, axis_name, bool(causal), LAYOUT_CHUNKS[layout], window, shifts)
+    ring = Ring(mesh, axis_name, bool(causal), LAYOUT_CHUNKS[layout], window, shifts)
     q_spec = _explicit_spec(q)
     specs = _Specs(q_spec[0], q_spec[2], axis_name)
     return _ring_attention(ring, specs, q, k, v, segment_ids.astype(jnp.int32), positions)
@@ -503,7 +503,7 @@ def ring_attention(
     permutes the inputs into ``layout``, runs the ring, permutes the output back. Equals
     ``jax.nn.dot_product_attention(q, k, v, is_causal=causal)`` (with a segment mask).
     """
-    mesh = _resolve_mesh(mesh)
+    mesh = resolve_mesh(mesh)
     context = _context(q, k, mesh, axis_name, layout)
     to_layout = functools.partial(permute_to_layout, context=context, layout=layout)
     if segment_ids is not None:
