@@ -134,7 +134,6 @@ FILE_SECONDS = {
     "test_latent_ring.py": 50,  # new since that run: measured alone
     "test_docs.py": 0,
     "test_house.py": 0,
-    "test_latent_ring.py": 0,
     "test_maxtext_compare.py": 0,
     "test_mixture.py": 0,
     "test_plan_deepseek.py": 0,
