@@ -99,6 +99,26 @@ def test_round_trip_is_bit_exact(saved):
     checkpointer.close()
 
 
+def test_a_replicated_state_is_written_whole_from_one_replica(saved, tmp_path, monkeypatch):
+    """On data=8 every array of the state is replicated 8 times. Orbax's replica-parallel save
+    (its default off GPU and TPU env names) would cut each into 8 slices on 8 devices, a compiled
+    slice program per shape, before writing; jaxpar's handler writes each whole from its first
+    replica (`checkpoint._whole_array_saves`), and the round trip stays bit-exact."""
+    _, trainer, _ = saved
+    sliced = []
+    slice_in_dim = jax.lax.slice_in_dim
+    monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: sliced.append(a) or slice_in_dim(*a, **k))
+    directory = str(tmp_path / "checkpoints")
+    checkpointer = Checkpointer(directory, every=1)
+    state = random_state(trainer, seed=7)
+    host = jax.tree.map(np.asarray, state)
+    assert checkpointer.save(1, state, {"next_index": 0})
+    checkpointer.close()
+    assert not sliced, f"{len(sliced)} replica slices cut for the save"
+    restored, _, _ = Checkpointer(directory).restore(trainer.state_shape, trainer.state_shardings)
+    assert_equal_trees(restored, host)
+
+
 @pytest.mark.parametrize(
     "mesh", [{"fsdp": 4, "tensor": 2}, {"fsdp": 2, "tensor": 2}], ids=["fsdp4_tensor2", "4_devices"]
 )
