@@ -101,9 +101,9 @@ def test_round_trip_is_bit_exact(saved):
 
 def test_a_replicated_state_is_written_whole_from_one_replica(saved, tmp_path, monkeypatch):
     """On data=8 every array of the state is replicated 8 times. Orbax's replica-parallel save
-    (its default off GPU and TPU env names) would cut each into 8 slices on 8 devices, a compiled
-    slice program per shape, before writing; jaxpar's handler writes each whole from its first
-    replica (`checkpoint._whole_array_saves`), and the round trip stays bit-exact."""
+    (its default unless JAX_PLATFORMS names a GPU) cuts each into 8 slices on 8 devices, a
+    compiled slice program per shape, before writing (288 cuts here); jaxpar's handler writes each
+    whole from replica 0 (`checkpoint._whole_array_saves`), and the round trip stays bit-exact."""
     _, trainer, _ = saved
     sliced = []
     slice_in_dim = jax.lax.slice_in_dim

@@ -204,15 +204,16 @@ def _shape_problems(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[s
 
 
 def _whole_array_saves() -> None:
-    """Orbax's jax.Array handler, made to write each replicated array from one replica (its
-    primary) instead of splitting the write among the replicas (`use_replica_parallel`). That
-    split is for TPU pods, where it spreads the writes over the hosts' links; orbax itself turns it
-    off on GPUs, but only when JAX_PLATFORMS names them. Elsewhere it copies a slice of every
-    replicated array off each replica, one compiled slice program per array shape: a 4-step tiny
-    run with two saves (CPU) took 9.1-9.7 s with it, 6.8-7.8 s without. Kept on TPU and in
-    runs of several processes (where it spreads the writes over the hosts). The handler is
-    process-wide (orbax's registry), registered once, and otherwise orbax's default (its array
-    metadata store). Should a later orbax move what this needs, its default stays."""
+    """Orbax's jax.Array handler, made to write each replicated array whole from replica 0
+    instead of splitting its write among the replicas (`use_replica_parallel`). Orbax keeps that
+    split on by default, and turns it off itself on GPUs, but only where JAX_PLATFORMS names
+    them. In one process it copies a slice of every replicated array off each replica first, one
+    compiled slice program per array shape: a 4-step tiny run with two saves (CPU) took 9.1-9.7 s
+    with it, 6.8-7.8 s without. Left on on TPU, and in runs of several processes, whose
+    checkpoints tests/test_multiprocess.py checks with it (turned off there, a two-process run
+    failed on a missing ocdbt.process_1 directory). The handler is process-wide (orbax's
+    registry), registered once, and otherwise orbax's default (its array metadata store). Should
+    a later orbax move what this needs, its default stays."""
     if _WHOLE_ARRAY_SAVES or jax.process_count() > 1 or jax.devices()[0].platform == "tpu":
         return
     try:
