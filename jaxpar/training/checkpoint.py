@@ -35,6 +35,7 @@ system path (not a gs:// URL).
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -203,6 +204,7 @@ def _shape_problems(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[s
 # --- The checkpointer -------------------------------------------------------------------------
 
 
+@functools.cache
 def _whole_array_saves() -> None:
     """Orbax's jax.Array handler, made to write each replicated array whole from replica 0
     instead of splitting its write among the replicas (`use_replica_parallel`). Orbax keeps that
@@ -212,9 +214,9 @@ def _whole_array_saves() -> None:
     with it, 6.8-7.8 s without. Left on on TPU, and in runs of several processes, whose
     checkpoints tests/test_multiprocess.py checks with it (turned off there, a two-process run
     failed on a missing ocdbt.process_1 directory). The handler is process-wide (orbax's
-    registry), registered once, and otherwise orbax's default (its array metadata store). Should
-    a later orbax move what this needs, its default stays."""
-    if _WHOLE_ARRAY_SAVES or jax.process_count() > 1 or jax.devices()[0].platform == "tpu":
+    registry), registered once (functools.cache), and otherwise orbax's default (its array
+    metadata store). Should a later orbax move what this needs, its default stays."""
+    if jax.process_count() > 1 or jax.devices()[0].platform == "tpu":
         return
     try:
         from orbax.checkpoint._src.metadata.array_metadata_store import Store
@@ -229,10 +231,6 @@ def _whole_array_saves() -> None:
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
     finally:
         absl.setLevel(level)
-    _WHOLE_ARRAY_SAVES.append(handler)
-
-
-_WHOLE_ARRAY_SAVES: list = []  # the handler, once registered
 
 
 class Checkpointer:
