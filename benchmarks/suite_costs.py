@@ -131,7 +131,10 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_sessionfinish(session):
     if _recorder is not None:
-        _recorder.write(os.environ.get("PYTEST_XDIST_WORKER", "main"))
+        # xdist gives a worker its id in `workerinput`; not from PYTEST_XDIST_WORKER, which a
+        # pytest run started inside a worker (as the plugin's own test does) inherits.
+        workerinput = getattr(session.config, "workerinput", None)
+        _recorder.write(workerinput["workerid"] if workerinput else "main")
 
 
 # --- The report --------------------------------------------------------------------------------
