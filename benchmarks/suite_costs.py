@@ -4,14 +4,15 @@ cost, and a report of those records.
     .venv/bin/python -m pytest -q -n 2 --dist loadfile -p benchmarks.suite_costs --suite-costs /tmp/costs
     .venv/bin/python -m benchmarks.suite_costs /tmp/costs
 
-For every test (its setup, call and teardown together, as pytest's --durations counts them) the
-plugin records its wall time; the CPU time of its own process and of the processes it started
-and waited for (getrusage: a child still running when the test ends, such as a notebook kernel
-shut down later, counts towards a later test or none); and what JAX did in the test's process:
-the programs XLA compiled and their seconds, the programs loaded from the persistent compilation
-cache, and the seconds spent tracing and lowering. Each pytest process (the xdist controller and
-each worker) writes `<dir>/<worker>.json` when its session ends; the report adds them up. Compiles
-inside the processes a test starts are in their CPU time, not in the compile columns.
+For every test (its setup, call and teardown together; a module fixture's setup counts towards
+the first test that uses it) the plugin records its wall time; the CPU time of its own process
+and of the processes it started and waited for (getrusage: a child still running when the test
+ends, such as a notebook kernel shut down later, counts towards a later test or none); and what
+JAX did in the test's process: the programs XLA compiled and their seconds, the programs loaded
+from the persistent compilation cache, and the seconds spent tracing and lowering. Each pytest
+process (the xdist controller and each worker) writes `<dir>/<worker>.json` when its session
+ends; the report adds them up. Compiles inside the processes a test starts are in their CPU
+time, not in the compile columns.
 
 On 2 cores the suite is CPU-bound, so its wall time is about its CPU time over 2: the CPU column
 says which files to make cheaper, and the compile, trace and child columns say how.
